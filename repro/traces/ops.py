@@ -39,17 +39,25 @@ def split_trace(
     Requests are shuffled with `rng` (default seed 0) before cutting; each part keeps the original request
     order so arrival order survives.
     """
+    profile, evaluate = split_indices(trace.num_requests, profile_fraction, rng)
+    return select_requests(trace, profile), select_requests(trace, evaluate)
+
+
+def split_indices(
+    num_requests: int, profile_fraction: float = 0.2, rng: np.random.Generator | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """(profile int[R_p], evaluate int[R - R_p]) sorted request indices of a seeded random split."""
     if not 0.0 < profile_fraction < 1.0:
         raise TraceError(f"profile_fraction must be in (0, 1), got {profile_fraction}.")
-    r = trace.num_requests
-    n_profile = int(round(profile_fraction * r))
-    if n_profile < 1 or n_profile >= r:
+    n_profile = int(round(profile_fraction * num_requests))
+    if n_profile < 1 or n_profile >= num_requests:
         raise TraceError(
-            f"a {profile_fraction:.0%} profile split of {r} requests leaves one side empty; use more requests."
+            f"a {profile_fraction:.0%} profile split of {num_requests} requests leaves one side empty; "
+            "use more requests."
         )
     rng = np.random.default_rng(0) if rng is None else rng
-    perm = rng.permutation(r)
-    return select_requests(trace, np.sort(perm[:n_profile])), select_requests(trace, np.sort(perm[n_profile:]))
+    perm = rng.permutation(num_requests)
+    return np.sort(perm[:n_profile]), np.sort(perm[n_profile:])
 
 
 def concat_traces(traces: list[RoutingTrace]) -> RoutingTrace:

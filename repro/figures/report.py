@@ -1,0 +1,187 @@
+"""Figures and figures/REPORT.md, read only from finished jobs under runs/.
+
+One function per figure; each takes the collected results and an output path and returns the path it wrote.
+A job counts when its metrics.json exists (written last by repro.run).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+import seaborn as sns  # noqa: E402
+
+from repro.errors import ReproError  # noqa: E402
+
+sns.set_theme(style="whitegrid", context="paper")
+
+
+def load_runs(runs_dir: str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(one row per finished job: summary + experiment + run_dir, one row per job and MoE layer)."""
+    rows, layers = [], []
+    for metrics in sorted(Path(runs_dir).rglob("metrics.json")):
+        if "cache" in metrics.relative_to(runs_dir).parts:
+            continue
+        data = json.loads(metrics.read_text())
+        cfg = data["config"]
+        row = dict(data["summary"])
+        row.update(
+            experiment=cfg.get("name", "adhoc"),
+            run_dir=str(metrics.parent),
+            devices=cfg["parallel"]["devices"],
+            attention=cfg["parallel"]["attention"],
+            workload=cfg["workload"]["name"],
+            eval_workload=(cfg.get("eval_workload") or cfg["workload"])["name"],
+            model_name=cfg["model"]["name"],
+        )
+        rows.append(row)
+        per_layer = metrics.parent / "per_layer.csv"
+        if per_layer.exists():
+            df = pd.read_csv(per_layer)
+            for key in ("experiment", "run_dir", "devices", "attention", "system", "eval_workload", "workload"):
+                df[key] = row[key]
+            layers.append(df)
+    if not rows:
+        raise ReproError(f"no finished runs under {runs_dir}; run `make reproduce` (or python -m repro.run) first.")
+    return pd.DataFrame(rows), pd.concat(layers, ignore_index=True) if layers else pd.DataFrame()
+
+
+def _save(fig, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=130, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def fig_per_layer(per_layer: pd.DataFrame, metric: str, path: Path) -> Path:
+    """`metric` per MoE layer, one panel per attention mode, one line per EP degree (and system)."""
+    modes = sorted(per_layer["attention"].unique())
+    fig, axes = plt.subplots(1, len(modes), figsize=(4.2 * len(modes), 3.2), squeeze=False, sharey=True)
+    multi_system = per_layer["system"].nunique() > 1
+    for ax, mode in zip(axes[0], modes, strict=True):
+        sns.lineplot(
+            data=per_layer[per_layer["attention"] == mode],
+            x="layer_id",
+            y=metric,
+            hue="devices",
+            style="system" if multi_system else None,
+            marker="o",
+            palette="viridis",
+            ax=ax,
+        )
+        ax.set_title(f"Attention-{mode.upper()}")
+        ax.set_xlabel("model layer")
+    axes[0][0].set_ylabel(metric.replace("_", " "))
+    return _save(fig, path)
+
+
+def fig_vs_ep(summary: pd.DataFrame, metric: str, path: Path) -> Path:
+    """Overall `metric` against EP degree, one panel per attention mode, one line per system."""
+    modes = sorted(summary["attention"].unique())
+    fig, axes = plt.subplots(1, len(modes), figsize=(4.2 * len(modes), 3.2), squeeze=False, sharey=True)
+    for ax, mode in zip(axes[0], modes, strict=True):
+        sns.lineplot(data=summary[summary["attention"] == mode], x="devices", y=metric, hue="system", marker="o", ax=ax)
+        if metric == "lar":
+            d = np.array(sorted(summary["devices"].unique()))
+            ax.plot(d, 1.0 / d, "k:", label="1/D (uniform)")
+            ax.legend()
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"Attention-{mode.upper()}")
+        ax.set_xlabel("EP degree D")
+    axes[0][0].set_ylabel(metric.replace("_", " "))
+    return _save(fig, path)
+
+
+def fig_traffic_heatmap(run_dir: Path, path: Path) -> Path:
+    """Dispatch bytes from each source device to each destination device, summed over MoE layers."""
+    traffic = np.load(Path(run_dir) / "traffic.npy").sum(axis=0)
+    fig, ax = plt.subplots(figsize=(4.2, 3.6))
+    sns.heatmap(traffic / 2**20, annot=traffic.shape[0] <= 8, fmt=".0f", cmap="rocket_r", ax=ax,
+                cbar_kws={"label": "MiB"})
+    ax.set_xlabel("destination device")
+    ax.set_ylabel("source device")
+    return _save(fig, path)
+
+
+def fig_activation_heatmap(run_dir: Path, path: Path) -> Path:
+    """Token x expert activation shares of the most frequent evaluated tokens, first and last MoE layer."""
+    with np.load(Path(run_dir) / "activation_map.npz", allow_pickle=False) as z:
+        counts, layer_ids = z["counts"], z["layer_ids"]
+    picks = sorted({0, len(layer_ids) - 1})
+    fig, axes = plt.subplots(1, len(picks), figsize=(4.2 * len(picks), 4.2), squeeze=False)
+    for ax, layer in zip(axes[0], picks, strict=True):
+        share = counts[layer] / np.maximum(counts[layer].sum(axis=1, keepdims=True), 1)
+        sns.heatmap(share, cmap="mako_r", vmin=0, vmax=share.max(), ax=ax, yticklabels=False)
+        ax.set_title(f"layer {layer_ids[layer]}")
+        ax.set_xlabel("expert")
+        ax.set_ylabel("64 most frequent tokens")
+    return _save(fig, path)
+
+
+def systems_table(summary: pd.DataFrame) -> str:
+    """Markdown table: LAR, a2a bytes, imbalance per system x EP degree x attention mode (x workloads)."""
+    cols = ["workload", "eval_workload", "attention", "devices", "system", "lar", "a2a_bytes",
+            "expert_load_imbalance_max_mean", "token_imbalance_max_mean"]
+    cols = [c for c in cols if c in summary]
+    table = summary[cols].sort_values(cols[:5]).copy()
+    if "a2a_bytes" in table:
+        vanilla = table[table["system"] == "ep"].set_index(["workload", "eval_workload", "attention", "devices"])["lar"]
+        key = list(zip(table["workload"], table["eval_workload"], table["attention"], table["devices"], strict=True))
+        table["lar_vs_ep"] = [table["lar"].iloc[i] / vanilla.get(k, np.nan) for i, k in enumerate(key)]
+        table["a2a_bytes"] = table["a2a_bytes"].map(lambda b: f"{b / 2**20:.1f} MiB")
+    return markdown_table(table)
+
+
+def markdown_table(df: pd.DataFrame) -> str:
+    """A GitHub markdown table; floats with 4 decimals."""
+    def cell(v):
+        return f"{v:.4f}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(map(str, df.columns)) + " |", "|" + "---|" * len(df.columns)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in df.itertuples(index=False)]
+    return "\n".join(lines)
+
+
+def _config_block(run_dir: str) -> str:
+    cfg = json.loads((Path(run_dir) / "metrics.json").read_text())["config"]
+    keep = {k: cfg[k] for k in ("model", "workload", "system", "parallel", "seed", "profile_fraction") if k in cfg}
+    return "```json\n" + json.dumps(keep, indent=1) + "\n```"
+
+
+def write_report(runs_dir: str | Path, out_dir: str | Path) -> Path:
+    """Render every figure for every experiment found under runs_dir and write out_dir/REPORT.md."""
+    summary, per_layer = load_runs(runs_dir)
+    out_dir = Path(out_dir)
+    lines = ["# Report", "", f"Generated by `make figures` from `{runs_dir}/` ({len(summary)} finished jobs).", ""]
+    for experiment, runs in summary.groupby("experiment", sort=True):
+        layers = per_layer[per_layer["experiment"] == experiment] if len(per_layer) else per_layer
+        lines += [f"## Experiment `{experiment}`", ""]
+        swept = [c for c in ("system", "devices", "attention", "eval_workload") if runs[c].nunique() > 1]
+        lines += [f"{len(runs)} jobs; swept: {', '.join(swept) or 'nothing'}.", "", systems_table(runs), ""]
+        figs = []
+        if len(layers):
+            figs.append(("LAR per MoE layer", fig_per_layer(layers, "lar", out_dir / experiment / "lar_per_layer.png")))
+            figs.append(("All-to-all dispatch bytes per MoE layer",
+                         fig_per_layer(layers, "dispatch_bytes", out_dir / experiment / "bytes_per_layer.png")))
+        if runs["devices"].nunique() > 1:
+            figs.append(("LAR vs EP degree", fig_vs_ep(runs, "lar", out_dir / experiment / "lar_vs_ep.png")))
+            figs.append(("All-to-all bytes vs EP degree", fig_vs_ep(runs, "a2a_bytes", out_dir / experiment / "bytes_vs_ep.png")))
+        biggest = runs.sort_values(["devices", "attention"]).iloc[-1]
+        figs.append((f"Device x device traffic ({biggest['system']}, D={biggest['devices']}, {biggest['attention']})",
+                     fig_traffic_heatmap(Path(biggest["run_dir"]), out_dir / experiment / "traffic_heatmap.png")))
+        if (Path(biggest["run_dir"]) / "activation_map.npz").exists():
+            figs.append(("Token x expert activation map (evaluation split)",
+                         fig_activation_heatmap(Path(biggest["run_dir"]), out_dir / experiment / "activation_heatmap.png")))
+        for title, path in figs:
+            lines += [f"### {title}", "", f"![{title}]({path.relative_to(out_dir)})", ""]
+        lines += ["Config of the jobs (first job shown; swept keys vary):", "", _config_block(runs["run_dir"].iloc[0]), ""]
+    report = out_dir / "REPORT.md"
+    report.parent.mkdir(parents=True, exist_ok=True)
+    report.write_text("\n".join(lines))
+    return report

@@ -1,0 +1,52 @@
+"""Routing producers: who routes each token to which experts.
+
+`route_workload(model_cfg, requests, train_requests, ...)` dispatches on model_cfg["kind"]:
+  tiny   - the offline default: a small Mixtral-architecture MoE trained for CPU minutes (tiny_model.py)
+  hf     - any HF transformers MoE checkpoint or config, captured with router hooks (hf_capture.py)
+  replay - sampling from measured per-token expert tables of a real model (replay.py)
+Every producer returns a RoutingTrace over `requests` (in order); `train_requests` is the profile split, the only
+data a producer may learn from.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+from repro.errors import ConfigError
+from repro.traces import RoutingTrace
+from repro.workloads.request import Request
+
+PRODUCERS = {
+    "tiny": "repro.routing.tiny_model:route_with_tiny_model",
+    "hf": "repro.routing.hf_capture:route_with_hf_model",
+    "replay": "repro.routing.replay:route_with_replay",
+}
+
+
+def route_workload(
+    model_cfg: dict,
+    requests: list[Request],
+    train_requests: list[Request],
+    *,
+    cache_dir: Path,
+    seed: int,
+    dataset: str,
+    tokenizer: str,
+    vocab_size: int,
+) -> RoutingTrace:
+    kind = model_cfg.get("kind")
+    if kind not in PRODUCERS:
+        raise ConfigError(f"model.kind={kind!r} is not a routing producer; choose one of {sorted(PRODUCERS)}.")
+    module, fn = PRODUCERS[kind].split(":")
+    produce = getattr(importlib.import_module(module), fn)
+    return produce(
+        dict(model_cfg),
+        requests,
+        train_requests,
+        cache_dir=Path(cache_dir),
+        seed=seed,
+        dataset=dataset,
+        tokenizer=tokenizer,
+        vocab_size=vocab_size,
+    )
