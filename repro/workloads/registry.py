@@ -1,0 +1,235 @@
+"""Workload registry: dataset name -> loader, and the one pipeline that turns prompts into Requests.
+
+    load_workload(name, ...):
+        prompts  = WORKLOADS[name](source, path, split, label_field)    # ids, texts, labels (RawPrompts)
+        ids      = load_tokenizer(tokenizer).encode_batch(texts)       # real model tokenizer, no BOS; only
+                                                                       # the first 32 * max_prompt_len chars
+        keep     = len(ids) >= min_prompt_len                          # too-short prompts dropped
+        chosen   = sample_indices(labels[keep], num_requests, balanced, rng_sample)   # random order
+        ids      = ids[:max_prompt_len]                                # truncation keeps the head
+        outputs  = draw_output_lens(R, output_len, rng_output)         # fixed or uniform in [lo, hi]
+        arrivals = poisson_arrivals(R, request_rate, rng_arrival)      # exponential gaps, or all at t=0
+
+Randomness: `numpy.random.default_rng(seed).spawn(3)` gives one independent stream each to sampling, output
+lengths and arrivals, so changing e.g. `output_len` does not change which prompts are drawn or when they arrive.
+Requests come out in a seeded random order (their arrival order), never grouped by label: a stream sorted by
+MMLU subject would flatter any request scheduler that learns from recent requests.
+
+Shape letters: N = candidate prompts (after the length filter), L = distinct labels, R = requests drawn.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from repro.errors import ConfigError, WorkloadError
+from repro.workloads.arena_hard import load_arena_hard
+from repro.workloads.lmsys_chat import load_lmsys_chat
+from repro.workloads.mmlu import load_mmlu
+from repro.workloads.request import Request
+from repro.workloads.sharegpt import load_sharegpt
+from repro.workloads.sources import RawPrompts
+from repro.workloads.tokenizers import load_tokenizer
+
+# characters of text tokenized per kept token: English averages ~4 per token, code and runs of spaces or
+# dashes reach ~30; text past this budget cannot reach the first max_prompt_len tokens in practice
+MAX_CHARS_PER_TOKEN = 32
+
+# name -> loader(*, source, path, split, label_field, num_requests) -> RawPrompts
+WORKLOADS: dict[str, Callable[..., RawPrompts]] = {
+    "mmlu": load_mmlu,
+    "lmsys_chat": load_lmsys_chat,
+    "sharegpt": load_sharegpt,
+    "arena_hard": load_arena_hard,
+}
+
+
+@dataclass
+class Workload:
+    """The requests of one dataset, tokenized with one tokenizer, in arrival order."""
+
+    name: str
+    requests: list[Request]
+    tokenizer: str
+    vocab_size: int
+    config: dict = field(default_factory=dict)  # the load_workload arguments, for run metadata
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    @property
+    def labels(self) -> list[str]:
+        """Class label of each request, list of R."""
+        return [request.label for request in self.requests]
+
+
+def balanced_quotas(label_counts: np.ndarray, total: int, rng: np.random.Generator) -> np.ndarray:
+    """How many prompts to take from each label so the counts are as equal as the supply allows.
+
+    label_counts int[L] >= 0: prompts available per label; 0 <= total <= label_counts.sum().
+    Returns quota int64[L] with quota <= label_counts, quota.sum() == total, and (water-filling) every label
+    gets min(count, level) or level + 1 for one level; the labels that get the +1 are drawn with `rng`.
+    """
+    counts = np.asarray(label_counts, dtype=np.int64)
+    num_labels = len(counts)
+    if total < 0 or total > counts.sum():
+        raise WorkloadError(f"cannot take {total} prompts from labels holding {int(counts.sum())} in all.")
+    if total == 0:
+        return np.zeros(num_labels, dtype=np.int64)
+    ascending = np.sort(counts)
+    taken_before = np.concatenate([[0], np.cumsum(ascending)[:-1]])  # prompts in the labels smaller than i
+    # total taken if every label were filled up to level ascending[i]
+    filled_at = taken_before + ascending * (num_labels - np.arange(num_labels))
+    whole = int(np.searchsorted(filled_at, total, side="right"))  # the `whole` smallest labels are taken entirely
+    if whole == num_labels:
+        return counts.copy()
+    level = (total - int(taken_before[whole])) // (num_labels - whole)
+    quota = np.minimum(counts, level)
+    open_labels = np.flatnonzero(counts > level)  # at least num_labels - whole labels, more than the remainder
+    quota[rng.choice(open_labels, size=total - int(quota.sum()), replace=False)] += 1
+    return quota
+
+
+def sample_indices(label_codes: np.ndarray, num_requests: int | None, balanced: bool,
+                   rng: np.random.Generator) -> np.ndarray:
+    """Indices of the prompts to serve, in a random (arrival) order.
+
+    label_codes int[N] in [0, L): each candidate's label. num_requests None = all (balanced: the smallest
+    label's count from every label). Returns int64[R], distinct, R = num_requests (or as described for None).
+    Raises WorkloadError when more requests are asked for than there are candidates.
+    """
+    codes = np.asarray(label_codes, dtype=np.int64)
+    num_candidates = len(codes)
+    if num_requests is not None and num_requests > num_candidates:
+        raise WorkloadError(f"asked for num_requests={num_requests} but only {num_candidates} prompts remain after "
+                            "filtering; lower num_requests, set it to null for all, or relax min/max_prompt_len.")
+    if not balanced:
+        return rng.permutation(num_candidates)[: num_candidates if num_requests is None else num_requests]
+    label_counts = np.bincount(codes)
+    if num_requests is None:
+        quota = np.minimum(label_counts, label_counts[label_counts > 0].min())
+    else:
+        quota = balanced_quotas(label_counts, num_requests, rng)
+    # a random rank within each label; the first quota[label] ranks are taken
+    order = np.lexsort((rng.random(num_candidates), codes))
+    sorted_codes = codes[order]
+    rank_in_label = np.arange(num_candidates) - np.searchsorted(sorted_codes, sorted_codes, side="left")
+    chosen = order[rank_in_label < quota[sorted_codes]]
+    return rng.permutation(chosen)
+
+
+def draw_output_lens(num_requests: int, output_len: int | tuple[int, int], rng: np.random.Generator) -> np.ndarray:
+    """Tokens each request generates: int32[R], all `output_len`, or uniform on [lo, hi] (both inclusive)."""
+    if isinstance(output_len, numbers.Integral):
+        return np.full(num_requests, int(output_len), dtype=np.int32)
+    low, high = (int(v) for v in output_len)
+    return rng.integers(low, high, size=num_requests, endpoint=True).astype(np.int32)
+
+
+def poisson_arrivals(num_requests: int, request_rate: float, rng: np.random.Generator) -> np.ndarray:
+    """Arrival time in seconds of each request: float64[R], non-decreasing.
+
+    request_rate > 0: a Poisson process (i.i.d. exponential gaps of mean 1/rate, the first gap from t=0), so
+    R / arrivals[-1] -> request_rate. request_rate == 0: every request arrives at t=0 (an offline batch).
+    """
+    if request_rate == 0:
+        return np.zeros(num_requests, dtype=np.float64)
+    return np.cumsum(rng.exponential(1.0 / request_rate, size=num_requests))
+
+
+def _check_arguments(name, num_requests, max_prompt_len, min_prompt_len, output_len, request_rate, seed) -> None:
+    if name not in WORKLOADS:
+        raise ConfigError(f"unknown workload {name!r}; choose one of {sorted(WORKLOADS)}.")
+
+    def positive_int(value, what):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ConfigError(f"workload {what} must be an integer >= 1, got {value!r}.")
+
+    if num_requests is not None:
+        positive_int(num_requests, "num_requests")
+    positive_int(max_prompt_len, "max_prompt_len")
+    positive_int(min_prompt_len, "min_prompt_len")
+    if min_prompt_len > max_prompt_len:
+        raise ConfigError(f"workload min_prompt_len={min_prompt_len} exceeds max_prompt_len={max_prompt_len}; "
+                          "lower min_prompt_len or raise max_prompt_len.")
+    is_int = lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool)  # noqa: E731
+    if is_int(output_len):
+        valid = output_len >= 0
+    else:
+        valid = (isinstance(output_len, Sequence) and not isinstance(output_len, str) and len(output_len) == 2
+                 and all(is_int(v) for v in output_len) and 0 <= output_len[0] <= output_len[1])
+    if not valid:
+        raise ConfigError(f"workload output_len must be an integer >= 0 or a range [lo, hi] with 0 <= lo <= hi, "
+                          f"got {output_len!r}.")
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
+        raise ConfigError(f"workload seed must be an integer >= 0, got {seed!r}.")
+    if (isinstance(request_rate, bool) or not isinstance(request_rate, numbers.Real)
+            or not math.isfinite(request_rate) or request_rate < 0):
+        raise ConfigError(f"workload request_rate must be a finite number >= 0 (requests/s; 0 = all at t=0), "
+                          f"got {request_rate!r}.")
+
+
+def _unique_ids(ids: list[str]) -> list[str]:
+    """Ids made unique: a repeated id gets '#<k>' for its k-th occurrence (real ShareGPT dumps repeat a few)."""
+    repeats = Counter(ids)
+    if len(repeats) == len(ids):
+        return ids
+    seen: Counter = Counter()
+    unique = []
+    for request_id in ids:
+        unique.append(f"{request_id}#{seen[request_id]}" if repeats[request_id] > 1 else request_id)
+        seen[request_id] += 1
+    return unique
+
+
+def load_workload(name: str, *, tokenizer: str = "mixtral", num_requests: int | None = None,
+                  max_prompt_len: int = 1024, min_prompt_len: int = 1, balanced: bool = False,
+                  seed: int = 0, output_len: int | tuple[int, int] = 0, request_rate: float = 0.0,
+                  source: str = "offline", path: str | None = None, split: str = "test",
+                  label_field: str | None = None) -> Workload:
+    """Load, tokenize, filter, sample and time one workload (see the module docstring for the steps).
+
+    Same arguments and seed give identical requests. Request.token_ids int32[S <= max_prompt_len] are the head
+    of the tokenized prompt; Request.text is the whole prompt text.
+    """
+    _check_arguments(name, num_requests, max_prompt_len, min_prompt_len, output_len, request_rate, seed)
+    prompts = WORKLOADS[name](source=source, path=path, split=split, label_field=label_field,
+                              num_requests=num_requests)
+    where = f"workload {name!r}" + (f" ({path})" if path else "")
+    if len(prompts) == 0:
+        raise WorkloadError(f"{where} has no prompts; check the file or the split.")
+    tok = load_tokenizer(tokenizer)
+    # Only the head survives truncation, so tokenize only a generous head of each text: long ShareGPT pastes
+    # (100k+ characters) would cost seconds each, and tiktoken can overflow its stack on them.
+    char_budget = MAX_CHARS_PER_TOKEN * max_prompt_len
+    encoded = tok.encode_batch([text[:char_budget] for text in prompts.texts])
+    prompt_lens = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
+    candidates = np.flatnonzero(prompt_lens >= min_prompt_len)  # int64[N]
+    if len(candidates) == 0:
+        raise WorkloadError(f"{where} is empty after filtering: none of its {len(prompts)} prompts has "
+                            f">= {min_prompt_len} tokens; lower min_prompt_len.")
+    _, label_codes = np.unique(np.asarray(prompts.labels, dtype=object)[candidates], return_inverse=True)
+
+    sample_rng, output_rng, arrival_rng = np.random.default_rng(seed).spawn(3)
+    chosen = candidates[sample_indices(label_codes, num_requests, balanced, sample_rng)]  # int64[R]
+    output_lens = draw_output_lens(len(chosen), output_len, output_rng)
+    arrivals = poisson_arrivals(len(chosen), float(request_rate), arrival_rng)
+
+    ids = _unique_ids(prompts.ids)
+    requests = [
+        Request(id=ids[i], dataset=name, label=prompts.labels[i],
+                token_ids=np.asarray(encoded[i][:max_prompt_len], dtype=np.int32),
+                output_len=int(out), arrival_time=float(t), text=prompts.texts[i])
+        for i, out, t in zip(chosen.tolist(), output_lens, arrivals, strict=True)
+    ]
+    config = dict(name=name, tokenizer=tokenizer, num_requests=num_requests, max_prompt_len=max_prompt_len,
+                  min_prompt_len=min_prompt_len, balanced=balanced, seed=seed,
+                  output_len=output_len if isinstance(output_len, numbers.Integral) else [int(v) for v in output_len],
+                  request_rate=float(request_rate), source=source, path=path, split=split, label_field=label_field)
+    return Workload(name=name, requests=requests, tokenizer=tokenizer, vocab_size=tok.vocab_size, config=config)
