@@ -65,3 +65,28 @@ def test_ep_degree_must_divide_experts(tmp_path, cache):
     assert res.returncode == 2
     assert "does not divide" in res.stderr and "Traceback" not in res.stderr
     assert not (tmp_path / "job" / "metrics.json").exists()
+
+
+@pytest.mark.slow
+def test_sweep_then_figures(tmp_path, cache):
+    """A two-job multirun lands under one sweep dir; the report renders from runs/ alone."""
+    env = dict(os.environ, WANDB_MODE="disabled", REPRO_CACHE=str(cache))
+    res = subprocess.run(
+        [sys.executable, "-m", "repro.run", "-m", "experiment=smoke", "logger=none", "parallel.devices=2,4",
+         f"hydra.sweep.dir={tmp_path / 'runs' / 'smoke'}"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    jobs = sorted(p.parent.name for p in (tmp_path / "runs").rglob("metrics.json"))
+    assert jobs == ["parallel.devices=2", "parallel.devices=4"]
+    from repro.figures import load_runs, write_report
+
+    summary, per_layer = load_runs(tmp_path / "runs")
+    assert sorted(summary["devices"]) == [2, 4]
+    # vanilla EP on learned routing: LAR stays near 1/D (contiguous placement ignores affinity)
+    assert len(per_layer) == 2 * summary["num_layers"].iloc[0]
+    report = write_report(tmp_path / "runs", tmp_path / "figures")
+    text = report.read_text()
+    for png in ("lar_per_layer.png", "lar_vs_ep.png", "traffic_heatmap.png", "activation_heatmap.png"):
+        assert png in text
+        assert (tmp_path / "figures" / "smoke" / png).stat().st_size > 1000
