@@ -83,7 +83,6 @@ def test_sweep_then_figures(tmp_path, cache):
 
     summary, per_layer = load_runs(tmp_path / "runs")
     assert sorted(summary["devices"]) == [2, 4]
-    # vanilla EP on learned routing: LAR stays near 1/D (contiguous placement ignores affinity)
     assert len(per_layer) == 2 * summary["num_layers"].iloc[0]
     report = write_report(tmp_path / "runs", tmp_path / "figures")
     text = report.read_text()
