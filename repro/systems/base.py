@@ -89,13 +89,15 @@ class Placement:
         """
         present = self.replicas() > 0  # [L, E, D]
         rng = np.random.default_rng(seed)
-        # random priority per (layer, source, expert, candidate device); the highest present candidate wins
-        priority = rng.random((self.num_layers, self.num_devices, self.num_experts, self.num_devices))
-        priority = np.where(present[:, None, :, :], priority, -1.0)
-        local = present.transpose(0, 2, 1)  # [L, D(source), E]
-        choice = np.argmax(priority, axis=3)
-        src = np.arange(self.num_devices)[None, :, None]
-        return np.where(local, src, choice)
+        src = np.arange(self.num_devices)[:, None]
+        out = np.empty((self.num_layers, self.num_devices, self.num_experts), dtype=np.int64)
+        for layer in range(self.num_layers):  # per layer keeps the D x E x D priorities small at DeepSeek scale
+            # random priority per (source, expert, candidate device); the highest present candidate wins
+            priority = rng.random((self.num_devices, self.num_experts, self.num_devices), dtype=np.float32)
+            priority[:, ~present[layer]] = -1.0
+            local = present[layer].T  # [D(source), E]
+            out[layer] = np.where(local, src, np.argmax(priority, axis=2))
+        return out
 
     @classmethod
     def from_expert_device(cls, expert_device: np.ndarray, num_devices: int) -> "Placement":

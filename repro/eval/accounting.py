@@ -1,0 +1,457 @@
+"""Exact trace-driven accounting of a Plan: where every token->expert activation is served and what it costs.
+
+Legend: N tokens, L MoE layers, k experts per token (top-k slots), D devices (EP ranks), E logical experts per
+layer, R requests, T tokens in one Attention-TP step, h layers of routing history.
+
+Two steps:
+1. `home_devices(plan, trace)` asks the plan's online scheduler where each token lives before each MoE layer
+   (its attention device): per request once in Attention-DP, per step and layer in Attention-TP.
+2. `account(home, experts, dispatch_device, ...)` is the pure core: arrays in, counts out. Activation
+   (token n, layer l, slot j) is served on dest = dispatch_device[l, home[n, l], experts[n, l, j]]; it is local
+   when dest == home. A token travels once to each distinct remote destination (DeepEP deduplicates per rank),
+   so dispatch bytes count distinct (token, layer, remote dest) triples; combine is the mirror image.
+
+`evaluate(plan, trace)` runs both and summarises per layer and overall (LAR, bytes, traffic matrix, loads,
+imbalance). Everything is counted exactly with integer histograms (np.bincount over flattened keys), in token
+chunks small enough to stay in cache: no Python loop per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from repro.errors import ConfigError, ReproError, TraceError
+from repro.systems.base import Plan
+from repro.traces import RoutingTrace
+
+# token-layers per chunk in `account`. Each chunk costs ~k^2/2 numpy calls of fixed overhead, so chunks must be
+# large enough to amortise them, yet small enough for the int32 work arrays (k x chunk x 4 bytes) to stay in L2.
+# A sweep of 2^12..2^17 on the 2-core development machine put the optimum at 2^14 for both k=2 and k=8.
+CHUNK_EVENTS = 1 << 14
+
+PER_LAYER_COLUMNS = (
+    "layer",
+    "layer_id",
+    "lar",
+    "local_activations",
+    "remote_activations",
+    "total_activations",
+    "remote_token_copies",
+    "dispatch_bytes",
+    "combine_bytes",
+    "expert_load_imbalance_max_mean",
+    "expert_load_imbalance_max_median",
+    "token_imbalance_max_mean",
+)
+
+
+@dataclass(frozen=True)
+class LayerCounts:
+    """Exact per-layer counts from `account` (all int64).
+
+    activations[l, s, d]: token->expert activations whose token lives on device s and whose expert replica
+        is served on device d (all k slots, not deduplicated); the diagonal is the local activations.
+    token_copies[l, s, d]: distinct (token, destination) pairs, i.e. copies of a token that device s sends
+        to device d in the dispatch (the diagonal counts tokens that keep at least one activation at home).
+    bytes_per_token: what one token copy costs on the wire.
+    """
+
+    activations: np.ndarray  # int64[L, D, D]
+    token_copies: np.ndarray  # int64[L, D, D]
+    bytes_per_token: int
+    top_k: int
+
+    @property
+    def local_activations(self) -> np.ndarray:
+        """int64[L] activations served on the token's own device."""
+        return np.trace(self.activations, axis1=1, axis2=2)
+
+    @property
+    def total_activations(self) -> np.ndarray:
+        """int64[L] all activations (N x k per layer)."""
+        return self.activations.sum(axis=(1, 2))
+
+    @property
+    def remote_activations(self) -> np.ndarray:
+        """int64[L] activations served on another device (not deduplicated)."""
+        return self.total_activations - self.local_activations
+
+    @property
+    def remote_copies(self) -> np.ndarray:
+        """int64[L, D, D] token copies sent from s to d, zero on the diagonal (local copies travel nowhere)."""
+        off_diagonal = ~np.eye(self.activations.shape[1], dtype=bool)
+        return self.token_copies * off_diagonal
+
+    @property
+    def remote_token_copies(self) -> np.ndarray:
+        """int64[L] distinct (token, remote destination) pairs per layer."""
+        return self.remote_copies.sum(axis=(1, 2))
+
+    @property
+    def traffic(self) -> np.ndarray:
+        """int64[L, D, D] dispatch bytes from source device to destination device (combine is the transpose)."""
+        return self.remote_copies * self.bytes_per_token
+
+    @property
+    def expert_load(self) -> np.ndarray:
+        """int64[L, D] activations served by each device."""
+        return self.activations.sum(axis=1)
+
+    @property
+    def token_load(self) -> np.ndarray:
+        """int64[L, D] tokens whose home device is d (each token-layer contributes exactly k activations)."""
+        return self.activations.sum(axis=2) // self.top_k
+
+
+def account(
+    home: np.ndarray,
+    experts: np.ndarray,
+    dispatch_device: np.ndarray,
+    bytes_per_token: int,
+    num_devices: int,
+    *,
+    progress: bool = False,
+) -> LayerCounts:
+    """Count where every activation is served and which token copies cross devices.
+
+    home: int[N, L] device each token lives on before each MoE layer (a broadcast view is fine).
+    experts: int[N, L, k] logical expert ids (a memory-mapped trace array is fine: it is read in chunks).
+    dispatch_device: int[L, D, E] device that source device s sends expert e's tokens to
+        (`Placement.dispatch_device()`; with replicas it depends on the source).
+    Returns LayerCounts with activations and token_copies int64[L, D, D].
+    """
+    home, experts, dispatch_device = _check_account_inputs(
+        home, experts, dispatch_device, bytes_per_token, num_devices
+    )
+    num_tokens, num_layers, top_k = experts.shape
+    num_experts = dispatch_device.shape[2]
+    pairs = num_devices * num_devices
+    if num_layers * num_devices * max(2 * num_devices, num_experts) >= 2**31:
+        raise ConfigError(
+            f"{num_layers} layers x {num_devices} devices x {num_experts} experts overflow the int32 histogram "
+            "keys of account; evaluate fewer layers at a time (select a layer range of the trace)."
+        )
+    # every activation gets one histogram key: layer, "first copy to this device" flag, source, destination.
+    # The key without the flag is looked up from a [L, D, E] table, so replicated placements cost nothing extra.
+    layer_base = np.arange(num_layers)[:, None, None] * 2 * pairs
+    source_base = np.arange(num_devices)[None, :, None] * num_devices
+    key_table = (layer_base + source_base + dispatch_device).astype(np.int32).ravel()
+    layer_row = (np.arange(num_layers) * num_devices * num_experts).astype(np.int32)  # int32[L]
+    histogram = np.zeros(num_layers * 2 * pairs, dtype=np.int64)
+
+    chunk = max(16, CHUNK_EVENTS // num_layers)
+    starts = range(0, num_tokens, chunk)
+    if progress:
+        from tqdm import tqdm
+
+        starts = tqdm(starts, desc="accounting", unit="chunk")
+    for start in starts:
+        experts_nLk = np.asarray(experts[start : start + chunk])
+        _check_expert_range(experts_nLk, num_experts, start)
+        # row of (layer, home device) in the flattened key table
+        row_nL = home[start : start + chunk].astype(np.int32) * num_experts + layer_row
+        # slot-major [k, n, L] so that each slot's keys are contiguous for the duplicate test below
+        table_index_knL = np.empty((top_k, len(row_nL), num_layers), dtype=np.int32)
+        np.add(experts_nLk.transpose(2, 0, 1), row_nL, out=table_index_knL)
+        key_knL = np.take(key_table, table_index_knL)
+        # slot j is a first copy unless an earlier slot of the same token-layer already goes to that device;
+        # walk j downwards so the earlier slots still hold their unflagged keys when compared
+        for j in range(top_k - 1, 0, -1):
+            duplicate = key_knL[j] == key_knL[0]
+            for i in range(1, j):
+                duplicate |= key_knL[j] == key_knL[i]
+            key_knL[j] += ~duplicate * np.int32(pairs)
+        key_knL[0] += pairs
+        histogram += np.bincount(key_knL.ravel(), minlength=len(histogram))
+
+    histogram = histogram.reshape(num_layers, 2, num_devices, num_devices)
+    return LayerCounts(
+        activations=histogram.sum(axis=1),
+        token_copies=histogram[:, 1].copy(),
+        bytes_per_token=int(bytes_per_token),
+        top_k=int(top_k),
+    )
+
+
+def _check_account_inputs(home, experts, dispatch_device, bytes_per_token, num_devices):
+    if not isinstance(num_devices, int | np.integer) or num_devices < 1:
+        raise ConfigError(f"account needs num_devices >= 1, got {num_devices!r}.")
+    if not isinstance(bytes_per_token, int | np.integer) or bytes_per_token < 1:
+        raise ConfigError(f"account needs an integer bytes_per_token >= 1, got {bytes_per_token!r}.")
+    experts = np.asarray(experts)  # a memmap stays a view: nothing is read here
+    if experts.ndim != 3 or not np.issubdtype(experts.dtype, np.integer) or experts.shape[2] < 1:
+        raise TraceError(
+            f"experts must be an integer array [tokens, layers, top_k>=1], got {experts.dtype} {experts.shape}."
+        )
+    num_tokens, num_layers, _ = experts.shape
+    home = np.asarray(home)
+    if home.shape != (num_tokens, num_layers) or not np.issubdtype(home.dtype, np.integer):
+        raise ReproError(
+            f"home must be an integer array [tokens, layers] = {(num_tokens, num_layers)}, "
+            f"got {home.dtype} {home.shape}; build it with repro.eval.home_devices."
+        )
+    if home.size and (home.min() < 0 or home.max() >= num_devices):
+        raise ReproError(f"home names devices outside 0..{num_devices - 1}; check the plan's schedulers.")
+    dispatch_device = np.asarray(dispatch_device)
+    if dispatch_device.ndim != 3 or dispatch_device.shape[:2] != (num_layers, num_devices):
+        raise ConfigError(
+            f"dispatch_device must be [layers, devices, experts] with layers={num_layers} and "
+            f"devices={num_devices}, got {dispatch_device.shape}; use Placement.dispatch_device()."
+        )
+    if dispatch_device.size and (dispatch_device.min() < 0 or dispatch_device.max() >= num_devices):
+        raise ConfigError(f"dispatch_device names devices outside 0..{num_devices - 1}.")
+    return home, experts, dispatch_device
+
+
+def _check_expert_range(experts_nLk: np.ndarray, num_experts: int, start: int) -> None:
+    if experts_nLk.size and (experts_nLk.min() < 0 or experts_nLk.max() >= num_experts):
+        bad = np.argwhere((experts_nLk < 0) | (experts_nLk >= num_experts))[0]
+        raise TraceError(
+            f"expert id {int(experts_nLk[tuple(bad)])} at token {start + int(bad[0])}, layer {int(bad[1])} is "
+            f"outside the placement's 0..{num_experts - 1}; the trace and the plan disagree on the model."
+        )
+
+
+def home_devices(plan: Plan, trace: RoutingTrace, *, history: int = 2, progress: bool = False) -> np.ndarray:
+    """int16[N, L] the device each token lives on before each MoE layer, as the plan's schedulers decide.
+
+    Attention-DP: plan.reset(), then one plan.assign_requests call over all requests in trace order; every
+    token of request r lives on ranks[r] at every layer (returned as a read-only broadcast view).
+    Attention-TP: plan.reset(), then tokens in trace order in steps of parallel.tokens_per_step (the last one
+    shorter); per step and layer, plan.shuffle_tokens(token_ids, layer, prev_experts) with prev_experts the
+    true routing int16[T, h', k] of the h' = min(layer, history) previous layers (None when h' == 0). Plans with
+    `uses_true_routing = True` (oracle bounds) also get current_experts=int16[T, k] of this layer.
+    Whatever the plan returns is checked; a contract violation raises ReproError naming the plan class.
+    """
+    _check_plan_fits_trace(plan, trace)
+    if not isinstance(history, int | np.integer) or history < 0:
+        raise ConfigError(f"history must be an integer >= 0 (layers of routing the TP scheduler sees), got {history!r}.")
+    num_devices = plan.parallel.devices
+    plan.reset()
+    if plan.parallel.attention == "dp":
+        ranks = plan.assign_requests(
+            _read_only(trace.token_ids), _read_only(trace.offsets), _read_only(trace.prefill_len)
+        )
+        ranks = _check_ranks(plan, ranks, trace.num_requests, num_devices)
+        per_token = np.repeat(ranks.astype(np.int16), trace.lengths())
+        home = np.broadcast_to(per_token[:, None], (trace.num_tokens, trace.num_layers))
+        return home
+
+    home = np.empty((trace.num_tokens, trace.num_layers), dtype=np.int16)
+    step = plan.parallel.tokens_per_step
+    oracle = bool(getattr(plan, "uses_true_routing", False))
+    rank_ids = np.arange(num_devices, dtype=np.int16)
+    starts = range(0, trace.num_tokens, step)
+    if progress:
+        from tqdm import tqdm
+
+        starts = tqdm(starts, desc="TP token scheduling", unit="step")
+    for start in starts:
+        stop = min(start + step, trace.num_tokens)
+        # copies, read-only: a plan must not be able to change the routing the accounting then reads
+        token_ids = _read_only(np.array(trace.token_ids[start:stop]))
+        experts_tLk = _read_only(np.array(trace.experts[start:stop]))
+        for layer in range(trace.num_layers):
+            first = max(0, layer - history)
+            prev = experts_tLk[:, first:layer, :] if layer > first else None
+            extra = {"current_experts": experts_tLk[:, layer, :]} if oracle else {}
+            perm, counts = plan.shuffle_tokens(token_ids, layer, prev, **extra)
+            perm, counts = _check_shuffle(plan, perm, counts, stop - start, num_devices, start, layer)
+            # position j of the reduce-scatter output belongs to the rank whose slice contains j
+            home[start + perm, layer] = np.repeat(rank_ids, counts)
+    return home
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    view = np.asarray(a).view()
+    view.flags.writeable = False
+    return view
+
+
+def _check_plan_fits_trace(plan: Plan, trace: RoutingTrace) -> None:
+    placement = plan.placement
+    if placement.num_layers != trace.num_layers:
+        raise ConfigError(
+            f"{type(plan).__name__} was fitted for {placement.num_layers} MoE layers but the trace has "
+            f"{trace.num_layers}; fit the system on a trace of the same model."
+        )
+    if placement.num_experts != trace.meta.num_experts:
+        raise ConfigError(
+            f"{type(plan).__name__} places {placement.num_experts} experts per layer but the trace's model has "
+            f"{trace.meta.num_experts}; fit the system on a trace of the same model."
+        )
+    if placement.num_devices != plan.parallel.devices:
+        raise ConfigError(
+            f"{type(plan).__name__} places experts on {placement.num_devices} devices but its parallel config "
+            f"says {plan.parallel.devices}; build the plan with one ParallelConfig."
+        )
+    if trace.num_tokens == 0:
+        raise TraceError("the trace has no tokens; there is nothing to evaluate.")
+
+
+def _check_ranks(plan: Plan, ranks, num_requests: int, num_devices: int) -> np.ndarray:
+    name = type(plan).__name__
+    ranks = np.asarray(ranks)
+    if ranks.shape != (num_requests,) or not np.issubdtype(ranks.dtype, np.integer):
+        raise ReproError(
+            f"{name}.assign_requests returned {ranks.dtype} {ranks.shape}; it must return one integer DP rank "
+            f"per request, shape ({num_requests},)."
+        )
+    if ranks.size and (ranks.min() < 0 or ranks.max() >= num_devices):
+        bad = int(np.argmax((ranks < 0) | (ranks >= num_devices)))
+        raise ReproError(
+            f"{name}.assign_requests sent request {bad} to rank {int(ranks[bad])}; ranks must lie in "
+            f"0..{num_devices - 1}."
+        )
+    return ranks
+
+
+def _check_shuffle(plan: Plan, perm, counts, num_step_tokens: int, num_devices: int, start: int, layer: int):
+    where = f"{type(plan).__name__}.shuffle_tokens (step at token {start}, layer {layer})"
+    perm, counts = np.asarray(perm), np.asarray(counts)
+    if perm.shape != (num_step_tokens,) or not np.issubdtype(perm.dtype, np.integer):
+        raise ReproError(
+            f"{where} returned a permutation of {perm.dtype} {perm.shape}; it must be an integer permutation "
+            f"of range({num_step_tokens})."
+        )
+    perm = perm.astype(np.int64, copy=False)
+    if (
+        perm.min() < 0
+        or perm.max() >= num_step_tokens
+        or np.any(np.bincount(perm, minlength=num_step_tokens) != 1)
+    ):
+        raise ReproError(
+            f"{where} returned a permutation that repeats or misses tokens; every one of the "
+            f"{num_step_tokens} tokens must appear exactly once."
+        )
+    if counts.shape != (num_devices,) or not np.issubdtype(counts.dtype, np.integer):
+        raise ReproError(
+            f"{where} returned per-rank counts of {counts.dtype} {counts.shape}; it must return {num_devices} "
+            "integer slice sizes, one per rank."
+        )
+    if counts.sum() != num_step_tokens or counts.min() < 0 or counts.max() - counts.min() > 1:
+        raise ReproError(
+            f"{where} returned slice sizes {counts.tolist()}; a reduce-scatter needs non-negative sizes that "
+            f"sum to {num_step_tokens} and differ by at most one."
+        )
+    return perm, counts
+
+
+@dataclass
+class EvalResult:
+    """What one evaluation of a plan on a trace produced (see `evaluate`)."""
+
+    summary: dict  # overall scalars, see evaluate
+    per_layer: pd.DataFrame  # one row per MoE layer, columns PER_LAYER_COLUMNS
+    traffic: np.ndarray  # int64[L, D, D] dispatch bytes from source to destination device
+    expert_load: np.ndarray  # int64[L, D] activations served by each device
+    token_load: np.ndarray  # int64[L, D] tokens whose home (attention) device is d at layer l
+    activations: np.ndarray | None = None  # int64[L, D, D] activations from home device to serving device
+
+
+def evaluate(plan: Plan, trace: RoutingTrace, *, history: int = 2, progress: bool = False) -> EvalResult:
+    """Exact accounting of `plan` on `trace` in the plan's attention mode.
+
+    summary: lar, local_activations, remote_activations, total_activations, dispatch_bytes, combine_bytes,
+    a2a_bytes (dispatch + combine), dispatch_bytes_inter_node (crossing parallel.devices_per_node),
+    remote_token_copies, expert_load_imbalance_max_mean / _max_median and token_imbalance_max_mean (mean over
+    layers of the per-layer max/mean or max/median over devices; a max/median is inf when more than half the
+    devices get nothing) and the same with suffix _worst (max over layers), num_tokens, num_requests, num_layers,
+    devices, top_k, num_experts, num_slots, bytes_per_token, attention, history, and every scalar of plan.info
+    prefixed "plan_".
+    """
+    home_NL = home_devices(plan, trace, history=history, progress=progress)
+    counts = account(
+        home_NL,
+        trace.experts,
+        plan.placement.dispatch_device(),
+        plan.parallel.bytes_per_token,
+        plan.parallel.devices,
+        progress=progress,
+    )
+    return summarise(plan, trace, counts, history=history)
+
+
+def summarise(plan: Plan, trace: RoutingTrace, counts: LayerCounts, *, history: int = 2) -> EvalResult:
+    """Turn exact LayerCounts into per-layer rows and overall scalars (pure bookkeeping, no routing)."""
+    local = counts.local_activations
+    total = counts.total_activations
+    traffic = counts.traffic
+    dispatch_per_layer = traffic.sum(axis=(1, 2))
+    expert_load, token_load = counts.expert_load, counts.token_load
+    expert_max_mean = _max_over(expert_load, np.mean)
+    expert_max_median = _max_over(expert_load, np.median)
+    token_max_mean = _max_over(token_load, np.mean)
+    per_layer = pd.DataFrame(
+        {
+            "layer": np.arange(trace.num_layers),
+            "layer_id": np.asarray(trace.meta.layer_ids, dtype=np.int64),
+            "lar": local / total,
+            "local_activations": local,
+            "remote_activations": total - local,
+            "total_activations": total,
+            "remote_token_copies": counts.remote_token_copies,
+            "dispatch_bytes": dispatch_per_layer,
+            "combine_bytes": dispatch_per_layer,
+            "expert_load_imbalance_max_mean": expert_max_mean,
+            "expert_load_imbalance_max_median": expert_max_median,
+            "token_imbalance_max_mean": token_max_mean,
+        },
+        columns=list(PER_LAYER_COLUMNS),
+    )
+    node = np.arange(plan.parallel.devices) // plan.parallel.devices_per_node
+    inter_node = node[:, None] != node[None, :]
+    dispatch_bytes = int(dispatch_per_layer.sum())
+    summary: dict = {
+        "lar": float(local.sum() / total.sum()),
+        "local_activations": int(local.sum()),
+        "remote_activations": int((total - local).sum()),
+        "total_activations": int(total.sum()),
+        "dispatch_bytes": dispatch_bytes,
+        "combine_bytes": dispatch_bytes,
+        "a2a_bytes": 2 * dispatch_bytes,
+        "dispatch_bytes_inter_node": int(traffic[:, inter_node].sum()),
+        "remote_token_copies": int(counts.remote_token_copies.sum()),
+        "token_imbalance_max_mean": float(token_max_mean.mean()),
+        "token_imbalance_max_mean_worst": float(token_max_mean.max()),
+        "expert_load_imbalance_max_mean": float(expert_max_mean.mean()),
+        "expert_load_imbalance_max_mean_worst": float(expert_max_mean.max()),
+        "expert_load_imbalance_max_median": float(expert_max_median.mean()),
+        "expert_load_imbalance_max_median_worst": float(expert_max_median.max()),
+        "num_tokens": trace.num_tokens,
+        "num_requests": trace.num_requests,
+        "num_layers": trace.num_layers,
+        "devices": plan.parallel.devices,
+        "top_k": trace.meta.top_k,
+        "num_experts": plan.placement.num_experts,
+        "num_slots": plan.placement.num_slots,
+        "bytes_per_token": plan.parallel.bytes_per_token,
+        "attention": plan.parallel.attention,
+        "history": int(history),
+    }
+    for key, value in plan.info.items():
+        if isinstance(value, np.generic):
+            value = value.item()
+        if isinstance(value, bool | int | float | str):
+            summary[f"plan_{key}"] = value
+    return EvalResult(
+        summary=summary,
+        per_layer=per_layer,
+        traffic=traffic,
+        expert_load=expert_load,
+        token_load=token_load,
+        activations=counts.activations,
+    )
+
+
+def _max_over(load_LD: np.ndarray, centre) -> np.ndarray:
+    """float64[L] max over devices divided by centre (mean or median) over devices; inf when the centre is 0."""
+    peak = load_LD.max(axis=1).astype(np.float64)
+    middle = centre(load_LD, axis=1).astype(np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = peak / middle
+    # an empty layer is perfectly balanced; a zero median with a non-zero peak is unbounded imbalance
+    return np.where(peak == 0, 1.0, ratio)
