@@ -1,0 +1,52 @@
+"""Every config composes; config groups and the code's registries agree (lightning-hydra's test_configs)."""
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from repro.routing import PRODUCERS
+from repro.systems import REGISTRY
+from repro.workloads import WORKLOADS
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def compose_cfg(*overrides):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("config", overrides=list(overrides), return_hydra_config=True)
+
+
+@pytest.mark.parametrize("experiment", options("experiment"))
+def test_every_experiment_composes_and_its_sweep_names_existing_options(experiment):
+    cfg = compose_cfg(f"experiment={experiment}")
+    OmegaConf.resolve(cfg.model)
+    params = cfg.hydra.sweeper.params or {}
+    for key, values in params.items():
+        group = key.lstrip("+").split("@")[0]
+        if (CONF / group).is_dir():
+            for value in str(values).split(","):
+                assert value in options(group), f"{experiment}: {key}={value} is not an option of {group}/"
+
+
+def test_system_configs_match_the_registry():
+    assert options("system") == sorted(REGISTRY)
+    for name in options("system"):
+        assert compose_cfg(f"system={name}").system.name == name
+
+
+def test_workload_and_model_configs_name_real_loaders():
+    for name in options("workload"):
+        assert compose_cfg(f"workload={name}").workload.name in WORKLOADS
+    for name in options("model"):
+        assert compose_cfg(f"model={name}").model.kind in PRODUCERS
+
+
+def test_config_typo_is_rejected_by_strict_mode():
+    with pytest.raises(Exception, match="devcies"):
+        compose_cfg("parallel.devcies=4")
