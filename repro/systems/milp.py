@@ -1,0 +1,436 @@
+"""Exact MILPs on HiGHS: shared solver helpers, the co-clustering MILP and the `semmoe_exact` system.
+
+The paper's co-clustering objective (§2.2, per MoE layer) is
+
+    L = θ · Σ_i | Σ_j R_ij a_j − S/D |  +  (1−θ) · Σ_j a_j Σ_k C_p[j,k] · [cluster(k) ≠ cluster(j)]
+
+with R_ij = 1 when token j is in cluster i, C_ik = 1 when expert k is in cluster i, exactly N/D experts per
+cluster and S = Σ_j a_j. The paper solves it with a heuristic (repro.systems.semmoe); this module solves small
+instances exactly so the heuristic's optimality gap can be measured.
+
+Linearisation. Write w_jk = a_j C_p[j,k]. The remote term is Σ_jk w_jk − Σ_jk w_jk Σ_i R_ij C_ik.
+"product": for every pair (j,k) with w_jk > 0 and every cluster i a continuous z_ijk ∈ [0,1] with
+z_ijk ≤ R_ij and z_ijk ≤ C_ik stands for R_ij C_ik (the objective rewards large z, so these upper bounds are
+the whole standard linearisation), plus the cut Σ_k w_jk z_ijk ≤ W_j R_ij (W_j = sum of token j's N/D largest
+weights). "local" (default, smaller and measured faster): one continuous u_ij ∈ [0, W_j] per token and
+cluster with u_ij ≤ Σ_k w_jk C_ik and u_ij ≤ W_j R_ij, maximising Σ u_ij. Each absolute value gets a slack dev_i ≥ ±(Σ_j R_ij a_j − S/D).
+Symmetry breaking: clusters are interchangeable, so we label them by their smallest expert: expert k may only
+sit in clusters 0..k (expert 0 is fixed to cluster 0, expert 1 to cluster 0 or 1, ...). This removes all D!
+relabellings without cutting off any partition.
+
+Legend: t distinct profiled tokens, N experts per layer, D devices (= clusters), V solver variables,
+M constraint rows, L MoE layers, E experts per layer (= N), k experts per token.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import scipy.sparse as sp
+from scipy.optimize import Bounds, LinearConstraint, milp
+
+from repro.errors import ConfigError, SolverError
+from repro.parallel import ParallelConfig
+from repro.systems.base import Placement, Plan
+from repro.traces import RoutingTrace
+
+
+class SolverTimeLimitWarning(UserWarning):
+    """A MILP hit its time limit; the plan uses the best feasible answer and says so in plan.info."""
+
+
+@dataclass(frozen=True)
+class MilpResult:
+    """Best feasible point of a HiGHS solve.
+
+    x float[V]; objective includes the constant offset; status "optimal" (proved within mip_rel_gap) or
+    "time_limit" (best feasible answer at the limit); gap = (objective − dual bound) / |objective| (0 when the
+    objective is 0 and proved); seconds = wall time of the solve.
+    """
+
+    x: np.ndarray
+    objective: float
+    status: str
+    gap: float
+    seconds: float
+
+
+def solve_milp(
+    cost: np.ndarray,
+    constraints: list[LinearConstraint],
+    integrality: np.ndarray,
+    bounds: Bounds,
+    *,
+    time_limit: float,
+    mip_rel_gap: float,
+    what: str,
+    objective_offset: float = 0.0,
+) -> MilpResult:
+    """Minimise cost @ x + objective_offset with scipy.optimize.milp (HiGHS).
+
+    cost float[V]; integrality int[V] (1 = integer); `what` names the problem in messages. A time-out with a
+    feasible point warns (SolverTimeLimitWarning) and returns status "time_limit" with its gap; no feasible point
+    at all raises SolverError. Never returns a partial answer silently.
+    """
+    if not time_limit > 0:
+        raise ConfigError(f"{what}: time_limit must be > 0 seconds, got {time_limit}.")
+    if not mip_rel_gap >= 0:
+        raise ConfigError(f"{what}: mip_rel_gap must be >= 0, got {mip_rel_gap}.")
+    start = time.perf_counter()
+    res = milp(
+        cost,
+        constraints=constraints,
+        integrality=integrality,
+        bounds=bounds,
+        options={"time_limit": float(time_limit), "mip_rel_gap": float(mip_rel_gap), "disp": False},
+    )
+    seconds = time.perf_counter() - start
+    if res.x is None:
+        reason = "hit its time limit before finding any feasible answer" if res.status == 1 else res.message
+        raise SolverError(
+            f"{what}: HiGHS found no feasible solution ({reason}); raise time_limit or shrink the instance."
+        )
+    objective = float(res.fun) + objective_offset
+    bound = getattr(res, "mip_dual_bound", None)
+    bound = float(res.fun) if bound is None or not np.isfinite(bound) else float(bound)
+    gap = max(0.0, float(res.fun) - bound) / max(abs(objective), 1e-12)
+    if res.status == 0:
+        return MilpResult(res.x, objective, "optimal", gap, seconds)
+    warnings.warn(
+        f"{what}: HiGHS stopped at the {time_limit:g} s time limit ({res.message}); using the best feasible "
+        f"answer (objective {objective:.6g}, relative gap {gap:.2%}); raise time_limit for a proved optimum.",
+        SolverTimeLimitWarning,
+        stacklevel=2,
+    )
+    return MilpResult(res.x, objective, "time_limit", gap, seconds)
+
+
+def merge_status(results: list[MilpResult]) -> dict:
+    """plan.info entries for a sequence of solves: worst status, max gap, total seconds, summed objective."""
+    return {
+        "solver_status": "time_limit" if any(r.status == "time_limit" for r in results) else "optimal",
+        "solver_gap": max((r.gap for r in results), default=0.0),
+        "solver_seconds": float(sum(r.seconds for r in results)),
+        "solver_objective": float(sum(r.objective for r in results)),
+        "solver_time_limited_solves": int(sum(r.status == "time_limit" for r in results)),
+    }
+
+
+@dataclass(frozen=True)
+class CoclusterSolution:
+    """token_cluster int[t], expert_cluster int[N]; objective = the paper's L; status/gap/seconds as MilpResult."""
+
+    token_cluster: np.ndarray
+    expert_cluster: np.ndarray
+    objective: float
+    status: str
+    gap: float
+    seconds: float
+
+
+def coclustering_num_variables(confidence: np.ndarray, num_devices: int) -> int:
+    """V of the default ("local") co-clustering MILP: R (t·D) + C (N·D) + dev (D) + u (t·D)."""
+    num_tokens, num_experts = confidence.shape
+    return (2 * num_tokens + num_experts + 1) * num_devices
+
+
+def solve_coclustering_milp(
+    confidence: np.ndarray,
+    frequency: np.ndarray,
+    num_devices: int,
+    theta: float,
+    time_limit: float = 60,
+    mip_rel_gap: float = 1e-4,
+    formulation: str = "local",
+) -> CoclusterSolution:
+    """Exact balanced token–expert co-clustering of one layer (the paper's L, see the module docstring).
+
+    confidence float[t, N] = C_p (Pr(expert | token); rows need not sum to 1); frequency float[t] = a_j;
+    num_devices D divides N. Returns the optimal (or, at the time limit, best feasible) clusters.
+    formulation "local" (default): one continuous u_ij per token and cluster bounded by the cluster's local
+    weight and by W_j R_ij; "product": the pairwise product linearisation z_ijk (module docstring) plus the
+    W_j cut. Both are exact; "local" is smaller.
+    """
+    if formulation not in ("local", "product"):
+        raise ConfigError(f"formulation must be 'local' or 'product', got {formulation!r}.")
+    confidence = np.asarray(confidence, dtype=np.float64)
+    frequency = np.asarray(frequency, dtype=np.float64)
+    _check_coclustering_instance(confidence, frequency, num_devices, theta)
+    num_tokens, num_experts = confidence.shape
+    D = num_devices
+    # variable blocks: R[j, i] | C[k, i] | dev[i] | z[p, i] for the nonzero pairs p = (j_p, k_p), or u[j, i]
+    pair_token, pair_expert = np.nonzero(confidence > 0)
+    pair_weight = frequency[pair_token] * confidence[pair_token, pair_expert]  # w_p, float[nnz]
+    num_pairs = len(pair_token)
+    r0, c0 = 0, num_tokens * D
+    d0 = c0 + num_experts * D
+    z0 = d0 + D
+    num_vars = z0 + (num_pairs if formulation == "product" else num_tokens) * D
+    cluster = np.arange(D)
+
+    cost = np.zeros(num_vars)
+    cost[d0:z0] = theta
+    # maximise local weight: z per pair weighted by w_p ("product"), or u per token already in weight units
+    cost[z0:] = -(1 - theta) * (np.repeat(pair_weight, D) if formulation == "product" else 1.0)
+    offset = (1 - theta) * float(pair_weight.sum())
+
+    rows = []  # (row indices, column indices, values, lower, upper) blocks of the constraint matrix
+
+    def block(row_idx, col_idx, vals, lo, hi):
+        rows.append((np.asarray(row_idx), np.asarray(col_idx), np.asarray(vals, dtype=np.float64),
+                     np.asarray(lo, dtype=np.float64), np.asarray(hi, dtype=np.float64)))
+
+    n_row = 0
+    # each token in exactly one cluster: Σ_i R[j, i] = 1
+    block(n_row + np.repeat(np.arange(num_tokens), D), r0 + np.arange(num_tokens * D), np.ones(num_tokens * D),
+          np.ones(num_tokens), np.ones(num_tokens))
+    n_row += num_tokens
+    # each expert in exactly one cluster: Σ_i C[k, i] = 1
+    block(n_row + np.repeat(np.arange(num_experts), D), c0 + np.arange(num_experts * D), np.ones(num_experts * D),
+          np.ones(num_experts), np.ones(num_experts))
+    n_row += num_experts
+    # exactly N/D experts per cluster: Σ_k C[k, i] = N/D
+    size = num_experts // D
+    block(n_row + np.tile(cluster, num_experts), c0 + np.arange(num_experts * D), np.ones(num_experts * D),
+          np.full(D, size), np.full(D, size))
+    n_row += D
+    # dev_i ≥ ±(load_i − S/D): dev_i − load_i ≥ −S/D and dev_i + load_i ≥ S/D
+    share = frequency.sum() / D
+    for sign in (-1.0, 1.0):
+        block(np.concatenate([n_row + cluster, n_row + np.tile(cluster, num_tokens)]),
+              np.concatenate([d0 + cluster, r0 + np.arange(num_tokens * D)]),
+              np.concatenate([np.ones(D), sign * np.repeat(frequency, D)]),
+              np.full(D, sign * share), np.full(D, np.inf))
+        n_row += D
+    weight_table = np.zeros((num_tokens, num_experts))
+    weight_table[pair_token, pair_expert] = pair_weight
+    # W_j: a cluster holds N/D experts, so token j's local weight is at most its N/D largest weights
+    top_weight = -np.sort(-weight_table, axis=1)[:, :size].sum(axis=1)  # float[t]
+    if formulation == "product":
+        # z[p, i] ≤ R[j_p, i] and z[p, i] ≤ C[k_p, i]
+        z_cols = z0 + np.arange(num_pairs * D)
+        for other in (r0 + np.repeat(pair_token, D) * D + np.tile(cluster, num_pairs),
+                      c0 + np.repeat(pair_expert, D) * D + np.tile(cluster, num_pairs)):
+            n = num_pairs * D
+            block(np.concatenate([n_row + np.arange(n)] * 2), np.concatenate([z_cols, other]),
+                  np.concatenate([np.ones(n), -np.ones(n)]), np.full(n, -np.inf), np.zeros(n))
+            n_row += n
+        # valid cut that tightens the LP relaxation: Σ_k w_jk z[(j,k), i] ≤ W_j R[j, i]
+        n = num_tokens * D
+        block(np.concatenate([n_row + np.repeat(pair_token, D) * D + np.tile(cluster, num_pairs), n_row + np.arange(n)]),
+              np.concatenate([z_cols, r0 + np.arange(n)]),
+              np.concatenate([np.repeat(pair_weight, D), -np.repeat(top_weight, D)]),
+              np.full(n, -np.inf), np.zeros(n))
+        n_row += n
+    else:
+        # u[j, i] ≤ Σ_k w_jk C[k, i] (local weight if j sits in i) and u[j, i] ≤ W_j R[j, i] (only where j sits)
+        n = num_tokens * D
+        u_cols = z0 + np.arange(n)
+        block(np.concatenate([n_row + np.arange(n), n_row + np.repeat(pair_token, D) * D + np.tile(cluster, num_pairs)]),
+              np.concatenate([u_cols, c0 + np.repeat(pair_expert, D) * D + np.tile(cluster, num_pairs)]),
+              np.concatenate([np.ones(n), -np.repeat(pair_weight, D)]), np.full(n, -np.inf), np.zeros(n))
+        n_row += n
+        block(np.concatenate([n_row + np.arange(n)] * 2), np.concatenate([u_cols, r0 + np.arange(n)]),
+              np.concatenate([np.ones(n), -np.repeat(top_weight, D)]), np.full(n, -np.inf), np.zeros(n))
+        n_row += n
+
+    matrix = sp.csr_array(
+        (np.concatenate([b[2] for b in rows]), (np.concatenate([b[0] for b in rows]), np.concatenate([b[1] for b in rows]))),
+        shape=(n_row, num_vars),
+    )
+    lower = np.concatenate([b[3] for b in rows])
+    upper = np.concatenate([b[4] for b in rows])
+
+    integrality = np.zeros(num_vars, dtype=np.int8)
+    integrality[:d0] = 1
+    ub = np.ones(num_vars)
+    ub[d0:z0] = np.inf
+    if formulation == "local":
+        ub[z0:] = np.repeat(top_weight, D)  # u is in weight units, not a 0/1 product
+    # symmetry breaking: expert k only in clusters 0..k (clusters labelled by their smallest expert)
+    expert_upper = ub[c0:d0].reshape(num_experts, D)
+    expert_upper[cluster[None, :] > np.arange(num_experts)[:, None]] = 0.0
+    result = solve_milp(
+        cost,
+        [LinearConstraint(matrix, lower, upper)],
+        integrality,
+        Bounds(np.zeros(num_vars), ub),
+        time_limit=time_limit,
+        mip_rel_gap=mip_rel_gap,
+        what=f"co-clustering MILP (t={num_tokens} tokens, N={num_experts} experts, D={D})",
+        objective_offset=offset,
+    )
+    token_cluster = np.argmax(result.x[r0:c0].reshape(num_tokens, D), axis=1)
+    expert_cluster = np.argmax(result.x[c0:d0].reshape(num_experts, D), axis=1)
+    return CoclusterSolution(token_cluster, expert_cluster, result.objective, result.status, result.gap, result.seconds)
+
+
+def _check_coclustering_instance(confidence, frequency, num_devices, theta) -> None:
+    if confidence.ndim != 2 or confidence.shape[0] < 1 or confidence.shape[1] < 1:
+        raise ConfigError(f"confidence must be a non-empty 2-D [tokens, experts] table, got shape {confidence.shape}.")
+    num_tokens, num_experts = confidence.shape
+    if frequency.shape != (num_tokens,):
+        raise ConfigError(f"frequency has shape {frequency.shape}; confidence says ({num_tokens},) one per token.")
+    if not (np.all(np.isfinite(confidence)) and np.all(confidence >= 0)):
+        raise ConfigError("confidence has negative or non-finite entries; it must hold probabilities >= 0.")
+    if not (np.all(np.isfinite(frequency)) and np.all(frequency >= 0)):
+        raise ConfigError("frequency has negative or non-finite entries; it must hold token counts >= 0.")
+    if num_devices < 1 or num_devices > num_experts:
+        raise ConfigError(
+            f"num_devices={num_devices} must be between 1 and the {num_experts} experts per layer; use fewer devices."
+        )
+    if num_experts % num_devices:
+        raise ConfigError(f"num_devices={num_devices} does not divide the {num_experts} experts; choose a divisor.")
+    if not 0.0 < theta < 1.0:
+        raise ConfigError(f"theta must be in (0, 1), got {theta}.")
+
+
+# ----------------------------------------------------------------------------------------------- the system
+
+
+def layer_token_table(
+    profile: RoutingTrace, layer: int, max_tokens: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Token→expert statistics of one MoE layer for the `max_tokens` most frequent token ids.
+
+    Returns (token_vocab int[t] ids sorted by descending frequency, ties by id; confidence float[t, E] =
+    activations / (k · occurrences), rows summing to 1; frequency float[t] = occurrences a_j).
+    """
+    num_experts, top_k = profile.meta.num_experts, profile.meta.top_k
+    vocab, inverse, occurrences = np.unique(np.asarray(profile.token_ids), return_inverse=True, return_counts=True)
+    keep = np.lexsort((vocab, -occurrences))[:max_tokens]  # most frequent first
+    rank_of = np.full(len(vocab), -1, dtype=np.int64)
+    rank_of[keep] = np.arange(len(keep))
+    token_rank = rank_of[inverse]  # int[N], -1 for tokens outside the kept set
+    mask = token_rank >= 0
+    experts = np.asarray(profile.experts[:, layer, :], dtype=np.int64)[mask]  # [n_kept, k]
+    counts = np.bincount(
+        (np.repeat(token_rank[mask], top_k) * num_experts + experts.ravel()), minlength=len(keep) * num_experts
+    ).reshape(len(keep), num_experts)
+    frequency = occurrences[keep].astype(np.float64)
+    return vocab[keep], counts / (top_k * frequency[:, None]), frequency
+
+
+class SemMoEExact:
+    """Sem-MoE with the co-clustering solved exactly per layer (small instances only).
+
+    Per MoE layer: the `max_tokens` most frequent profile token ids enter the MILP (their confidence rows and
+    frequencies); the optimal expert clusters become the placement (exactly E/D experts per device). The online
+    side is the Sem-MoE plan built on that placement (repro.systems.semmoe), so the only difference to
+    `system=semmoe` is the offline solver. Raises ConfigError when a layer's MILP would exceed `max_variables`.
+    """
+
+    name = "semmoe_exact"
+
+    def __init__(
+        self,
+        theta: float = 0.5,
+        max_tokens: int = 24,
+        max_variables: int = 20_000,
+        time_limit: float = 60.0,
+        mip_rel_gap: float = 1e-4,
+        **semmoe_params,
+    ):
+        if not 0.0 < theta < 1.0:
+            raise ConfigError(f"system.params.theta must be in (0, 1), got {theta}.")
+        if max_tokens < 1:
+            raise ConfigError(f"system.params.max_tokens must be >= 1, got {max_tokens}.")
+        self.theta = theta
+        self.max_tokens = int(max_tokens)
+        self.max_variables = int(max_variables)
+        self.time_limit = float(time_limit)
+        self.mip_rel_gap = float(mip_rel_gap)
+        self.semmoe_params = semmoe_params
+
+    def solve_layers(self, profile: RoutingTrace, parallel: ParallelConfig) -> tuple[np.ndarray, list[CoclusterSolution]]:
+        """(expert_device int[L, E], one CoclusterSolution per layer)."""
+        num_experts = profile.meta.num_experts
+        parallel.check_experts(num_experts)
+        solutions = []
+        for layer in range(profile.num_layers):
+            _, confidence, frequency = layer_token_table(profile, layer, self.max_tokens)
+            if len(frequency) == 0:
+                raise ConfigError(f"the profile trace has no tokens; semmoe_exact needs profiled tokens in layer {layer}.")
+            num_vars = coclustering_num_variables(confidence, parallel.devices)
+            if num_vars > self.max_variables:
+                raise ConfigError(
+                    f"semmoe_exact: layer {layer} needs {num_vars} MILP variables (t={len(frequency)} tokens, "
+                    f"E={num_experts}, D={parallel.devices}), over the limit max_variables={self.max_variables}; "
+                    "lower system.params.max_tokens or use system=semmoe for instances this large."
+                )
+            solutions.append(
+                solve_coclustering_milp(confidence, frequency, parallel.devices, self.theta, self.time_limit, self.mip_rel_gap)
+            )
+        return np.stack([s.expert_cluster for s in solutions]), solutions
+
+    def fit(self, profile: RoutingTrace, parallel: ParallelConfig, rng: np.random.Generator) -> Plan:
+        expert_device, solutions = self.solve_layers(profile, parallel)
+        placement = Placement.from_expert_device(expert_device, parallel.devices)
+        info = {
+            "solver_status": "time_limit" if any(s.status == "time_limit" for s in solutions) else "optimal",
+            "solver_gap": max(s.gap for s in solutions),
+            "solver_seconds": float(sum(s.seconds for s in solutions)),
+            "solver_objective": float(sum(s.objective for s in solutions)),
+            "max_tokens": self.max_tokens,
+        }
+        return build_semmoe_plan(profile, parallel, placement, info, self.semmoe_params)
+
+
+def build_semmoe_plan(
+    profile: RoutingTrace, parallel: ParallelConfig, placement: Placement, info: dict, semmoe_params: dict
+) -> Plan:
+    """Sem-MoE's online tables (T, T_p, DP scores, Markov A/A_p) for a given placement -> SemMoEPlan.
+
+    Mirrors the table-building half of repro.systems.semmoe.SemMoE.fit (its placement half is what the MILP
+    replaces); semmoe_params may set lookback, dp_scoring, load_aware_lambda, prompt_only.
+    """
+    from repro.affinity.tables import (
+        check_markov_size,
+        device_markov_table,
+        device_mass,
+        encode_tokens,
+        layer_token_expert_counts,
+        profile_tokens,
+        vocab_row_map,
+        with_fallback_row,
+    )
+    from repro.systems.semmoe import DP_SCORINGS, SemMoEPlan, fold_dp_scores
+
+    params = {"lookback": 2, "dp_scoring": "confidence", "load_aware_lambda": 0.0, "dp_window": 1, "prompt_only": False}
+    unknown = set(semmoe_params) - set(params)
+    if unknown:
+        raise ConfigError(f"semmoe_exact does not know system.params {sorted(unknown)}; allowed: {sorted(params)} and its own.")
+    params.update(semmoe_params)
+    if params["dp_scoring"] not in DP_SCORINGS:
+        raise ConfigError(f"system.params.dp_scoring must be one of {DP_SCORINGS}, got {params['dp_scoring']!r}.")
+    check_markov_size(parallel.devices, int(params["lookback"]))
+    num_experts, num_devices = profile.meta.num_experts, parallel.devices
+    expert_device = placement.expert_device()
+    keep = profile_tokens(profile, bool(params["prompt_only"]))
+    token_vocab, token_row = encode_tokens(profile.token_ids[keep])
+    num_rows = len(token_vocab)
+    token_device = np.empty((profile.num_layers, num_rows + 1), dtype=np.int16)
+    token_confidence = np.empty((profile.num_layers, num_rows + 1), dtype=np.float32)
+    dp_score = np.zeros((num_rows + 1, num_devices), dtype=np.float32)
+    for layer in range(profile.num_layers):
+        counts = layer_token_expert_counts(token_row, profile.experts[keep, layer], num_rows, num_experts)
+        mass = device_mass(with_fallback_row(counts[None]), expert_device[layer : layer + 1], num_devices)[0]
+        token_device[layer] = np.argmax(mass, axis=1)
+        token_confidence[layer] = mass.max(axis=1)
+        dp_score += fold_dp_scores(mass, params["dp_scoring"])
+    markov_device = markov_confidence = None
+    if int(params["lookback"]) > 0:
+        markov_device, markov_confidence = device_markov_table(profile, expert_device, num_devices, int(params["lookback"]))
+    dp_score[num_rows] = 0.0  # an unseen token says nothing about where its request belongs
+    # keywords, filtered by SemMoEPlan's signature, keep this working while semmoe.py grows options
+    accepted = inspect.signature(SemMoEPlan).parameters
+    online = {name: value for name, value in params.items() if name in accepted}
+    return SemMoEPlan(
+        placement, parallel, token_vocab=token_vocab, row_of_token=vocab_row_map(token_vocab, profile.meta.vocab_size),
+        token_device=token_device, token_confidence=token_confidence, dp_score=dp_score,
+        markov_device=markov_device, markov_confidence=markov_confidence, info=info, **online,
+    )
