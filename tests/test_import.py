@@ -1,0 +1,228 @@
+"""Tabular trace importer: round trips in three formats, one test per validation error, the CLI."""
+
+import importlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from repro.errors import TraceError
+from repro.traces import TraceMeta, make_trace, read_trace
+from repro.traces.tabular import import_table, import_table_with_vocab
+
+cli = importlib.import_module("repro.traces.import")  # "import" is a keyword: no plain import statement
+
+
+def random_trace(rng, num_requests=5, layer_ids=(0, 7, 15), num_experts=8, top_k=2, with_weights=True):
+    lengths = rng.integers(1, 7, num_requests)
+    n = int(lengths.sum())
+    experts = np.argsort(rng.random((n, len(layer_ids), num_experts)), axis=2)[..., :top_k]
+    weights = rng.random((n, len(layer_ids), top_k)).astype(np.float16) if with_weights else None
+    meta = TraceMeta(model="m", num_experts=num_experts, top_k=top_k, layer_ids=layer_ids, vocab_size=1000)
+    return make_trace(
+        meta,
+        np.concatenate([[0], np.cumsum(lengths)]),
+        rng.integers(0, 1000, n),
+        experts,
+        request_ids=[f"r{i:03d}" for i in range(num_requests)],
+        request_labels=[f"class{i % 2}" for i in range(num_requests)],
+        weights=weights,
+    )
+
+
+def table_of(trace, rng, shuffle=True) -> pd.DataFrame:
+    """One row per (request, position, layer), rows shuffled so the importer has to sort."""
+    rows = []
+    for r in range(trace.num_requests):
+        for p in range(int(trace.lengths()[r])):
+            t = trace.offsets[r] + p
+            for li, layer in enumerate(trace.meta.layer_ids):
+                rows.append(
+                    dict(
+                        request_id=trace.request_ids[r],
+                        position=p,
+                        layer=layer,
+                        token_id=int(trace.token_ids[t]),
+                        experts=[int(e) for e in trace.experts[t, li]],
+                        label=trace.request_labels[r],
+                    )
+                )
+                if trace.weights is not None:
+                    rows[-1]["weights"] = [float(w) for w in trace.weights[t, li]]
+    df = pd.DataFrame(rows)
+    if shuffle:
+        # keep each request's first row first so the order of first appearance is the trace's request order
+        first = ~df.duplicated("request_id")
+        rest = df[~first].sample(frac=1.0, random_state=int(rng.integers(1 << 30)))
+        df = pd.concat([df[first], rest], ignore_index=True)
+    return df
+
+
+def write_table(df: pd.DataFrame, path: Path) -> Path:
+    if path.suffix == ".csv":
+        out = df.copy()
+        for col in ("experts", "weights"):
+            if col in out:
+                out[col] = out[col].map(json.dumps)
+        out.to_csv(path, index=False)
+    elif path.suffix == ".jsonl":
+        df.to_json(path, orient="records", lines=True)
+    else:
+        df.to_parquet(path, index=False)
+    return path
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".jsonl", ".parquet"])
+def test_round_trip_every_format(tmp_path, suffix):
+    rng = np.random.default_rng(1)
+    trace = random_trace(rng)
+    path = write_table(table_of(trace, rng), tmp_path / f"routing{suffix}")
+    got = import_table(path, num_experts=8, vocab_size=1000, model="m")
+    np.testing.assert_array_equal(got.offsets, trace.offsets)
+    np.testing.assert_array_equal(got.token_ids, trace.token_ids)
+    np.testing.assert_array_equal(got.experts, trace.experts)  # slot order kept, not sorted
+    np.testing.assert_array_equal(got.weights, trace.weights)  # float16 -> text/float64 -> float16 is exact
+    assert got.request_ids == trace.request_ids
+    assert got.request_labels == trace.request_labels
+    assert got.meta.layer_ids == (0, 7, 15) and got.meta.top_k == 2 and got.meta.num_experts == 8
+    assert got.meta.source == f"import:routing{suffix}" and got.meta.dataset == "routing"
+
+
+def test_defaults_are_inferred_and_recorded(tmp_path):
+    rng = np.random.default_rng(2)
+    trace = random_trace(rng, with_weights=False)
+    df = table_of(trace, rng).drop(columns=["label"])
+    got = import_table(write_table(df, tmp_path / "t.parquet"))
+    assert got.meta.num_experts == int(trace.experts.max()) + 1
+    assert got.meta.vocab_size == int(trace.token_ids.max()) + 1
+    assert got.meta.top_k == 2 and got.weights is None
+    assert got.meta.extra["inferred"] == ["num_experts", "vocab_size"]
+
+
+def test_surface_tokens_build_a_vocabulary_in_order_of_first_appearance(tmp_path):
+    rows = []
+    for request, words in [("a", ["the", "cat", "the"]), ("b", ["dog", ",", "cat"])]:
+        for p, w in enumerate(words):
+            for layer in (0, 1):
+                rows.append(dict(request_id=request, position=p, layer=layer, token=w, experts=[layer, 2 + p]))
+    trace, vocab = import_table_with_vocab(write_table(pd.DataFrame(rows), tmp_path / "t.csv"))
+    assert vocab == ["the", "cat", "dog", ","]
+    np.testing.assert_array_equal(trace.token_ids, [0, 1, 0, 2, 3, 1])
+    assert trace.meta.tokenizer == "vocab.json" and trace.meta.vocab_size == 4
+    np.testing.assert_array_equal(trace.experts[:, 1, 1], [2, 3, 4, 2, 3, 4])
+
+
+def test_csv_request_ids_stay_text(tmp_path):
+    rows = [dict(request_id="007", position=0, layer=0, token_id=5, experts=[1, 0])]
+    trace = import_table(write_table(pd.DataFrame(rows), tmp_path / "t.csv"))
+    assert trace.request_ids == ("007",)
+
+
+# ---- validation: one test per error, each naming the first bad row -------------------------------------------
+
+def small_table() -> pd.DataFrame:
+    """2 requests x 2 positions x 2 layers; file order = (request, position, layer)."""
+    rows = []
+    for request in ("a", "b"):
+        for p in range(2):
+            for layer in (0, 3):
+                rows.append(dict(request_id=request, position=p, layer=layer, token_id=10 + p,
+                                 experts=[p, 2 + layer], label=f"L{request}"))
+    return pd.DataFrame(rows)
+
+
+def import_error(tmp_path, df, suffix=".csv", **options) -> str:
+    path = write_table(df, tmp_path / f"bad{suffix}")
+    with pytest.raises(TraceError) as e:
+        import_table(path, **options)
+    return str(e.value)
+
+
+@pytest.mark.parametrize(
+    "mutate, row, words",
+    [
+        (lambda df: df.drop(index=5), 4, "lacks layer(s) [3]"),  # b/0: layer 3 gone; its first row is row 4
+        (lambda df: df.assign(layer=df.layer.where(df.index != 7, 0)), 7, "layer 0 appears twice"),
+        (lambda df: df.assign(position=df.position.where(df.index < 6, 2)), 6, "position 1 of the request is missing"),
+        (lambda df: df.assign(position=df.position.where(df.request_id != "b", df.position + 1)), 4, "start at 1, not 0"),
+        (lambda df: df.assign(experts=[e if i != 3 else [1, 2, 3] for i, e in enumerate(df.experts)]), 3, "has 3 entries"),
+        (lambda df: df.assign(experts=[e if i != 2 else [4, 4] for i, e in enumerate(df.experts)]), 2, "repeats an expert"),
+        (lambda df: df.assign(experts=[e if i != 1 else [-1, 2] for i, e in enumerate(df.experts)]), 1, "negative expert id"),
+        (lambda df: df.assign(token_id=df.token_id.where(df.index != 7, 99)), 7, "has token 99"),
+        (lambda df: df.assign(label=df.label.where(df.index != 6, "other")), 6, "one label per request"),
+        (lambda df: df.assign(position=df.position.where(df.index != 2, -1)), 2, "is negative"),
+    ],
+    ids=["missing-layer", "duplicate-layer", "gap", "not-from-zero", "k-differs", "repeated-expert",
+         "negative-expert", "token-differs", "label-differs", "negative-position"],
+)
+@pytest.mark.parametrize("suffix", [".csv", ".jsonl", ".parquet"])
+def test_each_error_names_the_first_bad_row(tmp_path, suffix, mutate, row, words):
+    df = mutate(small_table())
+    message = import_error(tmp_path, df.reset_index(drop=True), suffix=suffix)
+    where = {".csv": f"line {row + 2}", ".jsonl": f"line {row + 1}", ".parquet": f"row {row + 1}"}[suffix]
+    assert f"{where}:" in message and words in message, message
+
+
+def test_the_earliest_of_several_problems_is_reported(tmp_path):
+    df = small_table()
+    df.loc[6, "experts"] = [1, 1]  # row-level problem, late
+    df.loc[1, "token_id"] = 42  # structural problem, early
+    assert "line 3:" in import_error(tmp_path, df)
+
+
+def test_malformed_csv_list_names_its_line(tmp_path):
+    df = small_table()
+    df["experts"] = df["experts"].map(json.dumps)
+    df.loc[3, "experts"] = "[1; 2]"
+    path = tmp_path / "t.csv"
+    df.to_csv(path, index=False)
+    with pytest.raises(TraceError, match=r"line 5: experts '\[1; 2\]' is not a JSON list"):
+        import_table(path)
+
+
+def test_expert_id_beyond_num_experts(tmp_path):
+    assert "line 3: experts [0, 5] has an expert id not below 4 (--num-experts)" in import_error(
+        tmp_path, small_table(), num_experts=4
+    )
+
+
+def test_csv_line_numbers_count_quoted_newlines(tmp_path):
+    df = small_table()
+    df["experts"] = df["experts"].map(json.dumps)
+    df.loc[0:3, "label"] = "La\nmulti-line"  # rows 0-3 each span two lines (a quoted newline): lines 2-9
+    df.loc[5, "experts"] = "[2, 2]"  # row 4 is line 10, row 5 line 11
+    path = tmp_path / "t.csv"
+    df.to_csv(path, index=False)
+    with pytest.raises(TraceError, match="line 11: experts"):
+        import_table(path)
+
+
+def test_missing_column_and_unknown_suffix(tmp_path):
+    assert "no experts column 'experts'" in import_error(tmp_path, small_table().drop(columns=["experts"]))
+    path = tmp_path / "t.txt"
+    path.write_text("x")
+    with pytest.raises(TraceError, match="--format"):
+        import_table(path)
+
+
+# ---- the command line --------------------------------------------------------------------------------------
+
+def test_cli_writes_a_readable_trace_and_vocab(tmp_path, capsys):
+    rows = [dict(request_id="q", position=p, layer=0, token=w, experts=[p, 3]) for p, w in enumerate(["hi", "there"])]
+    src = write_table(pd.DataFrame(rows), tmp_path / "in.jsonl")
+    assert cli.main([str(src), "--out", str(tmp_path / "trace"), "--model", "mixtral"]) == 0
+    trace = read_trace(tmp_path / "trace")
+    assert trace.meta.model == "mixtral" and trace.num_tokens == 2
+    assert json.loads((tmp_path / "trace" / "vocab.json").read_text()) == ["hi", "there"]
+    assert "using 4 from the data" in capsys.readouterr().err  # num_experts inferred: said so
+
+
+def test_cli_bad_input_exits_2_with_one_sentence_and_writes_nothing(tmp_path, capsys):
+    df = small_table().drop(index=5)
+    src = write_table(df, tmp_path / "in.csv")
+    assert cli.main([str(src), "--out", str(tmp_path / "trace")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "line 6:" in err and "Traceback" not in err
+    assert not (tmp_path / "trace").exists()

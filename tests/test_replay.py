@@ -1,0 +1,249 @@
+"""Replay routing: exact inclusion probabilities, slot order, table loading, the router, and real-data shares."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+from repro.errors import ConfigError, TraceError
+from repro.routing.replay import (
+    ReplayTables,
+    cap_inclusion,
+    load_replay_tables,
+    route_with_replay,
+    sample_routing,
+    systematic_sample,
+)
+from repro.workloads.request import Request
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def hand_tables(inclusion_LtE, popularity_LE, vocab=(10, 20), top_k=2) -> ReplayTables:
+    inclusion = np.asarray(inclusion_LtE, dtype=np.float32)
+    return ReplayTables(
+        model="hand",
+        num_experts=inclusion.shape[2],
+        top_k=top_k,
+        layer_ids=tuple(range(inclusion.shape[0])),
+        token_vocab=np.asarray(vocab, dtype=np.int32),
+        inclusion=inclusion,
+        popularity=np.asarray(popularity_LE, dtype=np.float32),
+        token_count=np.full(inclusion.shape[:2], 100, dtype=np.int64),
+    )
+
+
+def write_npz(path: Path, entries, expert_count, layers=(0, 7, 15), num_experts=4, top_k=2) -> Path:
+    """entries: (layer index, token, expert, count) tuples in the olmoe-routing COO layout."""
+    e = np.asarray(entries, dtype=np.int32).reshape(-1, 4)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(
+        path,
+        layers=np.asarray(layers, dtype=np.int32),
+        num_experts=np.int64(num_experts),
+        top_k=np.int64(top_k),
+        tte_layer=e[:, 0], tte_token=e[:, 1], tte_expert=e[:, 2], tte_count=e[:, 3],
+        expert_count=np.asarray(expert_count, dtype=np.int64),
+        expert_count_top1=np.asarray(expert_count, dtype=np.int64) // 2,
+        cross_count=np.zeros((len(layers) - 1, num_experts, num_experts), dtype=np.int64),
+    )
+    return path
+
+
+# ---- the sampling scheme -----------------------------------------------------------------------------------
+
+def test_cap_inclusion_hand_cases():
+    p = cap_inclusion([[1.2, 0.4, 0.4, 0.0], [0.5, 0.5, 0.5, 0.5], [3.0, 1.0, 0.0, 0.0], [2.0, 0.0, 0.0, 0.0]], 2)
+    np.testing.assert_allclose(p[0], [1.0, 0.5, 0.5, 0.0])  # clip at 1, the others carry the rest in proportion
+    np.testing.assert_allclose(p[1], [0.5, 0.5, 0.5, 0.5])  # valid rows are untouched
+    np.testing.assert_allclose(p[2], [1.0, 1.0, 0.0, 0.0])
+    np.testing.assert_allclose(p[3], [1.0, 1 / 3, 1 / 3, 1 / 3])  # fewer than k possible experts: spread evenly
+    with pytest.raises(TraceError, match="non-negative"):
+        cap_inclusion([[-0.1, 2.1]], 2)
+
+
+def test_systematic_sampling_inclusion_is_exact_over_a_grid_of_uniforms():
+    # with u on a fine even grid, the share of u that picks expert e must equal p[e] up to the grid step
+    p = np.array([0.9, 0.05, 0.3, 0.0, 0.75, 1.0, 0.0, 0.0])  # sums to 3
+    grid = (np.arange(100_000) + 0.5) / 100_000
+    positions_kN, ok = systematic_sample(np.repeat(p[:, None], len(grid), axis=1), grid, top_k=3)
+    positions = positions_kN.T
+    assert ok.all()
+    assert (np.diff(positions, axis=1) > 0).all()  # 3 distinct experts per draw, ascending
+    freq = np.bincount(positions.ravel(), minlength=len(p)) / len(grid)
+    np.testing.assert_allclose(freq, p, atol=2e-5)
+
+
+def test_sampled_inclusion_matches_the_table_and_slot_zero_is_most_likely():
+    table = hand_tables(
+        [[[1.0, 0.5, 0.3, 0.2, 0.0, 0.0], [0.1, 0.1, 0.1, 0.1, 0.8, 0.8]]],
+        [[0.0, 0.0, 0.0, 0.0, 1.0, 1.0]],
+    )
+    n = 200_000
+    experts = sample_routing(table, np.repeat([10, 20], n), np.random.default_rng(0))
+    assert experts.shape == (2 * n, 1, 2) and experts.dtype == np.int16
+    assert (experts[:, 0, 0] != experts[:, 0, 1]).all()
+    for i, p in enumerate(table.inclusion[0]):
+        draws = experts[i * n : (i + 1) * n, 0]
+        freq = np.bincount(draws.ravel(), minlength=6) / n
+        # 5 binomial standard deviations at n = 200k is at most 0.0056
+        np.testing.assert_allclose(freq, p, atol=0.0056)
+        assert (p[draws[:, 0]] >= p[draws[:, 1]]).all()  # slot 0 holds the more likely expert
+    first = experts[:n, 0]
+    assert (first[:, 0] == 0).all()  # p = 1: always drawn, always slot 0
+    assert not np.isin(first, [4, 5]).any()  # p = 0: never drawn
+    # ties (0.8, 0.8) go to the lower expert id in slot 0
+    both = (experts[n:, 0, 0] == 4) & (experts[n:, 0, 1] == 5)
+    assert both.any() and not ((experts[n:, 0, 0] == 5) & (experts[n:, 0, 1] == 4)).any()
+
+
+def test_unseen_tokens_replay_from_popularity():
+    table = hand_tables([[[1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 0.0, 0.0]]], [[0.0, 0.0, 1.0, 1.0]])
+    experts = sample_routing(table, np.array([10, 11, 5, 99999, 20]), np.random.default_rng(0))
+    np.testing.assert_array_equal(experts[:, 0], [[0, 1], [2, 3], [2, 3], [2, 3], [0, 1]])
+
+
+def test_random_layout_draws_every_pair():
+    # a fixed expert order would only ever draw {0, 2} and {1, 3} here
+    table = hand_tables([[[0.5, 0.5, 0.5, 0.5]]], [[0.5, 0.5, 0.5, 0.5]], vocab=(1,))
+    experts = sample_routing(table, np.ones(20_000, dtype=np.int64), np.random.default_rng(0))[:, 0]
+    pairs = set(map(tuple, np.sort(experts, axis=1).tolist()))
+    assert pairs == {(0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3)}
+
+
+def test_same_seed_same_routing_and_layers_differ():
+    table = hand_tables(
+        [[[0.5, 0.5, 0.5, 0.5], [0.2, 0.6, 0.6, 0.6]], [[0.5, 0.5, 0.5, 0.5], [0.2, 0.6, 0.6, 0.6]]],
+        [[0.5] * 4, [0.5] * 4],
+    )
+    tokens = np.tile([10, 20], 500)
+    a = sample_routing(table, tokens, np.random.default_rng(7))
+    b = sample_routing(table, tokens, np.random.default_rng(7))
+    np.testing.assert_array_equal(a, b)
+    assert (a[:, 0] != a[:, 1]).any()  # layers are drawn independently
+    assert sample_routing(table, np.zeros(0, dtype=np.int64), np.random.default_rng(0)).shape == (0, 2, 2)
+
+
+# ---- loading tables --------------------------------------------------------------------------------------------
+
+def test_load_tables_hand_made_and_merged(tmp_path):
+    # token 5: 4 occurrences; layer 0 experts (0,1) x3 and (0,2) x1 -> counts 4,3,1 -> p = 1, .75, .25
+    entries = [(0, 5, 0, 4), (0, 5, 1, 3), (0, 5, 2, 1), (1, 5, 3, 4), (1, 5, 2, 4), (2, 5, 1, 4), (2, 5, 0, 4),
+               (0, 9, 3, 1), (0, 9, 2, 1), (1, 9, 0, 1), (1, 9, 1, 1), (2, 9, 2, 1), (2, 9, 3, 1)]
+    expert_count = [[4, 3, 2, 1], [1, 1, 4, 4], [4, 4, 1, 1]]
+    a = write_npz(tmp_path / "modelx" / "a.npz", entries, expert_count)
+    t = load_replay_tables(a)
+    assert t.model == "modelx" and t.layer_ids == (0, 7, 15) and (t.num_experts, t.top_k) == (4, 2)
+    np.testing.assert_array_equal(t.token_vocab, [5, 9])
+    np.testing.assert_allclose(t.inclusion[0, 0], [1.0, 0.75, 0.25, 0.0])
+    np.testing.assert_allclose(t.inclusion[1, 1], [1.0, 1.0, 0.0, 0.0])
+    np.testing.assert_array_equal(t.token_count, [[4, 1]] * 3)
+    np.testing.assert_allclose(t.popularity[0], [0.8, 0.6, 0.4, 0.2])  # expert_count / 5 tokens
+    np.testing.assert_allclose(t.inclusion.sum(axis=2), 2.0, rtol=1e-6)
+
+    # a second domain adds counts: token 5 gains 4 occurrences always on (2, 3) at layer 0
+    b = write_npz(tmp_path / "modelx" / "b.npz", [(0, 5, 2, 4), (0, 5, 3, 4), (1, 5, 0, 4), (1, 5, 1, 4),
+                                                  (2, 5, 0, 4), (2, 5, 1, 4)], [[0, 0, 4, 4], [4, 4, 0, 0], [4, 4, 0, 0]])
+    merged = load_replay_tables(tmp_path / "modelx")  # a folder stands for its *.npz
+    np.testing.assert_allclose(merged.inclusion[0, 0], [0.5, 0.375, 0.625, 0.5])
+    assert merged.token_count[0, 0] == 8
+    assert load_replay_tables([a, b], min_count=2).token_vocab.tolist() == [5]
+
+
+def test_load_tables_errors(tmp_path):
+    with pytest.raises(ConfigError, match=r"missing\.npz does not exist.*model\.tables"):
+        load_replay_tables(tmp_path / "missing.npz")
+    a = write_npz(tmp_path / "m" / "a.npz", [(0, 1, 0, 1), (0, 1, 1, 1)], [[1, 1, 0, 0]] * 3)
+    b = write_npz(tmp_path / "m" / "b.npz", [(0, 1, 0, 1), (0, 1, 1, 1)], [[1, 1, 0, 0, 0]] * 3, num_experts=5)
+    with pytest.raises(ConfigError, match="disagree on num_experts"):
+        load_replay_tables([a, b])
+    bad = write_npz(tmp_path / "m2" / "c.npz", [(0, 1, 7, 1)], [[1, 1, 0, 0]] * 3)
+    with pytest.raises(TraceError, match="tte_expert outside 0..3"):
+        load_replay_tables(bad)
+    np.savez(tmp_path / "other.npz", x=np.zeros(3))
+    with pytest.raises(TraceError, match="not a replay table"):
+        load_replay_tables(tmp_path / "other.npz")
+    with pytest.raises(ConfigError, match="min_count"):
+        load_replay_tables(a, min_count=0)
+
+
+# ---- the router --------------------------------------------------------------------------------------------
+
+def requests_of(token_lists, dataset="d"):
+    return [Request(id=f"q{i}", dataset=dataset, label=f"c{i}", token_ids=np.asarray(t, dtype=np.int32))
+            for i, t in enumerate(token_lists)]
+
+
+def test_route_with_replay_builds_a_trace(tmp_path):
+    write_npz(tmp_path / "tiny-moe" / "a.npz", [(layer, 5, e, 2) for layer in range(3) for e in (0, 3)],
+              [[2, 0, 0, 2]] * 3)
+    cfg = {"name": "replay_tiny", "kind": "replay", "tables": [str(tmp_path / "tiny-moe" / "*.npz")],
+           "tokenizer": "mixtral", "min_count": 1}
+    trace = route_with_replay(cfg, requests_of([[5, 5, 6], [5]]), [], cache_dir=tmp_path, seed=3, dataset="d",
+                              tokenizer="mixtral", vocab_size=100)
+    assert trace.meta.model == "tiny-moe" and trace.meta.source == "replay" and trace.meta.layer_ids == (0, 7, 15)
+    assert trace.num_requests == 2 and trace.num_tokens == 4
+    assert trace.request_ids == ("q0", "q1") and trace.request_labels == ("c0", "c1")
+    np.testing.assert_array_equal(trace.prefill_len, [3, 1])
+    assert (np.sort(trace.experts, axis=2) == [0, 3]).all()  # token 5 and the popularity fallback both say {0, 3}
+    assert trace.meta.extra["token_coverage"] == 0.75
+
+    with pytest.raises(ConfigError, match="matches no file.*model.tables"):
+        route_with_replay({**cfg, "tables": [str(tmp_path / "nowhere" / "*.npz")]}, requests_of([[5]]), [],
+                          cache_dir=tmp_path, seed=0, dataset="d", tokenizer="mixtral", vocab_size=100)
+    with pytest.raises(ConfigError, match="tokenized with 'qwen'"):
+        route_with_replay(cfg, requests_of([[5]]), [], cache_dir=tmp_path, seed=0, dataset="d", tokenizer="qwen",
+                          vocab_size=100)
+
+
+# ---- real data ---------------------------------------------------------------------------------------------
+
+def top_share_check(npz: Path, draws: int, seed: int):
+    """Per token (seen >= 100 times) and layer: measured vs replayed top-expert share, and the uniform share."""
+    tables = load_replay_tables(npz)
+    k, num_experts = tables.top_k, tables.num_experts
+    frequent = np.flatnonzero(tables.token_count[0] >= 100)
+    assert len(frequent) > 200
+    experts = sample_routing(tables, np.repeat(tables.token_vocab[frequent], draws), np.random.default_rng(seed))
+    token_index = np.repeat(np.arange(len(frequent)), draws)
+    measured, replayed = [], []
+    for layer in range(tables.num_layers):
+        # share = count of the most-used expert / all k x occurrences assignments
+        measured.append(tables.inclusion[layer, frequent].max(axis=1) / k)
+        counts = np.bincount((token_index[:, None] * num_experts + experts[:, layer]).ravel(),
+                             minlength=len(frequent) * num_experts).reshape(len(frequent), num_experts)
+        replayed.append(counts.max(axis=1) / (k * draws))
+    return np.array(measured), np.array(replayed), 1.0 / num_experts
+
+
+@pytest.mark.parametrize("model, draws", [("mixtral-8x7b", 40_000), ("olmoe-1b-7b", 3_000)])
+def test_replay_reproduces_measured_top_expert_share(shared_data, model, draws):
+    # the sampling error of a share is at most 0.5 / sqrt(draws) / k: 0.0013 (Mixtral) and 0.0011 (OLMoE), so
+    # 0.01 is over 5 sigma even after the small upward bias of taking a maximum over near-tied experts
+    measured, replayed, uniform = top_share_check(shared_data / "olmoe-routing" / model / "arxiv.npz", draws, seed=0)
+    assert np.abs(replayed - measured).max() < 0.01
+    # the check has teeth: a uniform sampler (share 1/E) would miss the 0.01 band for nearly every token
+    assert (np.abs(measured - uniform) > 0.01).mean() > 0.95
+    assert measured.mean() > 2 * uniform
+
+
+def test_replay_config_composes_and_routes_real_tokens(shared_data, tmp_path, monkeypatch):
+    monkeypatch.setenv("REPRO_SHARED_DATA", str(shared_data))
+    cfg = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "model" / "replay_mixtral.yaml"), resolve=True)
+    assert cfg["kind"] == "replay" and cfg["tokenizer"] == "mixtral"
+    # "The quick brown fox jumps over the lazy dog." in Mixtral ids
+    tokens = [415, 2936, 9060, 285, 1142, 461, 10575, 754, 272, 17898, 3914, 28723]
+    trace = route_with_replay(cfg, requests_of([tokens, tokens[:5]]), [], cache_dir=tmp_path, seed=0,
+                              dataset="demo", tokenizer="mixtral", vocab_size=32000)
+    assert trace.meta.model == "mixtral-8x7b" and len(trace.meta.extra["tables"]) == 5
+    assert trace.experts.shape == (17, 3, 2) and trace.meta.extra["token_coverage"] == 1.0
+    olmoe = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "model" / "replay_olmoe.yaml"), resolve=True)
+    assert olmoe["tokenizer"] == "olmoe" and olmoe["tables"][0].endswith("olmoe-1b-7b/*.npz")
+
+
+def test_invalid_hand_tables_are_refused():
+    with pytest.raises(TraceError, match="cap_inclusion"):
+        hand_tables([[[2.0, 0.0, 0.0, 0.0]]], [[0.5] * 4], vocab=(1,))
+    with pytest.raises(TraceError, match="inclusion has shape"):
+        hand_tables([[[0.5] * 4]], [[0.5] * 4], vocab=(1, 2))
