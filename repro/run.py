@@ -179,13 +179,14 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict | None:
         eval_seconds=eval_seconds,
         a2a_seconds_est=a2a_seconds_estimate(result.traffic, config["hardware"]),
     )
+    # W&B first: if tracking fails, no result file has been written yet
+    _log_to_wandb(config, summary, result, out_dir)
     plan.save(out_dir / "plan")
     atomic_write(out_dir / "per_layer.csv", lambda p: result.per_layer.to_csv(p, index=False))
     for name in ("traffic", "expert_load", "token_load"):
         atomic_write(out_dir / f"{name}.npy", lambda p, a=getattr(result, name): _save_npy(p, a))
     atomic_write(out_dir / "activation_map.npz", lambda p: _save_activation_map(p, evaluation))
     atomic_write(out_dir / "config.yaml", lambda p: p.write_text(OmegaConf.to_yaml(config)))
-    _log_to_wandb(config, summary, result, out_dir)
     # last: its presence marks the job finished
     atomic_write(
         out_dir / "metrics.json",
@@ -246,7 +247,7 @@ def _log_to_wandb(config: dict, summary: dict, result, out_dir: Path) -> None:
         name=overrides,
         dir=str(out_dir),
         config=config,
-        settings=wandb.Settings(start_method="thread", silent=True),
+        settings=wandb.Settings(silent=True),
         reinit="finish_previous",
     ) as run:
         run.summary.update({k: v for k, v in summary.items() if isinstance(v, (int, float, str))})
