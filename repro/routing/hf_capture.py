@@ -19,8 +19,8 @@ batch, S padded batch length, V model vocabulary.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -107,7 +107,8 @@ def capture_routing(
     requests: their `token_ids` int[S_r] are real tokenizer ids in 0..vocab_size-1.
     input_ids_of: maps real ids int[n] -> model ids int[n] (a restricted vocabulary); identity when None.
     real_ids_of: maps model ids int[n] -> real ids int[n], < 0 where a model id has no real id (e.g. UNK); only
-        needed to bring greedily generated tokens back to real ids; such ids are never generated.
+        needed to bring greedily generated tokens back to real ids. Model ids without a real id in
+        0..vocab_size-1 are never generated.
     batch_tokens: requests are batched while B * S <= batch_tokens (a longer request goes alone).
     max_new_tokens: greedy tokens generated per request (stopping early at the model's EOS) and appended to
         the request; `prefill_len` marks where the prompt ends. Routing of the whole sequence is then captured
@@ -122,14 +123,16 @@ def capture_routing(
     if batch_tokens < 1 or max_new_tokens < 0:
         raise ConfigError(f"batch_tokens={batch_tokens} must be >= 1 and max_new_tokens={max_new_tokens} >= 0.")
     if max_new_tokens and input_ids_of is not None and real_ids_of is None:
-        raise ConfigError("generation with a restricted vocabulary (input_ids_of) needs real_ids_of to map tokens back.")
+        raise ConfigError(
+            "generation with a restricted vocabulary (input_ids_of) needs real_ids_of to map tokens back."
+        )
     routers = moe_routers(model)
     num_experts, top_k = _router_shape(routers)
     model_vocab = model.get_input_embeddings().num_embeddings
     prompts = [_real_prompt(r, vocab_size) for r in requests]
     to_model = input_ids_of if input_ids_of is not None else (lambda ids: ids)
     model_prompts = [np.asarray(to_model(p), dtype=np.int64) for p in prompts]
-    for r, ids in zip(requests, model_prompts):
+    for r, ids in zip(requests, model_prompts, strict=True):
         if ids.size and (ids.min() < 0 or ids.max() >= model_vocab):
             raise ConfigError(
                 f"request {r.id!r} has token id {int(ids.max())} outside the model's vocabulary of {model_vocab}; "
@@ -140,17 +143,19 @@ def capture_routing(
     model.eval()
     try:
         generated = (
-            _generate_greedy(model, model_prompts, max_new_tokens, batch_tokens, real_ids_of)
+            _generate_greedy(model, model_prompts, max_new_tokens, batch_tokens, real_ids_of, vocab_size)
             if max_new_tokens
             else [np.zeros(0, np.int64)] * len(requests)
         )
-        model_seqs = [np.concatenate([p, g]) for p, g in zip(model_prompts, generated)]
+        model_seqs = [np.concatenate([p, g]) for p, g in zip(model_prompts, generated, strict=True)]
         experts_NLk, weights_NLk = _route_sequences(model, routers, model_seqs, batch_tokens, model_name)
     finally:
         model.train(was_training)
 
     to_real = real_ids_of if real_ids_of is not None else (lambda ids: ids)
-    real_seqs = [np.concatenate([p, np.asarray(to_real(g), dtype=np.int64)]) for p, g in zip(prompts, generated)]
+    real_seqs = [
+        np.concatenate([p, np.asarray(to_real(g), dtype=np.int64)]) for p, g in zip(prompts, generated, strict=True)
+    ]
     lengths = np.array([len(s) for s in real_seqs], dtype=np.int64)
     routed_layers = [layer_id for layer_id, _ in routers]
     dense = tuple(i for i in range(len(_decoder_layers(model))) if i not in set(routed_layers))
@@ -188,7 +193,9 @@ def capture_routing(
 def _real_prompt(request: Request, vocab_size: int) -> np.ndarray:
     ids = np.asarray(request.token_ids)
     if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
-        raise WorkloadError(f"request {request.id!r} token_ids must be a 1-D integer array, got {ids.dtype}{ids.shape}.")
+        raise WorkloadError(
+            f"request {request.id!r} token_ids must be a 1-D integer array, got {ids.dtype}{ids.shape}."
+        )
     if ids.size == 0:
         raise WorkloadError(f"request {request.id!r} has no tokens; drop empty prompts from the workload.")
     if ids.min() < 0 or ids.max() >= vocab_size:
@@ -274,13 +281,13 @@ def _right_pad(seqs: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(ids), torch.from_numpy(mask.astype(np.int64))
 
 
-def _generate_greedy(model, prompts, max_new_tokens, batch_tokens, real_ids_of) -> list[np.ndarray]:
+def _generate_greedy(model, prompts, max_new_tokens, batch_tokens, real_ids_of, vocab_size) -> list[np.ndarray]:
     """Greedy continuations int64[<= max_new_tokens] (model ids) per prompt, cut after the first EOS."""
     lengths = np.array([len(p) for p in prompts], dtype=np.int64)
-    suppress = None
-    if real_ids_of is not None:
-        vocab = model.get_input_embeddings().num_embeddings
-        suppress = np.flatnonzero(np.asarray(real_ids_of(np.arange(vocab))) < 0).tolist() or None
+    # never generate a model id without a real id in 0..vocab_size-1 (UNK, or rows padding the embedding)
+    model_ids = np.arange(model.get_input_embeddings().num_embeddings)
+    real_of_model = np.asarray(real_ids_of(model_ids)) if real_ids_of is not None else model_ids
+    suppress = np.flatnonzero((real_of_model < 0) | (real_of_model >= vocab_size)).tolist() or None
     eos = model.generation_config.eos_token_id
     eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
     out: list[np.ndarray] = [np.zeros(0, np.int64)] * len(prompts)
@@ -290,15 +297,19 @@ def _generate_greedy(model, prompts, max_new_tokens, batch_tokens, real_ids_of) 
             ids_BS, mask_BS = _right_pad([prompts[i] for i in group])
             # generation appends on the right, so prompts are left-aligned to end together
             ids_BS, mask_BS = _left_align(ids_BS, mask_BS)
-            new_BT = model.generate(
-                input_ids=ids_BS.to(device),
-                attention_mask=mask_BS.to(device),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                suppress_tokens=suppress,
-                pad_token_id=eos_ids[0] if eos_ids else 0,
-                eos_token_id=eos_ids or None,
-            )[:, ids_BS.shape[1] :].cpu().numpy()
+            new_BT = (
+                model.generate(
+                    input_ids=ids_BS.to(device),
+                    attention_mask=mask_BS.to(device),
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    suppress_tokens=suppress,
+                    pad_token_id=eos_ids[0] if eos_ids else 0,
+                    eos_token_id=eos_ids or None,
+                )[:, ids_BS.shape[1] :]
+                .cpu()
+                .numpy()
+            )
             is_eos = np.isin(new_BT, eos_ids) if eos_ids else np.zeros(new_BT.shape, bool)
             # keep tokens up to and including the first EOS; generate pads finished rows after it
             keep = np.where(is_eos.any(1), is_eos.argmax(1) + 1, new_BT.shape[1])
@@ -347,7 +358,9 @@ def load_hf_model(model_cfg: dict, *, seed: int):
         try:
             return transformers.AutoModelForCausalLM.from_pretrained(Path(checkpoint).expanduser(), **kwargs).eval()
         except (OSError, ValueError) as e:
-            raise ConfigError(f"cannot load the checkpoint at {checkpoint} ({e}); point model.checkpoint at a HF model directory.") from e
+            raise ConfigError(
+                f"cannot load the checkpoint at {checkpoint} ({e}); point model.checkpoint at a HF model directory."
+            ) from e
     try:
         return transformers.AutoModelForCausalLM.from_pretrained(checkpoint, local_files_only=True, **kwargs).eval()
     except OSError as local_error:
