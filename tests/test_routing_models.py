@@ -465,4 +465,4 @@ def test_conf_model_yamls_match_the_code(tmp_path):
     tiny = OmegaConf.to_container(OmegaConf.load(conf / "tiny_mixtral.yaml"))
     assert check_tiny_config(tiny) == {**tiny_model.TINY_DEFAULTS, **tiny} and tiny == tiny_model.TINY_DEFAULTS
     hf = OmegaConf.to_container(OmegaConf.load(conf / "hf.yaml"))
-    assert hf == hf_capture.HF_DEFAULTS | {"dtype": "bfloat16"} and hf["kind"] == "hf"
+    assert hf == hf_capture.HF_DEFAULTS | {"dtype": "bfloat16", "tokenizer": "hf:${model.checkpoint}"} and hf["kind"] == "hf"

@@ -36,6 +36,7 @@ IdMap = Callable[[np.ndarray], np.ndarray]
 HF_DEFAULTS = {
     "name": "",
     "kind": "hf",
+    "tokenizer": "",
     "checkpoint": "",
     "dtype": "float32",
     "batch_tokens": 8192,

@@ -42,6 +42,7 @@ CACHE_VERSION = 1  # bump when training code changes what a given config produce
 TINY_DEFAULTS = {
     "name": "tiny_mixtral",
     "kind": "tiny",
+    "tokenizer": "mixtral",
     "num_layers": 4,
     "hidden_size": 128,
     "intermediate_size": 256,
@@ -51,8 +52,8 @@ TINY_DEFAULTS = {
     "vocab_top": 4096,
     "seq_len": 128,
     "batch_size": 8,
-    "train_seconds": 120,
-    "max_steps": 2000,
+    "train_seconds": 900,
+    "max_steps": 300,
     "lr": 1e-3,
     "aux_loss_coef": 0.01,
     "capture_batch_tokens": 8192,
