@@ -10,6 +10,12 @@ from repro.systems.base import Placement, Plan, System, even_counts
 # name -> "module:Class"; imported lazily so a system's heavy dependencies load only when used
 REGISTRY: dict[str, str] = {
     "ep": "repro.systems.ep:VanillaEP",
+    "moetuner": "repro.systems.moetuner:MoETuner",
+    "eplb": "repro.systems.eplb:EPLB",
+    "semmoe_exact": "repro.systems.milp:SemMoEExact",
+    "token_oracle": "repro.systems.oracle:TokenOracle",
+    "fit_oracle": "repro.systems.oracle:FitOracle",
+    "semmoe": "repro.systems.semmoe:SemMoE",
 }
 
 

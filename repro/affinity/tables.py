@@ -1,0 +1,277 @@
+"""Token -> expert affinity tables (paper §2.1): counts, confidence C_p, token -> device T / T_p, OOV
+fallback and the inter-layer device Markov table A / A_p.
+
+Legend: N routed tokens in a trace, L MoE layers, E experts per layer (the paper's N), D devices (EP ranks,
+the paper's E), t distinct token ids seen in the profile (rows of every table; row t is the OOV fallback
+row where a function says so), V model vocabulary size, k experts per token, h lookback layers, H embedding
+width, Q = D**h device histories.
+
+Tables are sparse-aware: rows exist only for token ids seen in the profile (`token_vocab`, sorted unique), so
+a DeepSeek-V3 vocabulary of 129,280 ids never becomes a dense [L, V, E] array. Lookups go through
+`np.searchsorted` on `token_vocab` (`lookup_rows`) or through the dense int32[V] row map built from it
+(`vocab_row_map`, 4 bytes per vocabulary id) when a hot path needs O(1) lookups.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from repro.errors import ConfigError, TraceError
+from repro.traces import RoutingTrace
+
+# a Markov table over D**h histories stops being a table beyond this many rows per layer
+MAX_MARKOV_ROWS = 1 << 22
+
+
+def encode_tokens(token_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(token_vocab int32[t] sorted unique ids, token_row int64[N] row of each token in token_vocab)."""
+    token_vocab, token_row = np.unique(np.asarray(token_ids), return_inverse=True)
+    return token_vocab.astype(np.int32), token_row.astype(np.int64).ravel()
+
+
+def layer_token_expert_counts(token_row: np.ndarray, experts: np.ndarray, num_rows: int, num_experts: int) -> np.ndarray:
+    """float32[t, E] how often each token row activated each expert in one layer (all k slots counted).
+
+    token_row int64[N] from `encode_tokens`; experts int[N, k] the layer's routing.
+    """
+    experts = np.asarray(experts, dtype=np.int64)
+    flat = (token_row[:, None] * num_experts + experts).ravel()
+    return np.bincount(flat, minlength=num_rows * num_experts).reshape(num_rows, num_experts).astype(np.float32)
+
+
+def layer_token_expert_coo(
+    token_row: np.ndarray, experts: np.ndarray, num_rows: int, num_experts: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(row int64[nnz], expert int64[nnz], count float32[nnz]): the nonzeros of `layer_token_expert_counts`,
+    sorted by (row, expert). Memory O(t x E) for one transient histogram, O(nnz) after."""
+    counts = np.bincount(
+        (token_row[:, None] * num_experts + np.asarray(experts, dtype=np.int64)).ravel(),
+        minlength=num_rows * num_experts,
+    )
+    flat = np.flatnonzero(counts)
+    return flat // num_experts, flat % num_experts, counts[flat].astype(np.float32)
+
+
+def routed_device_mass(
+    token_row: np.ndarray, experts: np.ndarray, num_rows: int, expert_device: np.ndarray, num_devices: int
+) -> np.ndarray:
+    """float32[t, D] `device_mass` of one layer straight from the routing: O(N x k + t x D), no [t, E] table.
+
+    token_row int64[N]; experts int[N, k] the layer's routing; expert_device int[E] the layer's placement.
+    """
+    device = np.asarray(expert_device)[np.asarray(experts, dtype=np.int64)]  # [N, k]
+    mass = np.bincount((token_row[:, None] * num_devices + device).ravel(), minlength=num_rows * num_devices)
+    mass = mass.reshape(num_rows, num_devices).astype(np.float32)
+    return mass / np.maximum(mass.sum(axis=1, keepdims=True), 1e-30)
+
+
+def profile_tokens(trace: RoutingTrace, prompt_only: bool = False) -> np.ndarray:
+    """int64[N'] indices of the trace tokens a profile uses (all tokens, or prompt tokens only)."""
+    if prompt_only:
+        return np.flatnonzero(trace.prompt_mask())
+    return np.arange(trace.num_tokens)
+
+
+def token_expert_counts(
+    trace: RoutingTrace, layers=None, prompt_only: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
+    """(token_vocab int32[t], counts float32[L', t, E]) from a profile trace (L' = len(layers), default all).
+
+    Raises TraceError when the profile has no tokens (nothing to learn affinity from).
+    """
+    keep = profile_tokens(trace, prompt_only)
+    if len(keep) == 0:
+        raise TraceError(
+            f"the profile trace of {trace.meta.model!r} has no {'prompt ' if prompt_only else ''}tokens; "
+            "profile on a split with at least one routed token."
+        )
+    layers = range(trace.num_layers) if layers is None else layers
+    token_vocab, token_row = encode_tokens(trace.token_ids[keep])
+    counts = np.stack(
+        [
+            layer_token_expert_counts(token_row, trace.experts[keep, layer], len(token_vocab), trace.meta.num_experts)
+            for layer in layers
+        ]
+    )
+    return token_vocab, counts
+
+
+def confidence_table(counts: np.ndarray) -> np.ndarray:
+    """float32[..., t, E] C_p = Pr(expert | token): each row of counts divided by its sum (rows sum to 1).
+
+    A row with no activations is an error: every profiled token was routed in every layer.
+    """
+    counts = np.asarray(counts, dtype=np.float32)
+    totals = counts.sum(axis=-1, keepdims=True)
+    if np.any(totals <= 0):
+        where = np.argwhere(totals[..., 0] <= 0)[0].tolist()
+        raise TraceError(f"token row {where} of the count table has no activations; rebuild it with token_expert_counts.")
+    return counts / totals
+
+
+def token_frequency(counts: np.ndarray, top_k: int) -> np.ndarray:
+    """float32[t] a_j: occurrences of each token row (its activations in one layer divided by k).
+
+    counts float[t, E] (one layer) or float[L, t, E] (the first layer is used; every layer sees every token).
+    """
+    counts = np.asarray(counts, dtype=np.float32)
+    one_layer = counts[0] if counts.ndim == 3 else counts
+    return one_layer.sum(axis=-1) / top_k
+
+
+def expert_popularity(counts: np.ndarray) -> np.ndarray:
+    """float32[L, E] each layer's expert activation share (rows sum to 1): the OOV fallback distribution."""
+    load = np.asarray(counts, dtype=np.float64).sum(axis=1)
+    return (load / np.maximum(load.sum(axis=1, keepdims=True), 1e-30)).astype(np.float32)
+
+
+def lookup_rows(token_vocab: np.ndarray, token_ids: np.ndarray, fallback_row: int) -> np.ndarray:
+    """int64[T] the table row of each token id; ids not in token_vocab get `fallback_row` (OOV)."""
+    token_ids = np.asarray(token_ids)
+    pos = np.searchsorted(token_vocab, token_ids)
+    pos_clipped = np.minimum(pos, len(token_vocab) - 1)
+    seen = (pos < len(token_vocab)) & (token_vocab[pos_clipped] == token_ids)
+    return np.where(seen, pos_clipped, fallback_row).astype(np.int64)
+
+
+def nearest_seen_rows(
+    token_vocab: np.ndarray, query_ids: np.ndarray, embeddings: np.ndarray, chunk: int = 4096
+) -> np.ndarray:
+    """int64[Q'] the row of the seen token whose input embedding is most cosine-similar to each query id.
+
+    embeddings float[V, H] is the model's input embedding matrix. Work is chunked over queries so memory is
+    O(chunk x t); the cost is O(Q' x t x H) multiply-adds.
+    """
+    embeddings = np.asarray(embeddings)
+    query_ids = np.asarray(query_ids, dtype=np.int64)
+    if embeddings.ndim != 2 or embeddings.shape[0] <= max(int(token_vocab.max()), int(query_ids.max(initial=0))):
+        raise ConfigError(
+            f"the embedding matrix has shape {embeddings.shape}; it needs one row per vocabulary id "
+            f"(at least {max(int(token_vocab.max()), int(query_ids.max(initial=0))) + 1}); pass the model's input embeddings."
+        )
+
+    def unit(x: np.ndarray) -> np.ndarray:
+        x = x.astype(np.float32)
+        return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
+
+    seen_unit = unit(embeddings[token_vocab])  # [t, H]
+    out = np.empty(len(query_ids), dtype=np.int64)
+    for start in range(0, len(query_ids), chunk):
+        sims = unit(embeddings[query_ids[start : start + chunk]]) @ seen_unit.T
+        out[start : start + chunk] = np.argmax(sims, axis=1)
+    return out
+
+
+def vocab_row_map(token_vocab: np.ndarray, vocab_size: int, embeddings: np.ndarray | None = None) -> np.ndarray:
+    """int32[V] table row for every vocabulary id.
+
+    Seen ids map to their own row. Unseen ids map to their nearest seen neighbour by input-embedding cosine
+    when `embeddings` float[V, H] is given, otherwise to row t (the fallback row holding each layer's expert
+    popularity; tables built for plans carry t + 1 rows).
+    """
+    if len(token_vocab) and int(token_vocab.max()) >= vocab_size:
+        raise TraceError(f"token id {int(token_vocab.max())} is outside the vocabulary of {vocab_size} ids.")
+    row_of = np.full(vocab_size, len(token_vocab), dtype=np.int32)
+    row_of[token_vocab] = np.arange(len(token_vocab), dtype=np.int32)
+    if embeddings is not None:
+        unseen = np.flatnonzero(row_of == len(token_vocab))
+        if len(unseen):
+            row_of[unseen] = nearest_seen_rows(token_vocab, unseen, embeddings)
+    return row_of
+
+
+def with_fallback_row(counts: np.ndarray) -> np.ndarray:
+    """float32[L, t + 1, E] counts plus one last row per layer: the layer's expert popularity (OOV fallback)."""
+    return np.concatenate([counts, expert_popularity(counts)[:, None, :]], axis=1)
+
+
+def one_hot_devices(expert_device: np.ndarray, num_devices: int) -> np.ndarray:
+    """float32[..., E, D] one-hot of expert_device int[..., E]."""
+    return (np.asarray(expert_device)[..., None] == np.arange(num_devices)).astype(np.float32)
+
+
+def device_mass(counts: np.ndarray, expert_device: np.ndarray, num_devices: int) -> np.ndarray:
+    """float32[L, t, D] share of each token row's activations that land on each device (rows sum to 1).
+
+    counts float[L, t, E]; expert_device int[L, E].
+    """
+    mass = np.matmul(np.asarray(counts, dtype=np.float32), one_hot_devices(expert_device, num_devices))
+    return mass / np.maximum(mass.sum(axis=-1, keepdims=True), 1e-30)
+
+
+def token_device_table(counts: np.ndarray, expert_device: np.ndarray, num_devices: int) -> tuple[np.ndarray, np.ndarray]:
+    """(T int16[L, t], T_p float32[L, t]): the device holding most of each token row's activations and that share.
+
+    counts float[L, t, E]; expert_device int[L, E]. Ties go to the lowest device id (np.argmax).
+    """
+    mass = device_mass(counts, expert_device, num_devices)
+    table = np.argmax(mass, axis=-1)
+    return table.astype(np.int16), np.take_along_axis(mass, table[..., None], axis=-1)[..., 0]
+
+
+def majority_device(experts: np.ndarray, expert_device: np.ndarray, num_devices: int) -> np.ndarray:
+    """int64[...] the device hosting most of each token's k experts; ties -> lowest device id.
+
+    experts int[..., k] logical ids; expert_device int[E] (one layer's placement). One bincount over
+    (token, device) keys: O(n x (k + D)) rather than the O(n x k x D) of comparing against every device.
+    """
+    experts = np.asarray(experts, dtype=np.int64)
+    lead_shape, top_k = experts.shape[:-1], experts.shape[-1]
+    device = np.asarray(expert_device)[experts.reshape(-1, top_k)]  # [n, k]
+    num = len(device)
+    per_device = np.bincount((np.arange(num)[:, None] * num_devices + device).ravel(), minlength=num * num_devices)
+    return np.argmax(per_device.reshape(num, num_devices), axis=1).reshape(lead_shape)
+
+
+def history_keys(history: np.ndarray, num_devices: int) -> np.ndarray:
+    """int64[N] mixed-radix index of device histories int[N, h'] (chronological: column -1 is the last layer).
+
+    key = sum_i history[:, -1 - i] * D**i, so the most recent layer is the least significant digit and a
+    shorter history (early layers) indexes the first D**h' rows of the same table.
+    """
+    history = np.asarray(history, dtype=np.int64)
+    weights = num_devices ** np.arange(history.shape[1] - 1, -1, -1, dtype=np.int64)
+    return history @ weights
+
+
+def check_markov_size(num_devices: int, lookback: int) -> None:
+    """Raise ConfigError when a D**h Markov table would be too large to tabulate."""
+    if lookback < 0:
+        raise ConfigError(f"system.params.lookback must be >= 0, got {lookback}.")
+    if num_devices**lookback > MAX_MARKOV_ROWS:
+        raise ConfigError(
+            f"a device Markov table with lookback={lookback} over {num_devices} devices has "
+            f"{num_devices}**{lookback} rows per layer (> {MAX_MARKOV_ROWS}); lower system.params.lookback."
+        )
+
+
+def device_markov_table(
+    trace: RoutingTrace, expert_device: np.ndarray, num_devices: int, lookback: int = 2, chunk: int = 1 << 17
+) -> tuple[np.ndarray, np.ndarray]:
+    """(A int16[L, Q], A_p float32[L, Q]): the most likely device at each layer given the previous h devices.
+
+    A token's device at a layer is the device hosting most of its k experts (`majority_device`). Row q of
+    layer l is the mixed-radix key (`history_keys`) of the devices at layers l-h'..l-1, h' = min(h, l); at
+    layer 0 only row 0 is used (the layer's marginal). A_p is the share of the row's observations that
+    went to A; rows never observed get A = the layer's most common device and A_p = 0, so the token table
+    always wins there.
+    """
+    check_markov_size(num_devices, lookback)
+    num_layers = trace.num_layers
+    num_rows = num_devices**lookback
+    token_device = np.empty((trace.num_tokens, num_layers), dtype=np.int64)
+    for start in range(0, trace.num_tokens, chunk):  # chunked: [chunk, L, k, D] comparisons stay small
+        block = np.asarray(trace.experts[start : start + chunk], dtype=np.int64)
+        for layer in range(num_layers):
+            token_device[start : start + chunk, layer] = majority_device(block[:, layer], expert_device[layer], num_devices)
+    table = np.zeros((num_layers, num_rows), dtype=np.int16)
+    confidence = np.zeros((num_layers, num_rows), dtype=np.float32)
+    for layer in range(num_layers):
+        depth = min(lookback, layer)
+        keys = history_keys(token_device[:, layer - depth : layer], num_devices)
+        hist = np.bincount(keys * num_devices + token_device[:, layer], minlength=num_rows * num_devices)
+        hist = hist.reshape(num_rows, num_devices)
+        seen = hist.sum(axis=1)
+        table[layer] = np.where(seen > 0, np.argmax(hist, axis=1), np.argmax(hist.sum(axis=0)))
+        confidence[layer] = np.max(hist, axis=1) / np.maximum(seen, 1)
+    return table, confidence

@@ -1,0 +1,958 @@
+"""Sem-MoE (arXiv 2503.04398): balanced token-expert co-clustering offline, plus two online schedulers.
+
+Legend: L MoE layers, E experts per layer (the paper's N), D devices = EP ranks (the paper's E), t distinct
+profiled token ids (table rows; row t is the OOV fallback row), u clustering units (token rows or profile
+requests), R requests, N tokens, T tokens in one TP step, k experts per token, h lookback layers,
+Q = D**h device histories, V vocabulary size.
+
+1. Offline (Algorithm 1, `balanced_cocluster`): alternate expert placement (`place_experts`: greedy by
+   hotness with the score alpha * expert-expert co-activation share + beta * unit-cluster affinity share -
+   gamma * overload beyond the device's fair share, exactly E/D experts per device, then `ft_steps` random
+   pairwise swaps kept when they gain, then by default the exact linear-assignment version of that step)
+   and unit clustering (`assign_units`: the better of a Lagrangian price iteration on the paper's
+   |load - S/D| term and the paper's capacity mask, `capacity_assign`), for `n_steps` rounds after an
+   initial round from expert co-activation alone; the round with the lowest paper objective L
+   (theta * imbalance + (1 - theta) * remote activations) is kept. Units depend on the attention mode: under
+   Attention-TP every layer clusters token ids on its own (token level, per-layer choice, as in the paper's
+   L); under Attention-DP a request lives on one rank for all layers, so profile requests are clustered once
+   and shared by every layer's expert placement (otherwise device labels would disagree between layers and
+   a request could be local in one layer only). Only the `max_units` heaviest units enter the solver
+   (8192 token rows cover ~70 % of a 512k-token profile's load and lose no LAR on the planted bench).
+2. Online Attention-DP (Algorithm 2; its body is lost in the paper): a request's per-device score is the
+   mean over its prompt tokens of a per-token score folded over layers, minus the score of the average
+   profile token (so every request is not drawn to the device hosting the experts of stop words).
+   dp_scoring "confidence" (default): each token casts one vote for the device of its folded T_p-weighted
+   votes, weighted by that device's share; "vote": the same with weight 1; "expected": the full folded
+   device mass (expected local activations, a dense [D] row per token: slower). `masked_argmax_assign` is
+   the round-robin dev_mask: every D consecutive requests cover all D ranks (`dp_window` = w allows w
+   requests per rank per window of w x D). Optional load-aware variant (`load_aware_lambda` > 0): score
+   minus lambda * (prompt tokens queued on the rank beyond the least-loaded rank) / (mean prompt length),
+   one Python step per request; with a wide `dp_window` it balances tokens rather than request counts.
+3. Online Attention-TP (Algorithm 3, `align_to_slices`): each token's device is T[tok] or the Markov
+   prediction A[history], whichever is more confident; tokens are grouped by device (most confident first),
+   groups are cut to the equal slices reduce-scatter needs and the overflow fills the free slots (the
+   paper's align); the share of tokens moved off their predicted device is reported in
+   info["align_moved_share"].
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import scipy.sparse as sp
+from scipy.optimize import linear_sum_assignment
+
+from repro.affinity.tables import (
+    check_markov_size,
+    device_markov_table,
+    encode_tokens,
+    history_keys,
+    layer_token_expert_coo,
+    majority_device,
+    profile_tokens,
+    routed_device_mass,
+    vocab_row_map,
+)
+from repro.errors import ConfigError, TraceError
+from repro.parallel import ParallelConfig
+from repro.systems.base import Placement, Plan, even_counts
+from repro.traces import RoutingTrace
+
+DP_SCORINGS = ("confidence", "vote", "expected")
+CLUSTER_UNITS = ("auto", "tokens", "requests")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the objective
+
+
+def coclustering_objective(
+    token_cluster: np.ndarray,
+    expert_cluster: np.ndarray,
+    confidence: np.ndarray,
+    frequency: np.ndarray,
+    num_devices: int,
+    theta: float,
+) -> float:
+    """The paper's L for one layer: theta * sum_i |sum_j R_ij a_j - S/D| + (1 - theta) * remote mass.
+
+    token_cluster int[t] device of each token row; expert_cluster int[E] device of each expert;
+    confidence float[t, E] C_p (rows sum to 1); frequency float[t] a_j; S = sum_j a_j. The remote mass is
+    sum_j a_j sum_k C_p[j, k] [cluster(k) != cluster(j)].
+    """
+    token_cluster = np.asarray(token_cluster, dtype=np.int64)
+    expert_cluster = np.asarray(expert_cluster, dtype=np.int64)
+    confidence = np.asarray(confidence, dtype=np.float64)
+    frequency = np.asarray(frequency, dtype=np.float64)
+    load = np.bincount(token_cluster, weights=frequency, minlength=num_devices)
+    imbalance = np.abs(load - frequency.sum() / num_devices).sum()
+    on_device = confidence @ (expert_cluster[:, None] == np.arange(num_devices))  # [t, D] mass per device
+    local = on_device[np.arange(len(token_cluster)), token_cluster]
+    remote = float(frequency @ (confidence.sum(axis=1) - local))
+    return float(theta * imbalance + (1.0 - theta) * remote)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Algorithm 1: balanced token-expert co-clustering
+
+
+@dataclass
+class CoclusterResult:
+    """unit_cluster int64[u]; expert_device int64[L, E]; objective = L summed over layers (lower is better);
+    history = objective of every round (round 0 is the expert-affinity initialisation)."""
+
+    unit_cluster: np.ndarray
+    expert_device: np.ndarray
+    objective: float
+    history: list = field(default_factory=list)
+
+
+def check_cocluster_args(num_experts: int, num_devices: int, theta: float, n_steps: int, ft_steps: int) -> None:
+    """Raise ConfigError for parameters Algorithm 1 cannot work with."""
+    if not 0.0 < theta < 1.0:
+        raise ConfigError(f"system.params.theta must be strictly between 0 and 1, got {theta}.")
+    if num_devices < 1 or num_devices > num_experts:
+        raise ConfigError(
+            f"co-clustering {num_experts} experts onto {num_devices} devices is impossible; use 1..{num_experts} devices."
+        )
+    if num_experts % num_devices:
+        raise ConfigError(
+            f"{num_experts} experts do not split into {num_devices} equal clusters; choose a divisor of {num_experts}."
+        )
+    if n_steps < 1 or ft_steps < 0:
+        raise ConfigError(f"system.params.n_steps must be >= 1 and ft_steps >= 0, got {n_steps} and {ft_steps}.")
+
+
+@dataclass(frozen=True)
+class SparseAffinity:
+    """COO affinity float[L, u, E]: unit[i] activates expert[i] value[i] times (load units) in layer[i].
+
+    Profile tables are sparse (a token row touches few experts), so a solver round costs O(nnz + u x D +
+    L x D x E) instead of O(u x E x D): what makes a 58-layer, 256-expert instance feasible on 2 cores.
+    """
+
+    layer: np.ndarray  # int64[nnz]
+    unit: np.ndarray  # int64[nnz]
+    expert: np.ndarray  # int64[nnz]
+    value: np.ndarray  # float64[nnz]
+    num_layers: int
+    num_units: int
+    num_experts: int
+
+    @classmethod
+    def from_dense(cls, affinity: np.ndarray) -> SparseAffinity:
+        """From float[L, u, E]."""
+        affinity = np.asarray(affinity)
+        if affinity.ndim != 3:
+            raise ConfigError(f"affinity must be a [layers, units, experts] array, got shape {affinity.shape}.")
+        layer, unit, expert = np.nonzero(affinity)
+        return cls(layer, unit, expert, affinity[layer, unit, expert].astype(np.float64), *affinity.shape)
+
+    def hotness(self) -> np.ndarray:
+        """float64[L, E] activations per expert."""
+        flat = np.bincount(self.layer * self.num_experts + self.expert, weights=self.value,
+                           minlength=self.num_layers * self.num_experts)
+        return flat.reshape(self.num_layers, self.num_experts)
+
+    def coactivation(self, unit_load: np.ndarray) -> np.ndarray:
+        """float64[L, E, E] sum_u A[u, e] A[u, e'] / load_u per layer, zero diagonal (sparse products)."""
+        scale = self.value / np.sqrt(np.maximum(unit_load[self.unit], 1e-12))
+        out = np.empty((self.num_layers, self.num_experts, self.num_experts))
+        for layer in range(self.num_layers):
+            sel = self.layer == layer
+            a = sp.csr_matrix((scale[sel], (self.unit[sel], self.expert[sel])), shape=(self.num_units, self.num_experts))
+            out[layer] = (a.T @ a).toarray()
+        idx = np.arange(self.num_experts)
+        out[:, idx, idx] = 0.0
+        return out
+
+    def cluster_affinity(self, unit_cluster: np.ndarray, num_devices: int) -> np.ndarray:
+        """float64[L, D, E] activations of expert e by the units of cluster d."""
+        key = (self.layer * num_devices + unit_cluster[self.unit]) * self.num_experts + self.expert
+        flat = np.bincount(key, weights=self.value, minlength=self.num_layers * num_devices * self.num_experts)
+        return flat.reshape(self.num_layers, num_devices, self.num_experts)
+
+    def local_mass(self, expert_device: np.ndarray, num_devices: int) -> np.ndarray:
+        """float64[u, D] mass of each unit's activations hosted on each device, summed over layers."""
+        key = self.unit * num_devices + expert_device[self.layer, self.expert]
+        dense = np.bincount(key, weights=self.value, minlength=self.num_units * num_devices)
+        return dense.reshape(self.num_units, num_devices)
+
+
+def place_experts(
+    cluster_affinity: np.ndarray | None,
+    hotness: np.ndarray,
+    coact: np.ndarray,
+    num_devices: int,
+    rng: np.random.Generator,
+    alpha: float = 1.0,
+    beta: float = 1.0,
+    gamma: float = 1.0,
+    ft_steps: int = 64,
+    exact: bool = False,
+) -> np.ndarray:
+    """int64[L, E] expert -> device with exactly E/D experts per device in every layer (paper's expert_place).
+
+    cluster_affinity float[L, D, E]: activations of expert e by the units of cluster d (None before any unit
+    clustering exists: only co-activation and load count); hotness float[L, E]; coact float[L, E, E].
+    Greedy over experts in descending hotness (all layers at once), then ft_steps random swaps per layer kept
+    when their affinity gain is > 0 and they do not raise the layer's maximum device load. With `exact` and
+    unit clusters, the swaps' goal is then reached exactly: each layer's experts go to the E/D slots per
+    device that maximise the local activations sum_e cluster_affinity[device(e), e] (a linear assignment,
+    O(E^3) per layer); on replayed OLMoE routing it raised DP LAR at EP4 from 0.262 to 0.275.
+    """
+    num_layers, num_experts = hotness.shape
+    capacity = num_experts // num_devices
+    layer = np.arange(num_layers)
+    eps = 1e-12
+    affinity_share = (
+        np.zeros((num_layers, num_devices, num_experts), dtype=np.float32)
+        if cluster_affinity is None
+        else cluster_affinity / np.maximum(hotness[:, None, :], eps)
+    )
+    coact_total = np.maximum(coact.sum(axis=2), eps)  # [L, E]
+    mean_load = np.maximum(hotness.sum(axis=1) / num_devices, eps)  # [L]
+    order = np.argsort(-hotness, axis=1, kind="stable")
+    expert_device = np.full((num_layers, num_experts), -1, dtype=np.int64)
+    count = np.zeros((num_layers, num_devices), dtype=np.int64)
+    load = np.zeros((num_layers, num_devices), dtype=np.float64)
+    coact_on = np.zeros((num_layers, num_experts, num_devices), dtype=np.float32)  # sum of coact with placed experts
+    for i in range(num_experts):  # one expert per layer per iteration, all layers together
+        expert = order[:, i]
+        score = (
+            alpha * coact_on[layer, expert] / coact_total[layer, expert][:, None]
+            + beta * affinity_share[layer, :, expert]
+            # only the load beyond a device's fair share costs: an absolute load term would outweigh
+            # the affinity shares (both in [0, 1]) and scatter co-activated experts
+            - gamma * np.maximum(load + hotness[layer, expert][:, None] - mean_load[:, None], 0.0) / mean_load[:, None]
+        )
+        score[count >= capacity] = -np.inf
+        device = np.argmax(score, axis=1)
+        expert_device[layer, expert] = device
+        count[layer, device] += 1
+        load[layer, device] += hotness[layer, expert]
+        coact_on[layer, :, device] += coact[layer, :, expert]
+
+    # refinement: random pairwise swaps, gain in shares of the layer's total activation / co-activation
+    total_act = np.maximum(hotness.sum(axis=1), eps)
+    total_co = np.maximum(coact.sum(axis=(1, 2)), eps)
+    raw_affinity = np.zeros_like(affinity_share) if cluster_affinity is None else cluster_affinity
+    for _ in range(ft_steps):
+        e1, e2 = rng.integers(num_experts, size=(2, num_layers))
+        d1, d2 = expert_device[layer, e1], expert_device[layer, e2]
+        affinity_gain = (
+            raw_affinity[layer, d2, e1] + raw_affinity[layer, d1, e2]
+            - raw_affinity[layer, d1, e1] - raw_affinity[layer, d2, e2]
+        ) / total_act
+        pair = coact[layer, e1, e2]
+        coact_gain = (
+            coact_on[layer, e1, d2] - pair + coact_on[layer, e2, d1] - pair
+            - coact_on[layer, e1, d1] - coact_on[layer, e2, d2]
+        ) / total_co
+        delta = hotness[layer, e2] - hotness[layer, e1]
+        new_max = np.maximum(load[layer, d1] + delta, load[layer, d2] - delta)
+        accept = (d1 != d2) & (beta * affinity_gain + alpha * coact_gain > 0) & (new_max <= load.max(axis=1) + eps)
+        lay, a, b, da, db = layer[accept], e1[accept], e2[accept], d1[accept], d2[accept]
+        expert_device[lay, a], expert_device[lay, b] = db, da
+        load[lay, da] += delta[accept]
+        load[lay, db] -= delta[accept]
+        swap_co = coact[lay, :, b] - coact[lay, :, a]  # [accepted, E]
+        coact_on[lay, :, da] += swap_co
+        coact_on[lay, :, db] -= swap_co
+    if exact and cluster_affinity is not None:
+        for lay in range(num_layers):
+            slot_gain = np.repeat(cluster_affinity[lay], capacity, axis=0)  # [E slots, E], slot s on device s // (E/D)
+            experts, slots = linear_sum_assignment(slot_gain.T, maximize=True)
+            expert_device[lay, experts] = slots // capacity
+    return expert_device
+
+
+def _objective(cluster: np.ndarray, local: np.ndarray, unit_load: np.ndarray, num_layers: int, theta: float) -> float:
+    """L summed over layers for unit clusters int[u] given local float[u, D] (load units, summed over layers)."""
+    num_devices = local.shape[1]
+    load = np.bincount(cluster, weights=unit_load, minlength=num_devices)
+    imbalance = np.abs(load - unit_load.sum() / num_devices).sum()
+    remote = num_layers * unit_load.sum() - local[np.arange(len(cluster)), cluster].sum()
+    return float(theta * num_layers * imbalance + (1.0 - theta) * remote)
+
+
+def capacity_assign(local: np.ndarray, unit_load: np.ndarray, slack: float = 0.02) -> np.ndarray:
+    """int64[u] units -> devices with every device's load <= (1 + slack) x the mean, by proposal rounds.
+
+    local float[u, D]. Each round every unassigned unit proposes to its best device that is not full; a
+    device accepts proposals in descending order of the unit's local share until its capacity and becomes
+    full at its first rejection. Units still open after D rounds (bigger than any remaining capacity) go,
+    heaviest first, to the device with the most capacity left. Vectorised per round (sort by device,
+    cumulative load): the paper's "mask a cluster once it is full".
+    """
+    num_units, num_devices = local.shape
+    capacity = np.full(num_devices, (1.0 + slack) * unit_load.sum() / num_devices)
+    full = np.zeros(num_devices, dtype=bool)
+    cluster = np.full(num_units, -1, dtype=np.int64)
+    share = local / np.maximum(unit_load, 1e-12)[:, None]
+    for _ in range(num_devices):
+        open_units = np.flatnonzero(cluster < 0)
+        if len(open_units) == 0 or full.all():
+            break
+        choice = np.argmax(np.where(full[None, :], -np.inf, share[open_units]), axis=1)
+        order = np.lexsort((-share[open_units, choice], choice))
+        units, devices = open_units[order], choice[order]
+        cumulative = np.cumsum(unit_load[units])
+        group_start = np.searchsorted(devices, devices, side="left")
+        earlier = np.concatenate([[0.0], cumulative])[group_start]  # load proposed to lower device ids
+        accept = cumulative - earlier <= capacity[devices]
+        cluster[units[accept]] = devices[accept]
+        capacity -= np.bincount(devices[accept], weights=unit_load[units[accept]], minlength=num_devices)
+        full[devices[~accept]] = True
+    leftovers = np.flatnonzero(cluster < 0)
+    for unit in leftovers[np.argsort(-unit_load[leftovers], kind="stable")]:  # few: a loop is fine
+        device = int(np.argmax(capacity))
+        cluster[unit] = device
+        capacity[device] -= unit_load[unit]
+    return cluster
+
+
+def assign_units(
+    local: np.ndarray,
+    unit_load: np.ndarray,
+    num_layers: int,
+    theta: float,
+    prices: np.ndarray,
+    price_iters: int = 12,
+) -> tuple[np.ndarray, np.ndarray, float]:
+    """(unit_cluster int64[u], prices float64[D], objective) for fixed expert placements (request_schedule).
+
+    local float[u, D]: mass (load units, summed over layers) of unit u's activations hosted on device d.
+    Two candidates, the one with the lower objective L (summed over layers) wins: (1) Lagrangian prices:
+    each unit takes argmin_d -(1 - theta) local[u, d] + theta * L * price_d * load_u, prices being
+    subgradient steps of the imbalance term clipped to its subgradient range [-1, 1], starting from
+    `prices`, best iterate kept; (2) `capacity_assign`, the paper's capacity mask, which stays balanced
+    where big units (requests) make the prices oscillate.
+    """
+    num_devices = local.shape[1]
+    target = unit_load.sum() / num_devices
+    weight = theta * num_layers * unit_load
+    prices = prices.astype(np.float64).copy()
+    cluster = capacity_assign(local, unit_load)
+    best = (cluster, prices.copy(), _objective(cluster, local, unit_load, num_layers, theta))
+    for it in range(price_iters):
+        cluster = np.argmin(-(1.0 - theta) * local + weight[:, None] * prices[None, :], axis=1)
+        objective = _objective(cluster, local, unit_load, num_layers, theta)
+        if objective < best[2]:
+            best = (cluster, prices.copy(), objective)
+        load = np.bincount(cluster, weights=unit_load, minlength=num_devices)
+        prices = np.clip(prices + (load - target) / max(target, 1e-12) / np.sqrt(it + 1.0), -1.0, 1.0)
+    return best
+
+
+def balanced_cocluster(
+    affinity: np.ndarray | SparseAffinity,
+    unit_load: np.ndarray,
+    num_devices: int,
+    rng: np.random.Generator,
+    theta: float = 0.5,
+    alpha: float = 1.0,
+    beta: float = 1.0,
+    gamma: float = 1.0,
+    n_steps: int = 8,
+    ft_steps: int = 64,
+    price_iters: int = 12,
+    exact_expert_step: bool = True,
+) -> CoclusterResult:
+    """Algorithm 1 on units shared by L layers: (unit clusters, expert placement per layer).
+
+    affinity float[L, u, E] (dense or `SparseAffinity`): expected activations of expert e by unit u in layer
+    l, in load units (a token row j has row a_j C_p[j]; a request has its tokens' counts / k), so each row
+    sums to unit_load[u]. unit_load float[u] > 0: tokens per unit (a_j for token rows). With L = 1 and token
+    rows this minimises exactly `coclustering_objective`. Returns the best round by objective (ties: the
+    earliest).
+    """
+    if not isinstance(affinity, SparseAffinity):
+        affinity = SparseAffinity.from_dense(affinity)
+    unit_load = np.asarray(unit_load, dtype=np.float64)
+    num_layers, num_units, num_experts = affinity.num_layers, affinity.num_units, affinity.num_experts
+    check_cocluster_args(num_experts, num_devices, theta, n_steps, ft_steps)
+    if num_units == 0 or unit_load.sum() <= 0 or len(unit_load) != num_units:
+        raise TraceError(
+            f"the co-clustering got {num_units} units with total load {unit_load.sum():g} (and {len(unit_load)} loads); "
+            "profile on a split with routed tokens."
+        )
+    hotness = affinity.hotness()
+    coact = affinity.coactivation(unit_load)
+    prices = np.zeros(num_devices)
+
+    def round_(cluster_affinity):
+        expert_device = place_experts(
+            cluster_affinity, hotness, coact, num_devices, rng, alpha, beta, gamma, ft_steps, exact_expert_step
+        )
+        local = affinity.local_mass(expert_device, num_devices)
+        return (expert_device,) + assign_units(local, unit_load, num_layers, theta, prices, price_iters)
+
+    # round 0: the paper initialises the clusters from expert affinity alone
+    expert_device, unit_cluster, prices, objective = round_(None)
+    best = CoclusterResult(unit_cluster, expert_device, objective, [objective])
+    for _ in range(n_steps):
+        expert_device, unit_cluster, prices, objective = round_(affinity.cluster_affinity(unit_cluster, num_devices))
+        best.history.append(objective)
+        if objective < best.objective:
+            best.unit_cluster, best.expert_device, best.objective = unit_cluster, expert_device, objective
+    return best
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Algorithm 2: Attention-DP request scheduling
+
+
+def request_scores(
+    token_score: np.ndarray, row_of_token: np.ndarray, token_ids: np.ndarray, offsets: np.ndarray, prefill_len: np.ndarray
+) -> np.ndarray:
+    """float32[R, D] per-request device scores: the mean over its prompt tokens of token_score rows.
+
+    token_score float[t + 1, D]; row_of_token int[V] (`vocab_row_map`); token_ids int[N]; offsets int[R+1];
+    prefill_len int[R]. Requests with an empty prompt score 0 everywhere.
+    """
+    offsets = np.asarray(offsets, dtype=np.int64)
+    prefill_len = np.asarray(prefill_len, dtype=np.int64)
+    num_requests = len(offsets) - 1
+    scores = np.zeros((num_requests, token_score.shape[1]), dtype=np.float32)
+    total = int(prefill_len.sum())
+    if total == 0:
+        return scores
+    # gather prompt positions without a loop: position i of request r is offsets[r] + i, i < prefill_len[r]
+    starts = np.concatenate([[0], np.cumsum(prefill_len)[:-1]])
+    positions = np.arange(total) + np.repeat(offsets[:-1] - starts, prefill_len)
+    rows = row_of_token[np.asarray(token_ids)[positions]]
+    nonempty = prefill_len > 0
+    scores[nonempty] = np.add.reduceat(token_score[rows], starts[nonempty], axis=0)
+    return scores / np.maximum(prefill_len, 1)[:, None].astype(np.float32)
+
+
+# prompt tokens per request_votes chunk: keeps the per-token work arrays (~0.5 MB each) in cache; measured
+# about 2x faster than one pass over 8M tokens (bench/bench_semmoe.py, 1k-token prompts)
+VOTE_CHUNK_TOKENS = 1 << 16
+
+
+def request_votes(
+    vocab_device: np.ndarray,
+    vocab_weight: np.ndarray,
+    token_ids: np.ndarray,
+    offsets: np.ndarray,
+    prefill_len: np.ndarray,
+    num_devices: int,
+) -> np.ndarray:
+    """float32[R, D] per-request device scores from one weighted vote per prompt token, divided by the prompt length.
+
+    vocab_device int64[V] and vocab_weight float64[V]: each vocabulary id's vote and its weight (the top entry
+    of the folded score table, looked up per id once at plan build). One bincount per chunk of requests, so
+    the cost is a few nanoseconds per token (the >= 50k requests/s path for 1k-token prompts).
+    """
+    offsets = np.asarray(offsets, dtype=np.int64)
+    prefill_len = np.asarray(prefill_len, dtype=np.int64)
+    num_requests = len(offsets) - 1
+    scores = np.zeros((num_requests, num_devices), dtype=np.float32)
+    if num_requests == 0:
+        return scores
+    # prompt positions, packed: request r's prompt is packed[prompt_start[r] : prompt_start[r] + prefill_len[r]]
+    if np.array_equal(prefill_len, np.diff(offsets)):  # whole requests are prompts: a contiguous slice
+        packed, prompt_start = np.asarray(token_ids[offsets[0] : offsets[-1]]), offsets - offsets[0]
+    else:
+        prompt_start = np.concatenate([[0], np.cumsum(prefill_len)])
+        gather = np.arange(int(prompt_start[-1])) + np.repeat(offsets[:-1] - prompt_start[:-1], prefill_len)
+        packed = np.asarray(token_ids)[gather]
+    first = 0
+    while first < num_requests:
+        last = int(np.searchsorted(prompt_start, prompt_start[first] + VOTE_CHUNK_TOKENS, side="right")) - 1
+        last = min(max(last, first + 1), num_requests)
+        tokens = packed[prompt_start[first] : prompt_start[last]]
+        key = vocab_device[tokens]
+        key += np.repeat(np.arange(last - first, dtype=np.int64) * num_devices, prefill_len[first:last])
+        votes = np.bincount(key, weights=vocab_weight[tokens], minlength=(last - first) * num_devices)
+        scores[first:last] = votes.reshape(last - first, num_devices)
+        first = last
+    return scores / np.maximum(prefill_len, 1)[:, None].astype(np.float32)
+
+
+def masked_argmax_assign(
+    scores: np.ndarray, position: int, taken: np.ndarray, per_rank: int = 1
+) -> tuple[np.ndarray, int, np.ndarray]:
+    """(ranks int64[R], next position, next taken int64[D]): Algorithm 2's round-robin dev_mask.
+
+    scores float[R, D]. The request stream is cut into windows of W = per_rank x D consecutive requests;
+    inside a window each request takes its highest-scoring rank that has fewer than `per_rank` requests of
+    the window (ties -> lowest id), so every window spreads exactly per_rank requests on every rank. The
+    paper's mask is per_rank = 1: every D consecutive requests cover all D ranks. `position` (0..W-1) and
+    `taken` (requests per rank in the open window) carry a partly filled window across calls. Vectorised
+    across windows: W passes, pass i places the i-th request of every window.
+    """
+    num_requests, num_devices = scores.shape
+    window_size = per_rank * num_devices
+    slot = position + np.arange(num_requests)
+    window = slot // window_size
+    used = np.zeros((int(window[-1]) + 1 if num_requests else 1, num_devices), dtype=np.int64)
+    used[0] = taken
+    ranks = np.empty(num_requests, dtype=np.int64)
+    for i in range(window_size):
+        members = np.arange((i - position) % window_size, num_requests, window_size)  # requests at step i
+        if len(members) == 0:
+            continue
+        masked = np.where(used[window[members]] >= per_rank, -np.inf, scores[members])
+        choice = np.argmax(masked, axis=1)
+        ranks[members] = choice
+        used[window[members], choice] += 1
+    next_position = (position + num_requests) % window_size
+    next_taken = used[-1].copy() if next_position else np.zeros(num_devices, dtype=np.int64)
+    return ranks, next_position, next_taken
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Algorithm 3: Attention-TP token reshuffling
+
+
+def align_to_slices(device: np.ndarray, confidence: np.ndarray, num_devices: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """(permutation int64[T], counts int64[D], moved): order tokens so each rank's equal slice holds its tokens.
+
+    device int[T] predicted device per token; confidence float[T]. Slices are even_counts(T, D). Each
+    device keeps its most confident predicted tokens up to its slice size; the overflow, in (device,
+    confidence-descending) order, fills the free slots in device order. moved = tokens not on their
+    predicted device. Within a slice tokens keep their original order.
+    """
+    device = np.asarray(device, dtype=np.int64)
+    num_tokens = len(device)
+    counts = even_counts(num_tokens, num_devices)
+    order = np.lexsort((-np.asarray(confidence, dtype=np.float64), device))
+    sorted_device = device[order]
+    group_count = np.bincount(device, minlength=num_devices)
+    group_start = np.cumsum(group_count) - group_count
+    rank_in_group = np.arange(num_tokens) - group_start[sorted_device]
+    keep = rank_in_group < counts[sorted_device]
+    free = counts - np.minimum(group_count, counts)
+    final_sorted = sorted_device.copy()
+    final_sorted[~keep] = np.repeat(np.arange(num_devices), free)
+    final = np.empty(num_tokens, dtype=np.int64)
+    final[order] = final_sorted
+    return np.argsort(final, kind="stable"), counts, int((~keep).sum())
+
+
+def inverse_permutation(permutation: np.ndarray) -> np.ndarray:
+    """int64[T] inv with inv[permutation[i]] = i: applying it after the permutation restores the order."""
+    inverse = np.empty(len(permutation), dtype=np.int64)
+    inverse[np.asarray(permutation)] = np.arange(len(permutation))
+    return inverse
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the plan and the system
+
+
+def fold_dp_scores(mass: np.ndarray, scoring: str) -> np.ndarray:
+    """float32[t, D] one layer's contribution to the per-token DP score table from its device mass float[t, D].
+
+    "expected": the mass itself (summed over layers: expected local activations per token / k);
+    "confidence": T_p on T (a T_p-weighted vote); "vote": 1 on T (a hard vote).
+    """
+    if scoring == "expected":
+        return mass.astype(np.float32)
+    best = np.argmax(mass, axis=1)
+    weight = np.ones(len(mass), dtype=np.float32) if scoring == "vote" else mass[np.arange(len(mass)), best]
+    out = np.zeros_like(mass, dtype=np.float32)
+    out[np.arange(len(mass)), best] = weight
+    return out
+
+
+class SemMoEPlan(Plan):
+    """Sem-MoE placement plus the DP request scheduler and the TP token reshuffler.
+
+    Tables: token_vocab int32[t]; row_of_token int32[V]; token_device int16[L, t+1] (T) and token_confidence
+    float32[L, t+1] (T_p), row t = OOV fallback (expert popularity); dp_score float32[t+1, D];
+    markov_device int16[L, Q] (A) and markov_confidence float32[L, Q] (A_p), or None when lookback = 0.
+    """
+
+    def __init__(
+        self,
+        placement: Placement,
+        parallel: ParallelConfig,
+        token_vocab: np.ndarray,
+        row_of_token: np.ndarray,
+        token_device: np.ndarray,
+        token_confidence: np.ndarray,
+        dp_score: np.ndarray,
+        markov_device: np.ndarray | None = None,
+        markov_confidence: np.ndarray | None = None,
+        lookback: int = 2,
+        load_aware_lambda: float = 0.0,
+        dp_window: int = 1,
+        dp_scoring: str = "confidence",
+        token_frequency: np.ndarray | None = None,
+        info: dict | None = None,
+    ):
+        self.dp_window = int(dp_window)
+        self.dp_scoring = dp_scoring
+        self.token_vocab = token_vocab
+        self.row_of_token = row_of_token
+        self.token_device = token_device
+        self.token_confidence = token_confidence
+        self.dp_score = dp_score
+        self.markov_device = markov_device
+        self.markov_confidence = markov_confidence
+        self.lookback = int(lookback) if markov_device is not None else 0
+        self.load_aware_lambda = float(load_aware_lambda)
+        self._expert_device = placement.expert_device()
+        # "vote" / "confidence": each vocabulary id casts one vote for the top device of its folded score row
+        # (weight: the row's top share for "confidence", 1 for "vote"; 0 for rows without any score, e.g. OOV)
+        top = np.argmax(dp_score, axis=1)
+        top_score = dp_score[np.arange(len(dp_score)), top]
+        row_total = dp_score.sum(axis=1)
+        weight = top_score / np.maximum(row_total, 1e-30) if dp_scoring == "confidence" else (row_total > 0).astype(np.float32)
+        self._vocab_device = top.astype(np.int64)[row_of_token]
+        self._vocab_weight = weight.astype(np.float64)[row_of_token]
+        # the score of the average profile token: subtracted so a request is placed by what sets it apart,
+        # not by the devices that every request leans to (hot experts of stop words, punctuation, ...)
+        self.token_frequency = token_frequency
+        self.dp_prior = np.zeros(parallel.devices)
+        if token_frequency is not None and token_frequency.sum() > 0:
+            share = token_frequency / token_frequency.sum()
+            if dp_scoring == "expected":
+                self.dp_prior = share @ dp_score.astype(np.float64)
+            else:
+                self.dp_prior = np.bincount(top, weights=share * weight, minlength=parallel.devices)
+        super().__init__(placement, parallel, info)
+
+    def reset(self) -> None:
+        super().reset()
+        self._position = 0
+        self._taken = np.zeros(self.parallel.devices, dtype=np.int64)
+        self._queued = np.zeros(self.parallel.devices, dtype=np.float64)
+        self._assigned_requests = 0
+        self.info["align_moved_tokens"] = 0
+        self.info["shuffled_tokens"] = 0
+        self.info["align_moved_share"] = 0.0
+
+    def _check_tokens(self, token_ids: np.ndarray) -> np.ndarray:
+        token_ids = np.asarray(token_ids)
+        if token_ids.size and (token_ids.min() < 0 or token_ids.max() >= len(self.row_of_token)):
+            raise TraceError(
+                f"token id {int(token_ids.max())} is outside the plan's vocabulary of {len(self.row_of_token)} ids; "
+                "fit the plan on a profile of the same model."
+            )
+        return token_ids
+
+    def assign_requests(self, token_ids: np.ndarray, offsets: np.ndarray, prefill_len: np.ndarray) -> np.ndarray:
+        """int64[R] DP rank per request (Algorithm 2); requests stay on their rank for decode."""
+        token_ids = self._check_tokens(token_ids)
+        if self.dp_scoring == "expected":
+            scores = request_scores(self.dp_score, self.row_of_token, token_ids, offsets, prefill_len)
+        else:
+            scores = request_votes(
+                self._vocab_device, self._vocab_weight, token_ids, offsets, prefill_len, self.parallel.devices
+            )
+        if len(scores) == 0:
+            return np.zeros(0, dtype=np.int64)
+        scores = scores - self.dp_prior.astype(np.float32)
+        if self.load_aware_lambda > 0:
+            return self._assign_load_aware(scores, np.asarray(prefill_len, dtype=np.float64))
+        ranks, self._position, self._taken = masked_argmax_assign(scores, self._position, self._taken, self.dp_window)
+        return ranks
+
+    def _assign_load_aware(self, scores: np.ndarray, prompt_len: np.ndarray) -> np.ndarray:
+        # sequential by nature: each choice changes the queues the next request sees (one loop per request).
+        # The plan never learns when a request finishes, so "queued" = prompt tokens assigned so far.
+        ranks = np.empty(len(scores), dtype=np.int64)
+        window_size = self.dp_window * self.parallel.devices
+        for r, score in enumerate(scores):
+            mean_len = max((self._queued.sum() + prompt_len[r]) / (self._assigned_requests + 1), 1.0)
+            adjusted = score - self.load_aware_lambda * (self._queued - self._queued.min()) / mean_len
+            adjusted[self._taken >= self.dp_window] = -np.inf
+            rank = int(np.argmax(adjusted))
+            ranks[r] = rank
+            self._queued[rank] += prompt_len[r]
+            self._assigned_requests += 1
+            self._taken[rank] += 1
+            self._position = (self._position + 1) % window_size
+            if self._position == 0:
+                self._taken[:] = 0
+        return ranks
+
+    def predicted_devices(
+        self, token_ids: np.ndarray, layer: int, prev_experts: np.ndarray | None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(device int64[T], confidence float32[T]): T / T_p, or A / A_p where the Markov table is more confident.
+
+        prev_experts int[T, h', k] is chronological (column -1 = layer - 1), as repro.eval passes it.
+        """
+        rows = self.row_of_token[self._check_tokens(token_ids)]
+        device = self.token_device[layer, rows].astype(np.int64)
+        confidence = self.token_confidence[layer, rows]
+        depth = min(self.lookback, layer)
+        # the table's rows at this layer index exactly `depth` previous devices: a shorter history is unusable
+        if depth and prev_experts is not None and np.shape(prev_experts)[1] >= depth:
+            prev_experts = np.asarray(prev_experts)
+            history = np.stack(
+                [
+                    majority_device(prev_experts[:, j], self._expert_device[layer - depth + i], self.parallel.devices)
+                    for i, j in enumerate(range(prev_experts.shape[1] - depth, prev_experts.shape[1]))
+                ],
+                axis=1,
+            )
+            keys = history_keys(history, self.parallel.devices)
+            markov_confidence = self.markov_confidence[layer, keys]
+            use_markov = markov_confidence > confidence  # Algorithm 3: where(T_p > A_p, T, A), ties -> T
+            device = np.where(use_markov, self.markov_device[layer, keys], device)
+            confidence = np.maximum(confidence, markov_confidence)
+        return device, confidence
+
+    def shuffle_tokens(
+        self, token_ids: np.ndarray, layer: int, prev_experts: np.ndarray | None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(permutation int64[T], counts int64[D]) for the shuffled reduce-scatter before MoE layer `layer`."""
+        device, confidence = self.predicted_devices(token_ids, layer, prev_experts)
+        permutation, counts, moved = align_to_slices(device, confidence, self.parallel.devices)
+        self.info["align_moved_tokens"] += moved
+        self.info["shuffled_tokens"] += len(device)
+        self.info["align_moved_share"] = self.info["align_moved_tokens"] / max(self.info["shuffled_tokens"], 1)
+        return permutation, counts
+
+    def save(self, directory: str | Path) -> None:
+        """Placement and info (base), plus every table as .npy (no pickle) and the scalars as semmoe.json."""
+        super().save(directory)
+        directory = Path(directory)
+        tables = {
+            "token_vocab": self.token_vocab,
+            "row_of_token": self.row_of_token,
+            "token_device": self.token_device,
+            "token_confidence": self.token_confidence,
+            "dp_score": self.dp_score,
+            "token_frequency": self.token_frequency,
+        }
+        if self.markov_device is not None:
+            tables.update(markov_device=self.markov_device, markov_confidence=self.markov_confidence)
+        for name, array in tables.items():
+            if array is None:
+                continue
+            np.save(directory / f"{name}.npy", np.ascontiguousarray(array), allow_pickle=False)
+        scalars = {
+            "lookback": self.lookback,
+            "load_aware_lambda": self.load_aware_lambda,
+            "dp_window": self.dp_window,
+            "dp_scoring": self.dp_scoring,
+        }
+        (directory / "semmoe.json").write_text(json.dumps(scalars))
+
+    @classmethod
+    def load(cls, directory: str | Path, parallel: ParallelConfig, num_experts: int) -> SemMoEPlan:
+        """Read a plan written by `save` (arrays with allow_pickle=False)."""
+        directory = Path(directory)
+
+        def read(name: str):
+            path = directory / f"{name}.npy"
+            return np.load(path, allow_pickle=False) if path.exists() else None
+
+        try:
+            scalars = json.loads((directory / "semmoe.json").read_text())
+            info = json.loads((directory / "plan_info.json").read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{directory} does not hold a saved Sem-MoE plan ({e}); write one with plan.save().") from e
+        placement = Placement(read("physical_to_logical"), parallel.devices, num_experts)
+        return cls(
+            placement, parallel, read("token_vocab"), read("row_of_token"), read("token_device"),
+            read("token_confidence"), read("dp_score"), read("markov_device"), read("markov_confidence"),
+            scalars["lookback"], scalars["load_aware_lambda"], scalars["dp_window"], scalars["dp_scoring"],
+            read("token_frequency"), info,
+        )
+
+
+class SemMoE:
+    """Sem-MoE: co-clustered placement + Algorithm 2 (DP) + Algorithm 3 (TP); see the module docstring.
+
+    cluster_units: "auto" (token rows per layer under Attention-TP, profile requests shared by all layers
+    under Attention-DP), or force "tokens" / "requests". prompt_only: profile prompt tokens only (the paper
+    profiles prompts). embeddings_path: optional .npy float[V, H] input-embedding matrix for the
+    nearest-neighbour OOV fallback (without it unseen ids use each layer's expert popularity).
+    """
+
+    name = "semmoe"
+
+    def __init__(
+        self,
+        theta: float = 0.5,
+        alpha: float = 1.0,
+        beta: float = 1.0,
+        gamma: float = 1.0,
+        n_steps: int = 8,
+        ft_steps: int = 64,
+        lookback: int = 2,
+        dp_scoring: str = "confidence",
+        load_aware_lambda: float = 0.0,
+        dp_window: int = 1,
+        max_units: int = 8192,
+        price_iters: int = 12,
+        exact_expert_step: bool = True,
+        cluster_units: str = "auto",
+        prompt_only: bool = False,
+        embeddings_path: str | None = None,
+    ):
+        if not 0.0 < float(theta) < 1.0:
+            raise ConfigError(f"system.params.theta must be strictly between 0 and 1, got {theta}.")
+        if min(alpha, beta, gamma) < 0:
+            raise ConfigError(f"system.params alpha, beta, gamma must be >= 0, got {alpha}, {beta}, {gamma}.")
+        if int(n_steps) < 1 or int(ft_steps) < 0 or int(price_iters) < 1:
+            raise ConfigError(
+                f"system.params.n_steps and price_iters must be >= 1 and ft_steps >= 0, got {n_steps}, {price_iters}, {ft_steps}."
+            )
+        if int(lookback) < 0:
+            raise ConfigError(f"system.params.lookback must be >= 0, got {lookback}.")
+        if dp_scoring not in DP_SCORINGS:
+            raise ConfigError(f"system.params.dp_scoring must be one of {DP_SCORINGS}, got {dp_scoring!r}.")
+        if load_aware_lambda < 0:
+            raise ConfigError(f"system.params.load_aware_lambda must be >= 0, got {load_aware_lambda}.")
+        if int(max_units) < 1:
+            raise ConfigError(f"system.params.max_units must be >= 1, got {max_units}.")
+        if int(dp_window) < 1:
+            raise ConfigError(f"system.params.dp_window must be >= 1 (requests per rank per mask window), got {dp_window}.")
+        if cluster_units not in CLUSTER_UNITS:
+            raise ConfigError(f"system.params.cluster_units must be one of {CLUSTER_UNITS}, got {cluster_units!r}.")
+        self.theta, self.alpha, self.beta, self.gamma = float(theta), float(alpha), float(beta), float(gamma)
+        self.n_steps, self.ft_steps, self.lookback = int(n_steps), int(ft_steps), int(lookback)
+        self.price_iters, self.max_units = int(price_iters), int(max_units)
+        self.exact_expert_step = bool(exact_expert_step)
+        self.dp_scoring, self.load_aware_lambda, self.dp_window = dp_scoring, float(load_aware_lambda), int(dp_window)
+        self.cluster_units, self.prompt_only, self.embeddings_path = cluster_units, bool(prompt_only), embeddings_path
+
+    def _solver_args(self) -> dict:
+        return dict(
+            theta=self.theta, alpha=self.alpha, beta=self.beta, gamma=self.gamma,
+            n_steps=self.n_steps, ft_steps=self.ft_steps, price_iters=self.price_iters,
+            exact_expert_step=self.exact_expert_step,
+        )
+
+    def fit(self, profile: RoutingTrace, parallel: ParallelConfig, rng: np.random.Generator) -> SemMoEPlan:
+        """Algorithm 1 on the profile, then the online tables for the resulting placement."""
+        started = time.perf_counter()
+        expert_device, info = self.solve_placement(profile, parallel, rng)
+        plan = self.plan_for_placement(profile, parallel, expert_device, info)
+        plan.info["fit_seconds"] = time.perf_counter() - started
+        return plan
+
+    def _profile_rows(self, profile: RoutingTrace) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(kept token indices int64[N'], token_vocab int32[t], token_row int64[N']) of the profile."""
+        keep = profile_tokens(profile, self.prompt_only)
+        if len(keep) == 0:
+            raise TraceError(
+                f"the profile split of {profile.meta.model!r} has no {'prompt ' if self.prompt_only else ''}tokens "
+                "in any MoE layer; profile on more requests (or set system.params.prompt_only=false)."
+            )
+        token_vocab, token_row = encode_tokens(profile.token_ids[keep])
+        return keep, token_vocab, token_row
+
+    def solve_placement(
+        self, profile: RoutingTrace, parallel: ParallelConfig, rng: np.random.Generator
+    ) -> tuple[np.ndarray, dict]:
+        """(expert_device int64[L, E] with exactly E/D experts per device per layer, solver info)."""
+        started = time.perf_counter()
+        meta = profile.meta
+        num_experts, top_k, num_devices, num_layers = meta.num_experts, meta.top_k, parallel.devices, profile.num_layers
+        parallel.check_experts(num_experts)
+        check_cocluster_args(num_experts, num_devices, self.theta, self.n_steps, self.ft_steps)
+        keep, token_vocab, token_row = self._profile_rows(profile)
+        units = self.cluster_units
+        if units == "auto":
+            units = "requests" if parallel.attention == "dp" else "tokens"
+        expert_device = np.empty((num_layers, num_experts), dtype=np.int64)
+        objectives: list[float] = []
+        if units == "requests":
+            unit_of_token = profile.request_of_token()[keep]
+            num_units = profile.num_requests
+        else:
+            unit_of_token, num_units = token_row, len(token_vocab)
+        unit_load = np.bincount(unit_of_token, minlength=num_units).astype(np.float64)  # a_j or request tokens
+        # the solver sees the `max_units` heaviest units; lighter ones (rare token ids, short requests) still
+        # get tables from the resulting placement, they just do not steer it
+        solver_units = np.sort(np.argsort(-unit_load, kind="stable")[: self.max_units])
+        solver_units = solver_units[unit_load[solver_units] > 0]
+        unit_index = np.full(num_units, -1, dtype=np.int64)
+        unit_index[solver_units] = np.arange(len(solver_units))
+        solver_tokens = unit_index[unit_of_token] >= 0
+        solver_unit_of_token = unit_index[unit_of_token[solver_tokens]]
+
+        def layer_coo(layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            experts = profile.experts[keep[solver_tokens], layer]
+            return layer_token_expert_coo(solver_unit_of_token, experts, len(solver_units), num_experts)
+
+        def sparse(layers: list[int]) -> SparseAffinity:
+            parts = [layer_coo(layer) for layer in layers]
+            return SparseAffinity(
+                np.repeat(np.arange(len(layers)), [len(p[0]) for p in parts]),
+                np.concatenate([p[0] for p in parts]),
+                np.concatenate([p[1] for p in parts]),
+                np.concatenate([p[2] for p in parts]).astype(np.float64) / top_k,  # token units
+                len(layers), len(solver_units), num_experts,
+            )
+
+        if units == "requests":  # one clustering shared by every layer
+            result = balanced_cocluster(sparse(list(range(num_layers))), unit_load[solver_units], num_devices, rng, **self._solver_args())
+            expert_device[:] = result.expert_device
+            objectives.append(result.objective)
+        else:  # one clustering per layer keeps memory at one layer's nonzeros
+            for layer in range(num_layers):
+                result = balanced_cocluster(sparse([layer]), unit_load[solver_units], num_devices, rng, **self._solver_args())
+                expert_device[layer] = result.expert_device[0]
+                objectives.append(result.objective)
+        info = {
+            "cluster_units": units,
+            "objective": float(np.sum(objectives)),
+            "objective_per_layer": [float(x) for x in objectives] if units == "tokens" else [],
+            "profile_token_rows": len(token_vocab),
+            "solver_units": len(solver_units),
+            "solver_load_share": float(unit_load[solver_units].sum() / unit_load.sum()),
+            "solver_seconds": time.perf_counter() - started,
+        }
+        return expert_device, info
+
+    def plan_for_placement(
+        self, profile: RoutingTrace, parallel: ParallelConfig, expert_device: np.ndarray, info: dict | None = None
+    ) -> SemMoEPlan:
+        """The online plan (tables T, T_p, dp_score, A, A_p) for a given expert_device int[L, E] placement.
+
+        Also used by system=semmoe_exact, whose placement comes from the exact MILP.
+        """
+        meta = profile.meta
+        num_experts, num_devices, num_layers = meta.num_experts, parallel.devices, profile.num_layers
+        expert_device = np.asarray(expert_device, dtype=np.int64)
+        if expert_device.shape != (num_layers, num_experts):
+            raise ConfigError(
+                f"expert_device has shape {expert_device.shape}; the profile needs ({num_layers}, {num_experts})."
+            )
+        check_markov_size(num_devices, self.lookback)
+        placement = Placement.from_expert_device(expert_device, num_devices)
+        keep, token_vocab, token_row = self._profile_rows(profile)
+        num_rows = len(token_vocab)
+        token_device = np.empty((num_layers, num_rows + 1), dtype=np.int16)
+        token_confidence = np.empty((num_layers, num_rows + 1), dtype=np.float32)
+        dp_score = np.zeros((num_rows + 1, num_devices), dtype=np.float32)
+        for layer in range(num_layers):
+            experts = np.asarray(profile.experts[keep, layer])
+            mass = np.empty((num_rows + 1, num_devices), dtype=np.float32)
+            mass[:num_rows] = routed_device_mass(token_row, experts, num_rows, expert_device[layer], num_devices)
+            # row t, the OOV fallback: the layer's expert popularity, folded onto devices
+            device_load = np.bincount(expert_device[layer][experts.ravel()], minlength=num_devices)
+            mass[num_rows] = device_load / device_load.sum()
+            token_device[layer] = np.argmax(mass, axis=1)
+            token_confidence[layer] = mass.max(axis=1)
+            dp_score += fold_dp_scores(mass, self.dp_scoring)
+        dp_score[num_rows] = 0.0  # an unseen token says nothing about where its request belongs
+        token_frequency = np.bincount(token_row, minlength=num_rows + 1).astype(np.float32)
+        markov_device = markov_confidence = None
+        if self.lookback > 0:
+            markov_device, markov_confidence = device_markov_table(profile, expert_device, num_devices, self.lookback)
+        embeddings = None if self.embeddings_path is None else np.load(self.embeddings_path, allow_pickle=False)
+        row_of_token = vocab_row_map(token_vocab, meta.vocab_size, embeddings)
+        info = dict(info or {})
+        info["dp_scoring"] = self.dp_scoring
+        return SemMoEPlan(
+            placement, parallel, token_vocab, row_of_token, token_device, token_confidence, dp_score,
+            markov_device, markov_confidence, self.lookback, self.load_aware_lambda, self.dp_window, self.dp_scoring,
+            token_frequency, info,
+        )

@@ -1,0 +1,314 @@
+"""repro.systems.semmoe: Algorithms 1-3 on hand-made instances, plan contracts, bad inputs."""
+
+import numpy as np
+import pytest
+
+from repro.errors import ConfigError, TraceError
+from repro.parallel import ParallelConfig
+from repro.systems import make_system
+from repro.systems.semmoe import (
+    SemMoE,
+    SemMoEPlan,
+    align_to_slices,
+    balanced_cocluster,
+    capacity_assign,
+    coclustering_objective,
+    inverse_permutation,
+    masked_argmax_assign,
+    place_experts,
+    request_scores,
+    request_votes,
+)
+from repro.traces import TraceMeta, make_trace, split_trace
+
+
+def community_trace(rng, num_requests=64, request_len=16, num_layers=2, num_experts=8, top_k=2, communities=2, noise=0.0):
+    """Requests of one community each; community c uses tokens c*10..c*10+9 and experts of block c
+    (E / communities experts), rotated per layer so every layer needs its own placement."""
+    block = num_experts // communities
+    community = np.repeat(rng.integers(communities, size=num_requests), request_len)
+    token_ids = community * 10 + rng.integers(10, size=len(community))
+    first = (token_ids % block)[:, None] + np.arange(top_k)  # [N, k] members of the block
+    experts = np.stack(
+        [((community[:, None] * block + first % block) + layer * block) % num_experts for layer in range(num_layers)],
+        axis=1,
+    )
+    noisy = rng.random(experts.shape) < noise
+    experts = np.where(noisy, rng.integers(num_experts, size=experts.shape), experts)
+    meta = TraceMeta(model="communities", num_experts=num_experts, top_k=top_k, layer_ids=tuple(range(num_layers)),
+                     vocab_size=10 * communities)
+    return make_trace(meta, np.arange(num_requests + 1) * request_len, token_ids, experts)
+
+
+# ---------------------------------------------------------------------------------------------- objective
+
+
+def test_coclustering_objective_by_hand():
+    # 2 tokens, 4 experts, 2 devices; token 0 (a=3) on device 0 puts 0.25 of its mass on device-1 experts;
+    # token 1 (a=1) on device 0 too: loads 4 vs 0 -> imbalance |4-2| + |0-2| = 4
+    confidence = np.array([[0.5, 0.25, 0.25, 0.0], [0.0, 0.0, 0.5, 0.5]])
+    frequency = np.array([3.0, 1.0])
+    expert_cluster = np.array([0, 0, 1, 1])
+    remote = 3 * 0.25 + 1 * 1.0
+    value = coclustering_objective(np.array([0, 0]), expert_cluster, confidence, frequency, 2, theta=0.25)
+    assert value == pytest.approx(0.25 * 4 + 0.75 * remote)
+    # perfect: token 1 on device 1 -> imbalance |3-2| + |1-2| = 2, remote 0.75
+    value = coclustering_objective(np.array([0, 1]), expert_cluster, confidence, frequency, 2, theta=0.5)
+    assert value == pytest.approx(0.5 * 2 + 0.5 * 0.75)
+
+
+# ---------------------------------------------------------------------------------------------- Algorithm 1
+
+
+def test_cocluster_separates_two_obvious_communities():
+    # tokens 0-9 use only experts 0-3, tokens 10-19 only experts 4-7 (shuffled ids), equal frequencies
+    rng = np.random.default_rng(0)
+    expert_ids = rng.permutation(8)
+    confidence = np.zeros((20, 8), dtype=np.float32)
+    confidence[:10, expert_ids[:4]] = 0.25
+    confidence[10:, expert_ids[4:]] = 0.25
+    frequency = np.full(20, 5.0)
+    result = balanced_cocluster((confidence * frequency[:, None])[None], frequency, 2, np.random.default_rng(1))
+    experts = result.expert_device[0]
+    assert len(set(experts[expert_ids[:4]])) == 1 and len(set(experts[expert_ids[4:]])) == 1
+    assert experts[expert_ids[0]] != experts[expert_ids[4]]
+    assert np.all(result.unit_cluster[:10] == experts[expert_ids[0]])
+    assert np.all(result.unit_cluster[10:] == experts[expert_ids[4]])
+    assert result.objective == pytest.approx(0.0, abs=1e-6)
+    assert coclustering_objective(result.unit_cluster, experts, confidence, frequency, 2, 0.5) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_cocluster_matches_objective_and_never_beats_the_brute_force_optimum():
+    # 6 tokens, 4 experts, 2 devices: enumerate every balanced expert split and every token clustering
+    rng = np.random.default_rng(3)
+    confidence = rng.dirichlet(np.full(4, 0.3), size=6)
+    frequency = rng.integers(1, 6, size=6).astype(float)
+    result = balanced_cocluster((confidence * frequency[:, None])[None], frequency, 2, np.random.default_rng(0))
+    heuristic = coclustering_objective(result.unit_cluster, result.expert_device[0], confidence, frequency, 2, 0.5)
+    assert heuristic == pytest.approx(result.objective, rel=1e-5)
+    best = np.inf
+    for split in ([0, 0, 1, 1], [0, 1, 0, 1], [0, 1, 1, 0]):
+        for code in range(2**6):
+            tokens = (code >> np.arange(6)) & 1
+            best = min(best, coclustering_objective(tokens, np.array(split), confidence, frequency, 2, 0.5))
+    assert best <= heuristic + 1e-9
+    assert heuristic <= 1.25 * best + 1e-9  # the heuristic is close on a toy instance
+
+
+def test_every_layer_places_exactly_e_over_d_experts_per_device():
+    rng = np.random.default_rng(4)
+    affinity = rng.random((3, 50, 16)).astype(np.float32)
+    load = affinity[0].sum(axis=1)
+    affinity = affinity / affinity.sum(axis=2, keepdims=True) * load[None, :, None]
+    result = balanced_cocluster(affinity, load, 4, np.random.default_rng(0), n_steps=3, ft_steps=32)
+    for layer in range(3):
+        assert np.bincount(result.expert_device[layer], minlength=4).tolist() == [4, 4, 4, 4]
+    assert result.objective == min(result.history)
+
+
+# ---------------------------------------------------------------------------------------------- Algorithm 2
+
+
+def test_dp_mask_covers_all_ranks_every_d_requests_and_streams():
+    rng = np.random.default_rng(5)
+    scores = rng.random((103, 4))
+    ranks, position, taken = masked_argmax_assign(scores, 0, np.zeros(4, dtype=np.int64))
+    for start in range(0, 100, 4):
+        assert sorted(ranks[start : start + 4]) == [0, 1, 2, 3]
+    assert position == 3 and taken.sum() == 3
+    # streaming in uneven pieces gives the same ranks as one call
+    pieces, position, taken = [], 0, np.zeros(4, dtype=np.int64)
+    for lo, hi in ((0, 1), (1, 7), (7, 50), (50, 103)):
+        part, position, taken = masked_argmax_assign(scores[lo:hi], position, taken)
+        pieces.append(part)
+    assert np.concatenate(pieces).tolist() == ranks.tolist()
+
+
+def test_dp_mask_by_hand_and_wider_windows():
+    # everyone prefers rank 2, then 0: the window forces 2, 0, then the lowest free ids
+    scores = np.tile([0.5, 0.1, 0.9, 0.0], (4, 1))
+    ranks, _, _ = masked_argmax_assign(scores, 0, np.zeros(4, dtype=np.int64))
+    assert ranks.tolist() == [2, 0, 1, 3]
+    ranks, _, _ = masked_argmax_assign(np.tile(scores, (2, 1)), 0, np.zeros(4, dtype=np.int64), per_rank=2)
+    assert np.bincount(ranks, minlength=4).tolist() == [2, 2, 2, 2] and ranks[:2].tolist() == [2, 2]
+
+
+def test_request_scores_use_only_the_prompt():
+    token_score = np.array([[1, 0], [0, 1], [0, 0]], dtype=np.float32)  # rows: token 0, token 1, OOV
+    row_of_token = np.array([0, 1, 2, 2], dtype=np.int32)
+    token_ids = np.array([0, 0, 1, 1, 1, 3, 0])
+    offsets = np.array([0, 3, 5, 7])
+    scores = request_scores(token_score, row_of_token, token_ids, offsets, np.array([2, 0, 2]))
+    np.testing.assert_allclose(scores, [[1, 0], [0, 0], [0.5, 0]])  # request 2 prompt = (3 -> OOV, 0)
+    scores = request_scores(token_score, row_of_token, token_ids, offsets, np.array([3, 2, 2]))
+    np.testing.assert_allclose(scores, [[2 / 3, 1 / 3], [0, 1], [0.5, 0]])
+
+
+# ---------------------------------------------------------------------------------------------- Algorithm 3
+
+
+def test_align_is_a_bijection_with_equal_slices_and_inverse_restores_order():
+    rng = np.random.default_rng(6)
+    for num_tokens, num_devices in ((33, 4), (511, 8), (7, 7), (1, 1)):
+        device = rng.integers(num_devices, size=num_tokens)
+        device[: num_tokens // 2] = 0  # heavy skew forces moves
+        permutation, counts, moved = align_to_slices(device, rng.random(num_tokens), num_devices)
+        assert sorted(permutation.tolist()) == list(range(num_tokens))
+        assert counts.sum() == num_tokens and counts.max() - counts.min() <= 1
+        values = rng.random(num_tokens)
+        assert np.array_equal(values[permutation][inverse_permutation(permutation)], values)
+        final = np.repeat(np.arange(num_devices), counts)[inverse_permutation(permutation)]
+        assert moved == int((final != device).sum())
+
+
+def test_align_keeps_balanced_predictions_and_spills_the_least_confident():
+    device = np.array([1, 0, 1, 0])
+    permutation, counts, moved = align_to_slices(device, np.ones(4), 2)
+    assert moved == 0 and permutation.tolist() == [1, 3, 0, 2]
+    # three tokens want device 0, slices are 2/2: the least confident (token 1) moves to device 1
+    permutation, counts, moved = align_to_slices(np.array([0, 0, 0, 1]), np.array([0.9, 0.2, 0.8, 0.7]), 2)
+    assert moved == 1 and permutation.tolist() == [0, 2, 1, 3]
+
+
+# ---------------------------------------------------------------------------------------------- system
+
+
+@pytest.fixture(scope="module")
+def community_split():
+    trace = community_trace(np.random.default_rng(7), noise=0.05)
+    return split_trace(trace, 0.25, np.random.default_rng(0))
+
+
+@pytest.mark.parametrize("attention", ["tp", "dp"])
+def test_semmoe_finds_the_communities_end_to_end(community_split, attention):
+    from repro.eval.accounting import evaluate
+
+    profile, evaluation = community_split
+    # long TP steps: with 4 requests per step the community mix of a step, not the plan, caps the LAR
+    parallel = ParallelConfig(devices=2, attention=attention, tokens_per_step=768)
+    plan = make_system("semmoe").fit(profile, parallel, np.random.default_rng(0))
+    assert isinstance(plan, SemMoEPlan)
+    for layer in range(profile.num_layers):
+        assert np.bincount(plan.placement.expert_device()[layer], minlength=2).tolist() == [4, 4]
+    lar = evaluate(plan, evaluation).summary["lar"]
+    vanilla = evaluate(make_system("ep").fit(profile, parallel, None), evaluation).summary["lar"]
+    # planted communities: TP predicts every token's block; DP is capped by the one-request-per-rank mask
+    assert lar > (0.85 if attention == "tp" else 0.6)
+    assert lar > vanilla + 0.2
+
+
+def test_same_seed_gives_identical_plans_and_save_load_round_trips(community_split, tmp_path):
+    profile, evaluation = community_split
+    parallel = ParallelConfig(devices=2, attention="tp", tokens_per_step=64)
+    plans = [SemMoE(n_steps=3).fit(profile, parallel, np.random.default_rng(11)) for _ in range(2)]
+    for name in ("token_device", "token_confidence", "dp_score", "markov_device", "markov_confidence"):
+        assert np.array_equal(getattr(plans[0], name), getattr(plans[1], name))
+    assert np.array_equal(plans[0].placement.physical_to_logical, plans[1].placement.physical_to_logical)
+    plans[0].save(tmp_path / "plan")
+    loaded = SemMoEPlan.load(tmp_path / "plan", parallel, profile.meta.num_experts)
+    tokens = evaluation.token_ids[:64]
+    prev = evaluation.experts[:64, :1]
+    for plan in (plans[0], loaded):
+        plan.reset()
+    assert np.array_equal(plans[0].shuffle_tokens(tokens, 1, prev)[0], loaded.shuffle_tokens(tokens, 1, prev)[0])
+    offsets, prefill = evaluation.offsets[:9], evaluation.prefill_len[:8]
+    assert np.array_equal(
+        plans[0].assign_requests(evaluation.token_ids, offsets, prefill),
+        loaded.assign_requests(evaluation.token_ids, offsets, prefill),
+    )
+
+
+def test_tp_shuffle_contract_and_moved_share(community_split):
+    profile, evaluation = community_split
+    plan = SemMoE(n_steps=2).fit(profile, ParallelConfig(devices=2, attention="tp", tokens_per_step=64), np.random.default_rng(0))
+    tokens = evaluation.token_ids[:65]
+    permutation, counts = plan.shuffle_tokens(tokens, 1, evaluation.experts[:65, :1])
+    assert sorted(permutation.tolist()) == list(range(65)) and sorted(counts.tolist()) == [32, 33]
+    assert 0.0 <= plan.info["align_moved_share"] <= 1.0 and plan.info["shuffled_tokens"] == 65
+
+
+def test_markov_table_wins_only_when_more_confident(community_split):
+    profile, _ = community_split
+    plan = SemMoE(n_steps=1).fit(profile, ParallelConfig(devices=2, attention="tp", tokens_per_step=64), np.random.default_rng(0))
+    tokens = np.array([0, 15])
+    plan.token_confidence[:] = 0.6
+    plan.markov_confidence[:] = 0.9
+    plan.markov_device[1] = 1 - plan.token_device[1, plan.row_of_token[tokens[0]]]  # disagree for token 0
+    prev = np.zeros((2, 1, 2), dtype=np.int16)
+    device, confidence = plan.predicted_devices(tokens, 1, prev)
+    assert device[0] != plan.token_device[1, plan.row_of_token[tokens[0]]]
+    assert np.allclose(confidence, 0.9)
+    plan.markov_confidence[:] = 0.5
+    device, _ = plan.predicted_devices(tokens, 1, prev)
+    assert device.tolist() == plan.token_device[1, plan.row_of_token[tokens]].tolist()
+
+
+def test_load_aware_variant_keeps_the_mask():
+    trace = community_trace(np.random.default_rng(8), num_requests=40)
+    plan = SemMoE(n_steps=1, load_aware_lambda=0.5).fit(trace, ParallelConfig(devices=2, tokens_per_step=64), np.random.default_rng(0))
+    ranks = plan.assign_requests(trace.token_ids, trace.offsets, trace.prefill_len)
+    assert all(sorted(ranks[i : i + 2]) == [0, 1] for i in range(0, 40, 2))
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+
+
+def test_bad_inputs_raise_one_clear_error():
+    trace = community_trace(np.random.default_rng(9), num_requests=4)
+    for theta in (0.0, 1.0, 1.5):
+        with pytest.raises(ConfigError, match="theta"):
+            SemMoE(theta=theta)
+    with pytest.raises(ConfigError, match="exceeds the model's 8 experts"):
+        SemMoE().fit(trace, ParallelConfig(devices=16, tokens_per_step=64), np.random.default_rng(0))
+    with pytest.raises(ConfigError, match="more than|impossible"):
+        balanced_cocluster(np.ones((1, 2, 4), np.float32), np.ones(2), 8, np.random.default_rng(0))
+    meta = trace.meta
+    empty = make_trace(meta, [0, 0], np.zeros(0, np.int32), np.zeros((0, meta.num_layers, meta.top_k), np.int16))
+    with pytest.raises(TraceError, match="no tokens"):
+        SemMoE().fit(empty, ParallelConfig(devices=2, tokens_per_step=64), np.random.default_rng(0))
+    no_prompt = make_trace(meta, trace.offsets, trace.token_ids, trace.experts, prefill_len=np.zeros(4, np.int32))
+    with pytest.raises(TraceError, match="no prompt tokens"):
+        SemMoE(prompt_only=True).fit(no_prompt, ParallelConfig(devices=2, tokens_per_step=64), np.random.default_rng(0))
+    with pytest.raises(ConfigError, match="dp_scoring"):
+        SemMoE(dp_scoring="magic")
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+def test_capacity_assign_respects_capacity_and_preferences():
+    # 6 units of load 1 all prefer device 0; capacity 1.02 x 2 = 2.04 per device -> 2 each, strongest first
+    local = np.array([[0.9, 0.1, 0.0], [0.8, 0.0, 0.2], [0.7, 0.3, 0.0], [0.6, 0.0, 0.4], [0.5, 0.5, 0.0], [0.95, 0.0, 0.05]])
+    cluster = capacity_assign(local, np.ones(6))
+    assert np.bincount(cluster, minlength=3).tolist() == [2, 2, 2]
+    assert set(np.flatnonzero(cluster == 0).tolist()) == {0, 5}  # the two strongest device-0 shares
+
+
+def test_request_votes_match_dense_scores_of_one_hot_tables():
+    rng = np.random.default_rng(12)
+    vocab_device = rng.integers(3, size=20)
+    vocab_weight = rng.random(20)
+    token_score = np.zeros((20, 3), dtype=np.float32)
+    token_score[np.arange(20), vocab_device] = vocab_weight
+    token_ids = rng.integers(20, size=300)
+    offsets = np.array([0, 10, 10, 150, 300])
+    for prefill in (np.diff(offsets), np.array([4, 0, 100, 1])):
+        votes = request_votes(vocab_device, vocab_weight, token_ids, offsets, prefill, 3)
+        dense = request_scores(token_score, np.arange(20), token_ids, offsets, prefill)
+        np.testing.assert_allclose(votes, dense, rtol=1e-5, atol=1e-6)
+
+
+def test_exact_expert_step_never_loses_local_activations():
+    rng = np.random.default_rng(13)
+    cluster_affinity = rng.random((2, 4, 16))
+    hotness = cluster_affinity.sum(axis=1)
+    coact = np.zeros((2, 16, 16))
+    greedy = place_experts(cluster_affinity, hotness, coact, 4, np.random.default_rng(0), ft_steps=16)
+    exact = place_experts(cluster_affinity, hotness, coact, 4, np.random.default_rng(0), ft_steps=16, exact=True)
+
+    def local(expert_device):
+        return sum(cluster_affinity[layer, expert_device[layer], np.arange(16)].sum() for layer in range(2))
+
+    assert local(exact) >= local(greedy) - 1e-9
+    for layer in range(2):
+        assert np.bincount(exact[layer], minlength=4).tolist() == [4, 4, 4, 4]
