@@ -82,19 +82,24 @@ def fig_per_layer(per_layer: pd.DataFrame, metric: str, path: Path) -> Path:
 
 
 def fig_vs_ep(summary: pd.DataFrame, metric: str, path: Path) -> Path:
-    """Overall `metric` against EP degree, one panel per attention mode, one line per system."""
+    """Overall `metric` against EP degree: columns = attention mode, rows = evaluated workload, hue = system."""
     modes = sorted(summary["attention"].unique())
-    fig, axes = plt.subplots(1, len(modes), figsize=(4.2 * len(modes), 3.2), squeeze=False, sharey=True)
-    for ax, mode in zip(axes[0], modes, strict=True):
-        sns.lineplot(data=summary[summary["attention"] == mode], x="devices", y=metric, hue="system", marker="o", ax=ax)
-        if metric == "lar":
-            d = np.array(sorted(summary["devices"].unique()))
-            ax.plot(d, 1.0 / d, "k:", label="1/D (uniform)")
-            ax.legend()
-        ax.set_xscale("log", base=2)
-        ax.set_title(f"Attention-{mode.upper()}")
-        ax.set_xlabel("EP degree D")
-    axes[0][0].set_ylabel(metric.replace("_", " "))
+    workloads = sorted(summary["eval_workload"].unique())
+    fig, axes = plt.subplots(len(workloads), len(modes), figsize=(4.2 * len(modes), 3.2 * len(workloads)),
+                             squeeze=False, sharey=True)
+    d = np.array(sorted(summary["devices"].unique()))
+    for row, workload in enumerate(workloads):
+        for ax, mode in zip(axes[row], modes, strict=True):
+            sel = summary[(summary["attention"] == mode) & (summary["eval_workload"] == workload)]
+            sns.lineplot(data=sel, x="devices", y=metric, hue="system", marker="o", ax=ax)
+            if metric == "lar":
+                ax.plot(d, 1.0 / d, "k:", label="1/D")
+                ax.legend(fontsize="small")
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(d, [str(x) for x in d])
+            ax.set_title(f"{workload}, Attention-{mode.upper()}")
+            ax.set_xlabel("EP degree D")
+        axes[row][0].set_ylabel(metric.replace("_", " "))
     return _save(fig, path)
 
 
@@ -130,11 +135,19 @@ def systems_table(summary: pd.DataFrame) -> str:
             "expert_load_imbalance_max_mean", "token_imbalance_max_mean"]
     cols = [c for c in cols if c in summary]
     table = summary[cols].sort_values(cols[:5]).copy()
-    if "a2a_bytes" in table:
-        vanilla = table[table["system"] == "ep"].set_index(["workload", "eval_workload", "attention", "devices"])["lar"]
-        key = list(zip(table["workload"], table["eval_workload"], table["attention"], table["devices"], strict=True))
-        table["lar_vs_ep"] = [table["lar"].iloc[i] / vanilla.get(k, np.nan) for i, k in enumerate(key)]
-        table["a2a_bytes"] = table["a2a_bytes"].map(lambda b: f"{b / 2**20:.1f} MiB")
+    group = ["workload", "eval_workload", "attention", "devices"]
+    keys = list(zip(*(table[c] for c in group), strict=True))
+
+    def ratio_to(systems: tuple[str, ...], column: str) -> None:
+        ref = table[table["system"].isin(systems)].set_index(group)["lar"]
+        ref = ref[~ref.index.duplicated()]
+        if len(ref):
+            table[column] = [lar / ref.get(k, np.nan) for lar, k in zip(table["lar"], keys, strict=True)]
+
+    ratio_to(("ep",), "lar_vs_ep")
+    # the TP ceiling is the token oracle, the DP ceiling the fit oracle (whichever the sweep ran)
+    ratio_to(("token_oracle", "fit_oracle"), "lar_vs_oracle")
+    table["a2a_bytes"] = table["a2a_bytes"].map(lambda b: f"{b / 2**20:.1f} MiB")
     return markdown_table(table)
 
 
