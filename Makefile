@@ -23,8 +23,15 @@ setup:
 test:
 	$(PY) -m pytest -q -x --durations=10
 
+# experiments that read ../shared/data (arena-hard prompts, measured routing tables) run only where it exists
+SHARED_DATA ?= $(or $(REPRO_SHARED_DATA),../shared/data)
+OFFLINE_EXPERIMENTS := default paper_dp paper_tp
+SHARED_EXPERIMENTS := $(if $(wildcard $(SHARED_DATA)/arena-hard),cross_dataset replay_olmoe)
+
 reproduce:
-	WANDB_MODE=$${WANDB_MODE:-offline} $(PY) -m repro.run -m experiment=default
+	for e in $(OFFLINE_EXPERIMENTS) $(SHARED_EXPERIMENTS); do \
+	  WANDB_MODE=$${WANDB_MODE:-offline} $(PY) -m repro.run -m experiment=$$e || exit 1; \
+	done
 	$(MAKE) figures
 
 figures:

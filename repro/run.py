@@ -75,33 +75,31 @@ def _workload_kwargs(workload_cfg: dict, tokenizer: str, seed: int) -> dict:
 def routed_workload(cfg: dict, workload_cfg: dict, cache_dir: Path) -> tuple[RoutingTrace, np.ndarray, np.ndarray]:
     """(trace of every request of `workload_cfg`, profile request indices, evaluate request indices).
 
-    The routing model may learn only from the profile split of cfg["workload"] (the profiling workload), so a
-    cross-dataset evaluation routes the other workload with the model trained on the profile workload.
+    A trained routing model may learn only from the profile split of its training workload: cfg["train_workload"]
+    when set (cross-dataset runs keep one model for every workload), else the profiling workload cfg["workload"].
     """
     from repro.routing import route_workload
     from repro.workloads import load_workload
 
-    model_cfg, seed = cfg["model"], cfg["seed"]
-    key = config_key(model_cfg, cfg["workload"], workload_cfg, seed, cfg["profile_fraction"])
+    model_cfg, seed, fraction = cfg["model"], cfg["seed"], cfg["profile_fraction"]
+    train_cfg = cfg.get("train_workload") or cfg["workload"]
+    key = config_key(model_cfg, train_cfg, workload_cfg, seed, fraction)
     cached = cache_dir / "traces" / key
     if (cached / "trace" / "meta.json").exists() and (cached / "split.json").exists():
         split = json.loads((cached / "split.json").read_text())
         log.info("routing trace from cache %s", cached)
         return read_trace(cached / "trace"), np.asarray(split["profile"]), np.asarray(split["evaluate"])
 
-    tokenizer = model_cfg["tokenizer"]
-    workload = load_workload(workload_cfg["name"], **_workload_kwargs(workload_cfg, tokenizer, seed))
-    profile_idx, eval_idx = split_indices(len(workload.requests), cfg["profile_fraction"], np.random.default_rng(seed))
-    if workload_cfg == cfg["workload"]:
-        train_requests = [workload.requests[i] for i in profile_idx]
-    else:
-        profiling = load_workload(cfg["workload"]["name"], **_workload_kwargs(cfg["workload"], tokenizer, seed))
-        p_idx, _ = split_indices(len(profiling.requests), cfg["profile_fraction"], np.random.default_rng(seed))
-        train_requests = [profiling.requests[i] for i in p_idx]
+    def load(wcfg: dict):
+        workload = load_workload(wcfg["name"], **_workload_kwargs(wcfg, model_cfg["tokenizer"], seed))
+        return workload, *split_indices(len(workload.requests), fraction, np.random.default_rng(seed))
+
+    workload, profile_idx, eval_idx = load(workload_cfg)
+    training, train_idx, _ = (workload, profile_idx, None) if train_cfg == workload_cfg else load(train_cfg)
     trace = route_workload(
         model_cfg,
         workload.requests,
-        train_requests,
+        [training.requests[i] for i in train_idx],
         cache_dir=cache_dir,
         seed=seed,
         dataset=workload.name,
