@@ -181,8 +181,8 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict | None:
     _log_to_wandb(config, summary, result, out_dir)
     plan.save(out_dir / "plan")
     atomic_write(out_dir / "per_layer.csv", lambda p: result.per_layer.to_csv(p, index=False))
-    for name in ("traffic", "expert_load", "token_load"):
-        atomic_write(out_dir / f"{name}.npy", lambda p, a=getattr(result, name): _save_npy(p, a))
+    for name, array in (("traffic", result.traffic), ("expert_load", result.expert_load), ("token_load", result.token_load)):
+        atomic_write(out_dir / f"{name}.npy", lambda p, a=array: _save_npy(p, a))
     atomic_write(out_dir / "activation_map.npz", lambda p: _save_activation_map(p, evaluation))
     atomic_write(out_dir / "config.yaml", lambda p: p.write_text(OmegaConf.to_yaml(config)))
     # last: its presence marks the job finished

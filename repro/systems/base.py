@@ -100,7 +100,7 @@ class Placement:
         return out
 
     @classmethod
-    def from_expert_device(cls, expert_device: np.ndarray, num_devices: int) -> "Placement":
+    def from_expert_device(cls, expert_device: np.ndarray, num_devices: int) -> Placement:
         """Build a no-replication placement from int[L, E] expert -> device (exactly E/D per device)."""
         expert_device = np.asarray(expert_device, dtype=np.int64)
         num_layers, num_experts = expert_device.shape

@@ -316,6 +316,162 @@ def capacity_assign(local: np.ndarray, unit_load: np.ndarray, slack: float = 0.0
     return cluster
 
 
+# work caps of the local search, in unit x device cells: a polish round or a kick costs O(u x D). Rounds per
+# in-loop polish = POLISH_CELLS / (u D) (at least 1), kicks = KICK_CELLS / (u D): unbounded in practice on
+# small instances, ~1 round and no kicks at 8192 units x 32 devices (where one kick moves 3 of 8192 units)
+POLISH_CELLS = 1 << 18
+KICK_CELLS = 1 << 16
+
+
+def _device_disjoint(delta: np.ndarray, source: np.ndarray, dest: np.ndarray, num_devices: int) -> np.ndarray:
+    """int64[m] indices of candidates, best first, that share no device: greedy over candidates sorted by delta.
+
+    delta float[c] objective change of each candidate (only negative ones are passed); source, dest int[c].
+    Only the best candidate of each (source, dest) pair can be picked, so the Python loop runs over at most
+    D x (D - 1) entries however many units want to move.
+    """
+    pair = source * num_devices + dest
+    order = np.lexsort((delta, pair))
+    best_of_pair = order[np.unique(pair[order], return_index=True)[1]]
+    best_of_pair = best_of_pair[np.argsort(delta[best_of_pair], kind="stable")]
+    busy = np.zeros(num_devices, dtype=bool)
+    chosen = []
+    for k, s, d in zip(best_of_pair.tolist(), source[best_of_pair].tolist(), dest[best_of_pair].tolist()):
+        if busy[s] or busy[d]:
+            continue
+        busy[s] = busy[d] = True
+        chosen.append(k)
+        if len(chosen) == num_devices // 2:
+            break
+    return np.asarray(chosen, dtype=np.int64)
+
+
+def _side_preserving_moves(
+    cluster: np.ndarray, local: np.ndarray, own: np.ndarray, unit_load: np.ndarray, load: np.ndarray,
+    target: float, balance: float, tol: float,
+) -> bool:
+    """Apply, in place, many improving single-unit moves that leave every device on its side of S/D.
+
+    While no device crosses S/D, |load_d - S/D| is linear in the load moved, so the gains of any set of
+    such moves add up exactly: a device above S/D gets -1 per unit of load leaving (+1 arriving), one below
+    +1 per unit leaving (-1 arriving). Each unit proposes its best device under these slopes; proposals are
+    taken in order of gain while the gross load leaving each device above S/D stays within its excess and
+    the gross load entering each device below S/D within its deficit (prefix sums over all proposals, so the
+    check is conservative and vectorised). Returns whether any move was applied. cluster int64[u] and load
+    float[D] are updated; local float[u, D]; own float[u] = local[u, cluster[u]].
+    """
+    num_units, num_devices = local.shape
+    above = load > target
+    out_slope = np.where(above, -1.0, 1.0)  # [D]
+    in_slope = np.where(load >= target, 1.0, -1.0)
+    out_room = np.where(above, load - target, np.inf)
+    in_room = np.where(load < target, target - load, np.inf)
+    score = unit_load[:, None] * (balance * in_slope[None, :])  # [u, D]
+    score -= local
+    score[np.arange(num_units), cluster] = np.inf
+    dest = np.argmin(score, axis=1)
+    delta = score[np.arange(num_units), dest] + balance * unit_load * out_slope[cluster] + own
+    fits = (delta < -tol) & (unit_load <= out_room[cluster]) & (unit_load <= in_room[dest])
+    units = np.flatnonzero(fits)
+    if len(units) == 0:
+        return False
+    units = units[np.argsort(delta[units], kind="stable")]
+    source, dest = cluster[units], dest[units]
+    # running gross load per device in proposal order: one cumsum per device via a stable sort by device
+    def running(device: np.ndarray) -> np.ndarray:
+        order = np.argsort(device, kind="stable")
+        total = np.cumsum(unit_load[units][order])
+        start = np.searchsorted(device[order], device[order], side="left")
+        out = np.empty(len(units))
+        out[order] = total - np.concatenate([[0.0], total])[start]
+        return out
+
+    accept = (running(source) <= out_room[source]) & (running(dest) <= in_room[dest])
+    if not accept.any():
+        return False
+    units, source, dest = units[accept], source[accept], dest[accept]
+    cluster[units] = dest
+    load -= np.bincount(source, weights=unit_load[units], minlength=num_devices)
+    load += np.bincount(dest, weights=unit_load[units], minlength=num_devices)
+    return True
+
+
+def polish_units(
+    cluster: np.ndarray,
+    local: np.ndarray,
+    unit_load: np.ndarray,
+    num_layers: int,
+    theta: float,
+    max_rounds: int = 64,
+    swap_units: int = 256,
+) -> np.ndarray:
+    """int64[u] unit clusters after a local search on the exact L (summed over layers) for fixed experts.
+
+    cluster int[u] start; local float[u, D] (as in `assign_units`); unit_load float[u]. Each round evaluates
+    every single-unit move ([u, D]) and every pairwise swap among the `swap_units` units with the best move
+    (all units when u <= swap_units; [m, m]), then applies the best improving candidates that touch pairwise
+    distinct devices: L's imbalance terms |load_d - S/D| of distinct devices are independent and each unit's
+    remote term depends on its own device only, so their gains add up exactly and L never rises. Stops when
+    no move or swap improves, or after `max_rounds` rounds. Why: the price and capacity assignments place
+    units one at a time against a load estimate and leave units that a single move or swap would improve
+    (measured 10-60 % above the MILP optimum on 12-token instances, where one unit is a large share of S/D).
+    """
+    cluster = np.asarray(cluster, dtype=np.int64).copy()
+    local = np.asarray(local, dtype=np.float64)
+    unit_load = np.asarray(unit_load, dtype=np.float64)
+    num_units, num_devices = local.shape
+    if num_devices < 2 or num_units < 2:
+        return cluster
+    target = unit_load.sum() / num_devices
+    balance = theta * num_layers / (1.0 - theta)  # deltas below are L / (1 - theta): remote units
+    tol = 1e-9 * (num_layers * unit_load.sum())
+    load = np.bincount(cluster, weights=unit_load, minlength=num_devices)
+    rows = np.arange(num_units)
+    no_partner = np.full(num_units, -1, dtype=np.int64)
+    for _ in range(max_rounds):
+        own = local[rows, cluster]  # [u]
+        if _side_preserving_moves(cluster, local, own, unit_load, load, target, balance, tol):
+            continue
+        excess = np.abs(load - target)  # [D]
+        # move u: a -> b changes L / (1 - theta) by balance * (leave_u + enter_ub) - (local_ub - own_u)
+        leave = np.abs(load[cluster] - unit_load - target) - excess[cluster]  # [u]
+        move = np.abs(load[None, :] + unit_load[:, None] - target)  # [u, D], in place below: one temporary
+        move -= excess[None, :]
+        move *= balance
+        move -= local
+        move[rows, cluster] = np.inf
+        move_dest = np.argmin(move, axis=1)
+        move_delta = move[rows, move_dest] + balance * leave + own
+        # swap u (on a) with v (on b): a's load changes by w_v - w_u, b's by w_u - w_v
+        pool = rows if num_units <= swap_units else np.argpartition(move_delta, swap_units)[:swap_units]
+        home = cluster[pool]
+        shift = unit_load[pool][:, None] - unit_load[pool][None, :]  # [m, m]
+        swap = np.abs(load[home][:, None] - shift - target) + np.abs(load[home][None, :] + shift - target)
+        swap -= excess[home][:, None] + excess[home][None, :]
+        swap *= balance
+        pool_local = local[pool][:, home]  # [m, m] local mass of pool unit i on pool unit j's device
+        swap -= pool_local + pool_local.T - own[pool][:, None] - own[pool][None, :]
+        swap[home[:, None] >= home[None, :]] = np.inf  # each pair once, never within one device
+        i, j = np.nonzero(swap < -tol)
+        improving = np.flatnonzero(move_delta < -tol)
+        if len(improving) == 0 and len(i) == 0:
+            break
+        delta = np.concatenate([move_delta[improving], swap[i, j]])
+        source = np.concatenate([cluster[improving], home[i]])
+        dest = np.concatenate([move_dest[improving], home[j]])
+        first = np.concatenate([improving, pool[i]])
+        second = np.concatenate([no_partner[improving], pool[j]])
+        chosen = _device_disjoint(delta, source, dest, num_devices)
+        first, second, source, dest = first[chosen], second[chosen], source[chosen], dest[chosen]
+        moved = unit_load[first] - np.where(second >= 0, unit_load[np.maximum(second, 0)], 0.0)
+        cluster[first] = dest
+        is_swap = second >= 0
+        cluster[second[is_swap]] = source[is_swap]
+        load -= np.bincount(source, weights=moved, minlength=num_devices)
+        load += np.bincount(dest, weights=moved, minlength=num_devices)
+    return cluster
+
+
 def assign_units(
     local: np.ndarray,
     unit_load: np.ndarray,
@@ -323,6 +479,7 @@ def assign_units(
     theta: float,
     prices: np.ndarray,
     price_iters: int = 12,
+    polish_rounds: int = 0,
 ) -> tuple[np.ndarray, np.ndarray, float]:
     """(unit_cluster int64[u], prices float64[D], objective) for fixed expert placements (request_schedule).
 
@@ -331,7 +488,8 @@ def assign_units(
     each unit takes argmin_d -(1 - theta) local[u, d] + theta * L * price_d * load_u, prices being
     subgradient steps of the imbalance term clipped to its subgradient range [-1, 1], starting from
     `prices`, best iterate kept; (2) `capacity_assign`, the paper's capacity mask, which stays balanced
-    where big units (requests) make the prices oscillate.
+    where big units (requests) make the prices oscillate. The winner then gets up to `polish_rounds` rounds
+    of `polish_units` (0: none).
     """
     num_devices = local.shape[1]
     target = unit_load.sum() / num_devices
@@ -346,7 +504,44 @@ def assign_units(
             best = (cluster, prices.copy(), objective)
         load = np.bincount(cluster, weights=unit_load, minlength=num_devices)
         prices = np.clip(prices + (load - target) / max(target, 1e-12) / np.sqrt(it + 1.0), -1.0, 1.0)
+    if polish_rounds > 0:
+        cluster = polish_units(best[0], local, unit_load, num_layers, theta, max_rounds=polish_rounds)
+        best = (cluster, best[1], _objective(cluster, local, unit_load, num_layers, theta))
     return best
+
+
+def perturb_units(
+    cluster: np.ndarray,
+    local: np.ndarray,
+    unit_load: np.ndarray,
+    num_layers: int,
+    theta: float,
+    rng: np.random.Generator,
+    kicks: int,
+    kick_size: int = 3,
+    polish_rounds: int = 64,
+) -> tuple[np.ndarray, float]:
+    """(unit_cluster int64[u], objective): iterated local search on the unit clusters for fixed experts.
+
+    cluster int[u]; local float[u, D]; unit_load float[u]. Polishes `cluster` (`polish_units`), then `kicks`
+    times sends `kick_size` random units to random other devices, polishes again and keeps the result when
+    L drops. Why: moves and pairwise swaps stop at local optima that need two simultaneous swaps (seen on
+    12-token instances 10-34 % above the MILP optimum); a random kick plus polish gets out of them.
+    """
+    num_units, num_devices = local.shape
+    cluster = polish_units(cluster, local, unit_load, num_layers, theta, max_rounds=polish_rounds)
+    best = _objective(cluster, local, unit_load, num_layers, theta)
+    if num_devices < 2:
+        return cluster, best
+    for _ in range(kicks):
+        trial = cluster.copy()
+        picked = rng.choice(num_units, size=min(kick_size, num_units), replace=False)
+        trial[picked] = (trial[picked] + rng.integers(1, num_devices, size=len(picked))) % num_devices
+        trial = polish_units(trial, local, unit_load, num_layers, theta, max_rounds=polish_rounds)
+        objective = _objective(trial, local, unit_load, num_layers, theta)
+        if objective < best:
+            cluster, best = trial, objective
+    return cluster, best
 
 
 def balanced_cocluster(
@@ -362,6 +557,8 @@ def balanced_cocluster(
     ft_steps: int = 64,
     price_iters: int = 12,
     exact_expert_step: bool = True,
+    polish_rounds: int = 64,
+    polish_kicks: int = 32,
 ) -> CoclusterResult:
     """Algorithm 1 on units shared by L layers: (unit clusters, expert placement per layer).
 
@@ -370,6 +567,12 @@ def balanced_cocluster(
     sums to unit_load[u]. unit_load float[u] > 0: tokens per unit (a_j for token rows). With L = 1 and token
     rows this minimises exactly `coclustering_objective`. Returns the best round by objective (ties: the
     earliest).
+
+    Beyond the paper: every round's unit clustering gets a local search on the exact L (`polish_units`),
+    and the best round is refined by `perturb_units` (up to `polish_kicks` kicks) alternated with the expert
+    step until L stops dropping. Both are capped by work (POLISH_CELLS and KICK_CELLS unit-device cells per
+    call), so they cost milliseconds per layer at 8192 units x 32 devices and run to convergence on small
+    instances; 12-token planted instances went from 15-60 % above the MILP optimum to within 5 %.
     """
     if not isinstance(affinity, SparseAffinity):
         affinity = SparseAffinity.from_dense(affinity)
@@ -384,13 +587,19 @@ def balanced_cocluster(
     hotness = affinity.hotness()
     coact = affinity.coactivation(unit_load)
     prices = np.zeros(num_devices)
+    cells = num_units * num_devices
+    round_polish = min(polish_rounds, max(1, POLISH_CELLS // cells))
+    kicks = min(polish_kicks, KICK_CELLS // cells)
 
-    def round_(cluster_affinity):
-        expert_device = place_experts(
+    def place(cluster_affinity):
+        return place_experts(
             cluster_affinity, hotness, coact, num_devices, rng, alpha, beta, gamma, ft_steps, exact_expert_step
         )
+
+    def round_(cluster_affinity):
+        expert_device = place(cluster_affinity)
         local = affinity.local_mass(expert_device, num_devices)
-        return (expert_device,) + assign_units(local, unit_load, num_layers, theta, prices, price_iters)
+        return (expert_device,) + assign_units(local, unit_load, num_layers, theta, prices, price_iters, round_polish)
 
     # round 0: the paper initialises the clusters from expert affinity alone
     expert_device, unit_cluster, prices, objective = round_(None)
@@ -400,6 +609,20 @@ def balanced_cocluster(
         best.history.append(objective)
         if objective < best.objective:
             best.unit_cluster, best.expert_device, best.objective = unit_cluster, expert_device, objective
+    if polish_rounds > 0:
+        # refine the best round: kick-and-polish the units, re-place the experts for them, repeat while L drops
+        expert_device, unit_cluster = best.expert_device, best.unit_cluster
+        for _ in range(n_steps):
+            local = affinity.local_mass(expert_device, num_devices)
+            unit_cluster, objective = perturb_units(
+                unit_cluster, local, unit_load, num_layers, theta, rng, kicks, polish_rounds=polish_rounds
+            )
+            if objective >= best.objective and expert_device is not best.expert_device:
+                break
+            if objective < best.objective:
+                best.unit_cluster, best.expert_device, best.objective = unit_cluster, expert_device, objective
+            expert_device = place(affinity.cluster_affinity(unit_cluster, num_devices))
+        best.history.append(best.objective)
     return best
 
 

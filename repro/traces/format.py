@@ -68,7 +68,7 @@ class TraceMeta:
         return d
 
     @classmethod
-    def from_json(cls, d: dict, where: str = "meta.json") -> "TraceMeta":
+    def from_json(cls, d: dict, where: str = "meta.json") -> TraceMeta:
         try:
             d = dict(d)
             d.pop("num_layers", None)
@@ -121,7 +121,7 @@ class RoutingTrace:
         pos = np.arange(self.num_tokens) - np.repeat(self.offsets[:-1], self.lengths())
         return pos < np.repeat(self.prefill_len, self.lengths())
 
-    def validate(self) -> "RoutingTrace":
+    def validate(self) -> RoutingTrace:
         validate(self)
         return self
 
