@@ -60,24 +60,19 @@ def _save(fig, path: Path) -> Path:
 
 
 def fig_per_layer(per_layer: pd.DataFrame, metric: str, path: Path) -> Path:
-    """`metric` per MoE layer, one panel per attention mode, one line per EP degree (and system)."""
-    modes = sorted(per_layer["attention"].unique())
-    fig, axes = plt.subplots(1, len(modes), figsize=(4.2 * len(modes), 3.2), squeeze=False, sharey=True)
-    multi_system = per_layer["system"].nunique() > 1
-    for ax, mode in zip(axes[0], modes, strict=True):
-        sns.lineplot(
-            data=per_layer[per_layer["attention"] == mode],
-            x="layer_id",
-            y=metric,
-            hue="devices",
-            style="system" if multi_system else None,
-            marker="o",
-            palette="viridis",
-            ax=ax,
-        )
-        ax.set_title(f"Attention-{mode.upper()}")
-        ax.set_xlabel("model layer")
-    axes[0][0].set_ylabel(metric.replace("_", " "))
+    """`metric` per MoE layer: rows = attention mode, columns = EP degree, hue = system (first workload only)."""
+    workload = sorted(per_layer["eval_workload"].unique())[0]
+    per_layer = per_layer[per_layer["eval_workload"] == workload]
+    modes, degrees = sorted(per_layer["attention"].unique()), sorted(per_layer["devices"].unique())
+    fig, axes = plt.subplots(len(modes), len(degrees), figsize=(3.6 * len(degrees), 3.0 * len(modes)),
+                             squeeze=False, sharey=True, layout="constrained")
+    for row, mode in enumerate(modes):
+        for ax, devices in zip(axes[row], degrees, strict=True):
+            sel = per_layer[(per_layer["attention"] == mode) & (per_layer["devices"] == devices)]
+            sns.lineplot(data=sel, x="layer_id", y=metric, hue="system", marker="o", ax=ax, legend=ax is axes[0][-1])
+            ax.set_title(f"{workload}, {mode.upper()}, D={devices}")
+            ax.set_xlabel("model layer")
+        axes[row][0].set_ylabel(metric.replace("_", " "))
     return _save(fig, path)
 
 
@@ -86,7 +81,7 @@ def fig_vs_ep(summary: pd.DataFrame, metric: str, path: Path) -> Path:
     modes = sorted(summary["attention"].unique())
     workloads = sorted(summary["eval_workload"].unique())
     fig, axes = plt.subplots(len(workloads), len(modes), figsize=(4.2 * len(modes), 3.2 * len(workloads)),
-                             squeeze=False, sharey=True)
+                             squeeze=False, sharey=True, layout="constrained")
     d = np.array(sorted(summary["devices"].unique()))
     for row, workload in enumerate(workloads):
         for ax, mode in zip(axes[row], modes, strict=True):
