@@ -89,3 +89,27 @@ def test_sweep_then_figures(tmp_path, cache):
     for png in ("lar_per_layer.png", "lar_vs_ep.png", "traffic_heatmap.png", "activation_heatmap.png"):
         assert png in text
         assert (tmp_path / "figures" / "smoke" / png).stat().st_size > 1000
+
+
+def test_existing_trace_is_evaluated_as_is(tmp_path, cache):
+    """`trace=DIR` skips workload and routing: any imported trace can be compared across systems."""
+    import numpy as np
+
+    from repro.traces import TraceMeta, make_trace, write_trace
+
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(5, 40, 60)
+    n = int(lengths.sum())
+    token_ids = rng.integers(0, 50, n)
+    # token-determined routing: expert pair fixed per token id, so co-location can help
+    experts = np.stack([token_ids % 16, (token_ids + 5) % 16], axis=1)[:, None, :].repeat(2, axis=1)
+    meta = TraceMeta(model="imported", num_experts=16, top_k=2, layer_ids=(3, 4), vocab_size=50, dataset="x")
+    write_trace(make_trace(meta, np.concatenate([[0], np.cumsum(lengths)]), token_ids, experts), tmp_path / "t")
+    lars = {}
+    for system in ("ep", "semmoe"):
+        out = tmp_path / system
+        res = run_app(f"trace={tmp_path / 't'}", f"system={system}", "parallel.attention=tp", "parallel.tokens_per_step=256",
+                      cache=cache, out=out)
+        assert res.returncode == 0, res.stderr[-3000:]
+        lars[system] = json.loads((out / "metrics.json").read_text())["summary"]["lar"]
+    assert lars["semmoe"] > lars["ep"] + 0.1
