@@ -54,42 +54,42 @@ def test_matches_brute_force(seed, formulation):
     assert np.all(np.bincount(sol.expert_cluster, minlength=2) == 2)
 
 
+@pytest.fixture(scope="module")
 def heuristic_gaps():
-    """(relative gap of Sem-MoE's Algorithm 1 to the MILP optimum) on three planted 12-token instances."""
+    """Relative gaps of Sem-MoE's Algorithm 1 (balanced_cocluster) to the MILP optimum on nine planted
+    12-token, 8-expert, 4-device instances (three generator seeds); computed once, ~10 s."""
     semmoe = pytest.importorskip("repro.systems.semmoe")
-    rng = np.random.default_rng(3)
     gaps = []
-    for _ in range(3):
-        # planted: 4 token groups prefer 4 expert groups, with noise
-        group = rng.integers(0, 4, 12)
-        confidence = 0.1 * rng.dirichlet(np.ones(8), size=12)
-        confidence[np.arange(12), 2 * group] += 0.5
-        confidence[np.arange(12), 2 * group + 1] += 0.4
-        frequency = rng.integers(1, 20, 12).astype(float)
-        exact = solve_coclustering_milp(confidence, frequency, 4, theta=0.5)
-        assert exact.status == "optimal"
-        ours = semmoe.coclustering_objective(exact.token_cluster, exact.expert_cluster, confidence, frequency, 4, 0.5)
-        assert ours == pytest.approx(exact.objective, rel=1e-6)
-        heuristic = semmoe.balanced_cocluster(
-            (frequency[:, None] * confidence)[None], frequency, 4, np.random.default_rng(0), theta=0.5
-        )
-        value = semmoe.coclustering_objective(heuristic.unit_cluster, heuristic.expert_device[0], confidence, frequency, 4, 0.5)
-        assert value >= exact.objective - 1e-6  # the MILP is a true lower bound
-        gaps.append((value - exact.objective) / exact.objective)
-    return gaps
+    for seed in (3, 4, 5):
+        rng = np.random.default_rng(seed)
+        for _ in range(3):
+            # planted: 4 token groups prefer 4 expert groups, with noise
+            group = rng.integers(0, 4, 12)
+            confidence = 0.1 * rng.dirichlet(np.ones(8), size=12)
+            confidence[np.arange(12), 2 * group] += 0.5
+            confidence[np.arange(12), 2 * group + 1] += 0.4
+            frequency = rng.integers(1, 20, 12).astype(float)
+            exact = solve_coclustering_milp(confidence, frequency, 4, theta=0.5)
+            assert exact.status == "optimal"
+            ours = semmoe.coclustering_objective(exact.token_cluster, exact.expert_cluster, confidence, frequency, 4, 0.5)
+            assert ours == pytest.approx(exact.objective, rel=1e-6)
+            heuristic = semmoe.balanced_cocluster(
+                (frequency[:, None] * confidence)[None], frequency, 4, np.random.default_rng(0), theta=0.5
+            )
+            value = semmoe.coclustering_objective(heuristic.unit_cluster, heuristic.expert_device[0], confidence, frequency, 4, 0.5)
+            assert value == pytest.approx(heuristic.objective, rel=1e-9)  # the heuristic optimises this same L
+            gaps.append((value - exact.objective) / exact.objective)
+    return np.array(gaps)
 
 
-def test_milp_objective_agrees_with_semmoe_and_bounds_the_heuristic():
-    assert min(heuristic_gaps()) >= -1e-9
+def test_milp_objective_agrees_with_semmoe_and_bounds_the_heuristic(heuristic_gaps):
+    assert heuristic_gaps.min() >= -1e-9  # the MILP is a true lower bound
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="measured: Algorithm 1 finds the optimal expert groups but its price-based token assignment leaves "
-    "gaps of 33-74 % on these balance-dominated 12-token instances (reported to the semmoe owner)",
-)
-def test_heuristic_within_5_percent_of_milp_optimum():
-    assert max(heuristic_gaps()) <= 0.05
+def test_heuristic_within_5_percent_of_milp_optimum(heuristic_gaps):
+    # measured: the paper's alternation alone was 14-59 % above; with the starts and the local search on L
+    # (repro.systems.semmoe.refine_cocluster) all nine are at the optimum (within 1e-9)
+    assert heuristic_gaps.max() <= 0.05, np.round(heuristic_gaps, 3)
 
 
 def test_time_limit_warns_and_reports_gap():
@@ -153,3 +153,18 @@ def test_semmoe_exact_refuses_large_instances():
         make_system("semmoe_exact", max_tokens=8, max_variables=10).fit(
             small_trace(), ParallelConfig(devices=2, tokens_per_step=8), np.random.default_rng(0)
         )
+
+
+def test_semmoe_exact_uses_semmoe_online_tables_and_checks_params():
+    pytest.importorskip("repro.systems.semmoe")
+    from repro.systems.semmoe import SemMoE
+
+    trace, parallel = small_trace(), ParallelConfig(devices=2, tokens_per_step=8)
+    plan = make_system("semmoe_exact", max_tokens=8, lookback=1).fit(trace, parallel, np.random.default_rng(0))
+    same = SemMoE(lookback=1).plan_for_placement(trace, parallel, plan.placement.expert_device())
+    for name in ("token_device", "token_confidence", "dp_score", "markov_device", "dp_prior"):
+        assert np.array_equal(getattr(plan, name), getattr(same, name)), name
+    with pytest.raises(ConfigError, match="does not know system.params"):
+        make_system("semmoe_exact", n_steps=3)
+    with pytest.raises(ConfigError, match="dp_scoring"):
+        make_system("semmoe_exact", dp_scoring="nope")

@@ -24,7 +24,6 @@ M constraint rows, L MoE layers, E experts per layer (= N), k experts per token.
 
 from __future__ import annotations
 
-import inspect
 import time
 import warnings
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 
 from repro.errors import ConfigError, SolverError
 from repro.parallel import ParallelConfig
-from repro.systems.base import Placement, Plan
+from repro.systems.semmoe import SemMoE, SemMoEPlan
 from repro.traces import RoutingTrace
 
 
@@ -315,6 +314,10 @@ def layer_token_table(
     return vocab[keep], counts / (top_k * frequency[:, None]), frequency
 
 
+# Sem-MoE parameters that shape the online plan; semmoe_exact passes them on to SemMoE.plan_for_placement
+ONLINE_PARAMS = ("lookback", "dp_scoring", "load_aware_lambda", "dp_window", "prompt_only", "embeddings_path")
+
+
 class SemMoEExact:
     """Sem-MoE with the co-clustering solved exactly per layer (small instances only).
 
@@ -344,7 +347,14 @@ class SemMoEExact:
         self.max_variables = int(max_variables)
         self.time_limit = float(time_limit)
         self.mip_rel_gap = float(mip_rel_gap)
-        self.semmoe_params = semmoe_params
+        unknown = set(semmoe_params) - set(ONLINE_PARAMS)
+        if unknown:
+            raise ConfigError(
+                f"semmoe_exact does not know system.params {sorted(unknown)}; allowed: {sorted(ONLINE_PARAMS)} and its own."
+            )
+        # the online side (tables T/T_p, DP scores, Markov A/A_p) is Sem-MoE's own: built (and its params
+        # checked) by the same SemMoE object, so the only difference to system=semmoe is the offline solver
+        self.online = SemMoE(**semmoe_params)
 
     def solve_layers(self, profile: RoutingTrace, parallel: ParallelConfig) -> tuple[np.ndarray, list[CoclusterSolution]]:
         """(expert_device int[L, E], one CoclusterSolution per layer)."""
@@ -367,9 +377,9 @@ class SemMoEExact:
             )
         return np.stack([s.expert_cluster for s in solutions]), solutions
 
-    def fit(self, profile: RoutingTrace, parallel: ParallelConfig, rng: np.random.Generator) -> Plan:
+    def fit(self, profile: RoutingTrace, parallel: ParallelConfig, rng: np.random.Generator) -> SemMoEPlan:
+        """Exact placement per layer, then Sem-MoE's online tables for it (SemMoE.plan_for_placement)."""
         expert_device, solutions = self.solve_layers(profile, parallel)
-        placement = Placement.from_expert_device(expert_device, parallel.devices)
         info = {
             "solver_status": "time_limit" if any(s.status == "time_limit" for s in solutions) else "optimal",
             "solver_gap": max(s.gap for s in solutions),
@@ -377,60 +387,4 @@ class SemMoEExact:
             "solver_objective": float(sum(s.objective for s in solutions)),
             "max_tokens": self.max_tokens,
         }
-        return build_semmoe_plan(profile, parallel, placement, info, self.semmoe_params)
-
-
-def build_semmoe_plan(
-    profile: RoutingTrace, parallel: ParallelConfig, placement: Placement, info: dict, semmoe_params: dict
-) -> Plan:
-    """Sem-MoE's online tables (T, T_p, DP scores, Markov A/A_p) for a given placement -> SemMoEPlan.
-
-    Mirrors the table-building half of repro.systems.semmoe.SemMoE.fit (its placement half is what the MILP
-    replaces); semmoe_params may set lookback, dp_scoring, load_aware_lambda, prompt_only.
-    """
-    from repro.affinity.tables import (
-        check_markov_size,
-        device_markov_table,
-        device_mass,
-        encode_tokens,
-        layer_token_expert_counts,
-        profile_tokens,
-        vocab_row_map,
-        with_fallback_row,
-    )
-    from repro.systems.semmoe import DP_SCORINGS, SemMoEPlan, fold_dp_scores
-
-    params = {"lookback": 2, "dp_scoring": "confidence", "load_aware_lambda": 0.0, "dp_window": 1, "prompt_only": False}
-    unknown = set(semmoe_params) - set(params)
-    if unknown:
-        raise ConfigError(f"semmoe_exact does not know system.params {sorted(unknown)}; allowed: {sorted(params)} and its own.")
-    params.update(semmoe_params)
-    if params["dp_scoring"] not in DP_SCORINGS:
-        raise ConfigError(f"system.params.dp_scoring must be one of {DP_SCORINGS}, got {params['dp_scoring']!r}.")
-    check_markov_size(parallel.devices, int(params["lookback"]))
-    num_experts, num_devices = profile.meta.num_experts, parallel.devices
-    expert_device = placement.expert_device()
-    keep = profile_tokens(profile, bool(params["prompt_only"]))
-    token_vocab, token_row = encode_tokens(profile.token_ids[keep])
-    num_rows = len(token_vocab)
-    token_device = np.empty((profile.num_layers, num_rows + 1), dtype=np.int16)
-    token_confidence = np.empty((profile.num_layers, num_rows + 1), dtype=np.float32)
-    dp_score = np.zeros((num_rows + 1, num_devices), dtype=np.float32)
-    for layer in range(profile.num_layers):
-        counts = layer_token_expert_counts(token_row, profile.experts[keep, layer], num_rows, num_experts)
-        mass = device_mass(with_fallback_row(counts[None]), expert_device[layer : layer + 1], num_devices)[0]
-        token_device[layer] = np.argmax(mass, axis=1)
-        token_confidence[layer] = mass.max(axis=1)
-        dp_score += fold_dp_scores(mass, params["dp_scoring"])
-    markov_device = markov_confidence = None
-    if int(params["lookback"]) > 0:
-        markov_device, markov_confidence = device_markov_table(profile, expert_device, num_devices, int(params["lookback"]))
-    dp_score[num_rows] = 0.0  # an unseen token says nothing about where its request belongs
-    # keywords, filtered by SemMoEPlan's signature, keep this working while semmoe.py grows options
-    accepted = inspect.signature(SemMoEPlan).parameters
-    online = {name: value for name, value in params.items() if name in accepted}
-    return SemMoEPlan(
-        placement, parallel, token_vocab=token_vocab, row_of_token=vocab_row_map(token_vocab, profile.meta.vocab_size),
-        token_device=token_device, token_confidence=token_confidence, dp_score=dp_score,
-        markov_device=markov_device, markov_confidence=markov_confidence, info=info, **online,
-    )
+        return self.online.plan_for_placement(profile, parallel, expert_device, info)
