@@ -21,6 +21,7 @@ from repro.affinity import (
     vocab_row_map,
     with_fallback_row,
 )
+from repro.affinity.tables import break_even_confidence, token_table_occurrences
 from repro.errors import TraceError
 from repro.traces import TraceMeta, make_trace
 
@@ -106,7 +107,7 @@ def test_majority_device_and_history_keys():
 def test_markov_table_recovers_a_deterministic_chain():
     # D=2, experts 0,1 on device 0 and 2,3 on device 1 in every layer; layer l+1's device flips layer l's
     rng = np.random.default_rng(0)
-    n = 200
+    n = 2000  # enough occurrences per history row for the gain to clear the margin
     dev0 = rng.integers(2, size=n)
     dev1 = 1 - dev0
     dev2 = dev0.copy()
@@ -116,10 +117,59 @@ def test_markov_table_recovers_a_deterministic_chain():
     table, conf = device_markov_table(trace, expert_device, 2, lookback=2)
     assert table.shape == (3, 4)
     # layer 1, history (d0) -> key d0: flips
-    assert table[1, 0] == 1 and table[1, 1] == 0 and np.all(conf[1, :2] == 1.0)
+    assert table[1, 0] == 1 and table[1, 1] == 0
     # layer 2, history (d0, d1) = (0, 1) -> key 1 -> device 0; (1, 0) -> key 2 -> device 1; others unseen
     assert table[2, 1] == 0 and table[2, 2] == 1
-    assert conf[2, 1] == 1.0 and conf[2, 2] == 1.0 and conf[2, 0] == 0.0 and conf[2, 3] == 0.0
+    # the history is exact and token ids say little (T_p ~0.5-0.6), so A_p, on T_p's scale, must let the
+    # chain override the token table wherever they disagree: where(T_p > A_p, T, A) then follows the chain
+    # for (almost) every occurrence, against ~55 % for T alone. Unseen rows never override T.
+    _, row = encode_tokens(trace.token_ids)
+    token_dev, token_conf = token_device_table(token_expert_counts(trace)[1], expert_device, 2)
+    for layer, keys, truth in ((1, dev0, dev1), (2, history_keys(np.stack([dev0, dev1], axis=1), 2), dev2)):
+        pick = np.where(token_conf[layer, row] > conf[layer, keys], token_dev[layer, row], table[layer, keys])
+        assert np.mean(pick == truth) >= 0.95 and np.mean(token_dev[layer, row] == truth) < 0.7
+    assert conf[2, 0] == 0.0 and conf[2, 3] == 0.0
+
+
+def test_markov_confidence_stays_off_when_the_history_is_noise():
+    # D=2, k=2, experts 0,1 on device 0 and 2,3 on device 1. Layer 0 is a random coin (the history); at
+    # layer 1 token id j has a side s = j % 2: 40 % of its occurrences put both experts on s, 60 % split
+    # one-one (majority ties -> device 0). Every token has T = s with T_p = 0.4 + 0.6 / 2 = 0.7 of its
+    # activations local, while device 0 wins the majority vote in ~80 % of every history row: the paper's
+    # raw A_p = Pr(majority | history) ~ 0.8 > T_p would send side-1 tokens to device 0 (25 % local instead
+    # of 75 %). The calibrated A_p must leave every token on its own table.
+    rng = np.random.default_rng(3)
+    n = 4000
+    tokens = rng.integers(16, size=n)
+    side = tokens % 2
+    coin = rng.integers(2, size=n)
+    layer0 = np.stack([2 * coin, 2 * coin + 1], axis=1)
+    split = rng.random(n) < 0.6
+    layer1 = np.where(split[:, None], np.array([[0, 2]]), np.stack([2 * side, 2 * side + 1], axis=1))
+    trace = tiny_trace(tokens, np.stack([layer0, layer1], axis=1))
+    expert_device = np.tile([0, 0, 1, 1], (2, 1))
+    raw_markov = np.mean(majority_device(layer1, expert_device[1], 2) == 0)
+    _, token_conf = token_device_table(token_expert_counts(trace)[1], expert_device, 2)
+    assert raw_markov > token_conf[1].max()  # the raw rule would override T here
+    _, conf = device_markov_table(trace, expert_device, 2, lookback=1)
+    assert np.all(conf[1] == 0.0)
+
+
+def test_break_even_confidence_and_held_out_token_table_by_hand():
+    # one history row; occurrences sorted by T_p: the Markov device gains 1 on the three least confident
+    # and loses 1 on the rest, so the best cut switches the three (gain 3 - sqrt(3) > 0), not more
+    keys = np.zeros(6, dtype=np.int64)
+    conf = np.array([0.9, 0.3, 0.5, 0.4, 0.8, 0.95], dtype=np.float32)
+    gain = np.array([-1, 1, 1, 1, -1, -1], dtype=np.float64)
+    threshold = break_even_confidence(keys, conf, gain, 1, margin=1.0)
+    assert 0.5 < threshold[0] < 0.8 and (conf > threshold[0]).tolist() == [True, False, False, False, True, True]
+    # a margin the gain cannot beat keeps the token table: 3 - 2 * sqrt(3) < 0
+    assert break_even_confidence(keys, conf, gain, 1, margin=2.0)[0] == 0.0
+    # held-out token table: row 0 seen twice (devices 0 then 1), row 1 once -> the layer's mean share
+    share = np.array([[1.0, 0.0], [0.0, 1.0], [0.25, 0.75]], dtype=np.float32)
+    device, confidence = token_table_occurrences(np.array([0, 0, 1]), share, 2)
+    assert device.tolist() == [1, 0, 1]  # each occurrence of row 0 is predicted by the other one
+    np.testing.assert_allclose(confidence, [0.5, 0.5, 0.75])
 
 
 def test_static_topk_f1_by_hand():

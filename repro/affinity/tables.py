@@ -245,33 +245,123 @@ def check_markov_size(num_devices: int, lookback: int) -> None:
         )
 
 
-def device_markov_table(
-    trace: RoutingTrace, expert_device: np.ndarray, num_devices: int, lookback: int = 2, chunk: int = 1 << 17
-) -> tuple[np.ndarray, np.ndarray]:
-    """(A int16[L, Q], A_p float32[L, Q]): the most likely device at each layer given the previous h devices.
+def local_shares(experts: np.ndarray, expert_device: np.ndarray, num_devices: int) -> np.ndarray:
+    """float32[n, D] share of each token's k activations that land on each device (rows sum to 1).
 
-    A token's device at a layer is the device hosting most of its k experts (`majority_device`). Row q of
-    layer l is the mixed-radix key (`history_keys`) of the devices at layers l-h'..l-1, h' = min(h, l); at
-    layer 0 only row 0 is used (the layer's marginal). A_p is the share of the row's observations that
-    went to A; rows never observed get A = the layer's most common device and A_p = 0, so the token table
-    always wins there.
+    experts int[n, k] one layer's routing; expert_device int[E] that layer's placement. Placing a token on
+    device d makes share[:, d] of its activations local, so this is the LAR a prediction d earns.
+    """
+    experts = np.asarray(experts, dtype=np.int64)
+    num, top_k = experts.shape
+    device = np.asarray(expert_device)[experts]
+    counts = np.bincount((np.arange(num)[:, None] * num_devices + device).ravel(), minlength=num * num_devices)
+    return (counts.reshape(num, num_devices) / top_k).astype(np.float32)
+
+
+def token_table_occurrences(token_row: np.ndarray, share: np.ndarray, num_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """(held-out T int64[n], T_p float32[n]) of each profile occurrence, for calibrating against the token table.
+
+    token_row int64[n]; share float32[n, D] (`local_shares`). T_p is the full-profile confidence of the
+    occurrence's row, the number the online rule will compare. The device is the one the table would predict
+    were the occurrence not in the profile: row j's mean share without occurrence i, (sum_j - share_i) /
+    (n_j - 1), or the layer's mean share (the OOV row) for ids seen once. Scoring the in-sample T would be
+    optimistic for rare ids (one occurrence with all experts on one device has T_p = 1 and is always right),
+    so the token table would look better than it is on unseen requests.
+    """
+    num_devices = share.shape[1]
+    # one weighted bincount per device: O(n x D), and much faster than np.add.at on large profiles
+    totals = np.stack([np.bincount(token_row, weights=share[:, d], minlength=num_rows) for d in range(num_devices)], axis=1)
+    seen = np.bincount(token_row, minlength=num_rows)[token_row]
+    confidence = (totals.max(axis=1)[token_row] / seen).astype(np.float32)
+    held_out = (totals[token_row] - share) / np.maximum(seen - 1, 1)[:, None]
+    held_out = np.where((seen > 1)[:, None], held_out, share.mean(axis=0))
+    return np.argmax(held_out, axis=1), confidence
+
+
+def break_even_confidence(
+    keys: np.ndarray, token_confidence: np.ndarray, gain: np.ndarray, num_rows: int, margin: float = 1.0
+) -> np.ndarray:
+    """float32[Q] per history row, the token confidence below which the Markov prediction should win.
+
+    keys int64[n] history row of each profile occurrence; token_confidence float32[n] its row's T_p (as the
+    online rule sees it); gain float[n] local share of the Markov device minus that of the token device. For each row, the
+    occurrences are sorted by T_p and the cut c maximising sum(gain of the c least confident) - margin *
+    sqrt(c) is kept when positive; the result is the smallest float32 above the T_p at that cut, so
+    `where(T_p > A_p, T, A)` switches exactly those occurrences. Gains lie in [-1, 1] (std <= 1), so the
+    margin asks the profile gain to beat `margin` worst-case standard errors: cuts that win by chance on a
+    few samples are dropped. Rows without a winning cut get 0 (the token table always wins).
+    """
+    num = len(keys)
+    threshold = np.zeros(num_rows, dtype=np.float32)
+    if num == 0:
+        return threshold
+    order = np.lexsort((token_confidence, keys))
+    key_s, conf_s = keys[order], token_confidence[order]
+    cumulative = np.cumsum(np.asarray(gain, dtype=np.float64)[order])
+    start = np.searchsorted(key_s, key_s, side="left")
+    prefix_gain = cumulative - np.concatenate([[0.0], cumulative])[start]
+    score = prefix_gain - margin * np.sqrt(np.arange(num) - start + 1.0)
+    # a cut can only fall between distinct T_p values: the rule cannot split occurrences of equal confidence
+    last = np.ones(num, dtype=bool)
+    last[:-1] = (key_s[1:] != key_s[:-1]) | (conf_s[1:] != conf_s[:-1])
+    score = np.where(last, score, -np.inf)
+    # the best cut per row: sort by (row, score) and take each row's last entry
+    by_score = np.lexsort((score, key_s))
+    row_last = np.flatnonzero(np.r_[key_s[by_score][1:] != key_s[by_score][:-1], True])
+    best = by_score[row_last]
+    win = score[best] > 0
+    threshold[key_s[best[win]]] = np.nextafter(conf_s[best[win]].astype(np.float32), np.float32(np.inf))
+    return threshold
+
+
+def device_markov_table(
+    trace: RoutingTrace,
+    expert_device: np.ndarray,
+    num_devices: int,
+    lookback: int = 2,
+    tokens: np.ndarray | None = None,
+    margin: float = 1.0,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(A int16[L, Q], A_p float32[L, Q]): the Markov device per device history, and its calibrated confidence.
+
+    tokens int[N'] the profile tokens to learn from (default all). A token's device at a layer is the
+    device hosting most of its k experts (`majority_device` semantics); row q of layer l is the mixed-radix
+    key (`history_keys`) of its devices at layers l-h'..l-1, h' = min(h, l); at layer 0 only row 0 is used.
+
+    A[l, q]: the device with the highest mean local share (`local_shares`) over the row's occurrences, i.e.
+    the prediction that keeps most activations local; unseen rows get the layer's best device.
+
+    A_p[l, q] is calibrated against the token table, not the paper's raw Pr(A | history): Algorithm 3 picks
+    `where(T_p > A_p, T, A)`, and T_p (a token's share of activations on its best device) and Pr(A | q) (a
+    frequency of majority votes) are not on one scale -- on learned routing the raw rule lowered LAR (tiny
+    Mixtral, MMLU, EP4: 0.379 at h=0 vs 0.350 at h=1). Even comparing expected local shares is biased, since
+    a token with a low T_p is also a poor fit for the row's average. So A_p is measured on T_p's own scale:
+    the break-even token confidence (`break_even_confidence`) below which using A instead of T raised the
+    profile's local share. The cut is placed on the T_p the online rule sees, while T's share is scored
+    leave-one-out (`token_table_occurrences`) so the token table is judged out of sample. A_p = 0 where A never helps, so the Markov table can only switch tokens
+    for which the profile says it wins.
     """
     check_markov_size(num_devices, lookback)
+    keep = np.arange(trace.num_tokens) if tokens is None else np.asarray(tokens, dtype=np.int64)
     num_layers = trace.num_layers
     num_rows = num_devices**lookback
-    token_device = np.empty((trace.num_tokens, num_layers), dtype=np.int64)
-    for start in range(0, trace.num_tokens, chunk):  # chunked: [chunk, L, k, D] comparisons stay small
-        block = np.asarray(trace.experts[start : start + chunk], dtype=np.int64)
-        for layer in range(num_layers):
-            token_device[start : start + chunk, layer] = majority_device(block[:, layer], expert_device[layer], num_devices)
+    _, token_row = encode_tokens(trace.token_ids[keep])
+    num_token_rows = int(token_row.max(initial=-1)) + 1
+    token_device = np.empty((len(keep), num_layers), dtype=np.int64)
     table = np.zeros((num_layers, num_rows), dtype=np.int16)
     confidence = np.zeros((num_layers, num_rows), dtype=np.float32)
-    for layer in range(num_layers):
+    for layer in range(num_layers):  # one forward pass: a layer's history only needs earlier layers
+        share = local_shares(trace.experts[keep, layer], expert_device[layer], num_devices)  # [N', D]
+        token_device[:, layer] = np.argmax(share, axis=1)  # ties -> lowest id, as majority_device
         depth = min(lookback, layer)
         keys = history_keys(token_device[:, layer - depth : layer], num_devices)
-        hist = np.bincount(keys * num_devices + token_device[:, layer], minlength=num_rows * num_devices)
-        hist = hist.reshape(num_rows, num_devices)
-        seen = hist.sum(axis=1)
-        table[layer] = np.where(seen > 0, np.argmax(hist, axis=1), np.argmax(hist.sum(axis=0)))
-        confidence[layer] = np.max(hist, axis=1) / np.maximum(seen, 1)
+        row_mass = np.stack(
+            [np.bincount(keys, weights=share[:, d], minlength=num_rows) for d in range(num_devices)], axis=1
+        )
+        seen = np.bincount(keys, minlength=num_rows) > 0
+        table[layer] = np.where(seen, np.argmax(row_mass, axis=1), np.argmax(row_mass.sum(axis=0)))
+        token_table, token_conf = token_table_occurrences(token_row, share, num_token_rows)
+        arange = np.arange(len(keep))
+        gain = share[arange, table[layer][keys]] - share[arange, token_table]
+        confidence[layer] = break_even_confidence(keys, token_conf, gain, num_rows, margin)
     return table, confidence

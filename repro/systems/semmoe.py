@@ -33,7 +33,11 @@ Q = D**h device histories, V vocabulary size.
    minus lambda * (prompt tokens queued on the rank beyond the least-loaded rank) / (mean prompt length),
    one Python step per request; with a wide `dp_window` it balances tokens rather than request counts.
 3. Online Attention-TP (Algorithm 3, `align_to_slices`): each token's device is T[tok] or the Markov
-   prediction A[history], whichever is more confident; tokens are grouped by device (most confident first),
+   prediction A[history], whichever is more confident: where(T_p > A_p, T, A). A_p is calibrated to T_p's
+   scale (`device_markov_table`): it is the token confidence below which A beat T on the profile (T judged
+   leave-one-out), so the history only overrides tokens whose own table is weak, and only where that gained
+   local activations. The paper's raw A_p (a majority-vote frequency) overrode T too often and lowered LAR
+   on learned and replayed routing. Tokens are grouped by device (most confident first),
    groups are cut to the equal slices reduce-scatter needs and the overflow fills the free slots (the
    paper's align); the share of tokens moved off their predicted device is reported in
    info["align_moved_share"].
@@ -843,7 +847,8 @@ class SemMoEPlan(Plan):
 
     Tables: token_vocab int32[t]; row_of_token int32[V]; token_device int16[L, t+1] (T) and token_confidence
     float32[L, t+1] (T_p), row t = OOV fallback (expert popularity); dp_score float32[t+1, D];
-    markov_device int16[L, Q] (A) and markov_confidence float32[L, Q] (A_p), or None when lookback = 0.
+    markov_device int16[L, Q] (A) and markov_confidence float32[L, Q] (A_p, on T_p's scale: the token
+    confidence below which A wins; see `device_markov_table`), or None when lookback = 0.
     """
 
     def __init__(
@@ -956,7 +961,9 @@ class SemMoEPlan(Plan):
     ) -> tuple[np.ndarray, np.ndarray]:
         """(device int64[T], confidence float32[T]): T / T_p, or A / A_p where the Markov table is more confident.
 
-        prev_experts int[T, h', k] is chronological (column -1 = layer - 1), as repro.eval passes it.
+        prev_experts int[T, h', k] is chronological (column -1 = layer - 1), as repro.eval passes it. A_p is the
+        break-even T_p of the token's history row, so `A_p > T_p` reads "this token's own table is weaker than
+        the history's prediction was on the profile"; the returned confidence (max of the two) orders align.
         """
         rows = self.row_of_token[self._check_tokens(token_ids)]
         device = self.token_device[layer, rows].astype(np.int64)
@@ -1232,7 +1239,9 @@ class SemMoE:
         token_frequency = np.bincount(token_row, minlength=num_rows + 1).astype(np.float32)
         markov_device = markov_confidence = None
         if self.lookback > 0:
-            markov_device, markov_confidence = device_markov_table(profile, expert_device, num_devices, self.lookback)
+            markov_device, markov_confidence = device_markov_table(
+                profile, expert_device, num_devices, self.lookback, tokens=keep
+            )
         embeddings = None if self.embeddings_path is None else np.load(self.embeddings_path, allow_pickle=False)
         row_of_token = vocab_row_map(token_vocab, meta.vocab_size, embeddings)
         info = dict(info or {})
