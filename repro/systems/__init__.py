@@ -10,12 +10,13 @@ from repro.systems.base import Placement, Plan, System, even_counts
 # name -> "module:Class"; imported lazily so a system's heavy dependencies load only when used
 REGISTRY: dict[str, str] = {
     "ep": "repro.systems.ep:VanillaEP",
+    "semmoe": "repro.systems.semmoe:SemMoE",
+    "semmoe_exact": "repro.systems.milp:SemMoEExact",
     "moetuner": "repro.systems.moetuner:MoETuner",
     "eplb": "repro.systems.eplb:EPLB",
-    "semmoe_exact": "repro.systems.milp:SemMoEExact",
+    # bounds: fitted with knowledge no deployed system has (see oracle.py)
     "token_oracle": "repro.systems.oracle:TokenOracle",
     "fit_oracle": "repro.systems.oracle:FitOracle",
-    "semmoe": "repro.systems.semmoe:SemMoE",
 }
 
 
