@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -93,6 +94,18 @@ def test_sweep_then_figures(tmp_path, cache):
 
 def test_existing_trace_is_evaluated_as_is(tmp_path, cache):
     """`trace=DIR` skips workload and routing: any imported trace can be compared across systems."""
+    synthetic_trace_dir(tmp_path / "t")
+    lars = {}
+    for system in ("ep", "semmoe"):
+        out = tmp_path / system
+        res = run_app(f"trace={tmp_path / 't'}", f"system={system}", "parallel.attention=tp", "parallel.tokens_per_step=256",
+                      cache=cache, out=out)
+        assert res.returncode == 0, res.stderr[-3000:]
+        lars[system] = json.loads((out / "metrics.json").read_text())["summary"]["lar"]
+    assert lars["semmoe"] > lars["ep"] + 0.1
+
+
+def synthetic_trace_dir(path: Path) -> Path:
     import numpy as np
 
     from repro.traces import TraceMeta, make_trace, write_trace
@@ -104,12 +117,21 @@ def test_existing_trace_is_evaluated_as_is(tmp_path, cache):
     # token-determined routing: expert pair fixed per token id, so co-location can help
     experts = np.stack([token_ids % 16, (token_ids + 5) % 16], axis=1)[:, None, :].repeat(2, axis=1)
     meta = TraceMeta(model="imported", num_experts=16, top_k=2, layer_ids=(3, 4), vocab_size=50, dataset="x")
-    write_trace(make_trace(meta, np.concatenate([[0], np.cumsum(lengths)]), token_ids, experts), tmp_path / "t")
-    lars = {}
-    for system in ("ep", "semmoe"):
-        out = tmp_path / system
-        res = run_app(f"trace={tmp_path / 't'}", f"system={system}", "parallel.attention=tp", "parallel.tokens_per_step=256",
-                      cache=cache, out=out)
-        assert res.returncode == 0, res.stderr[-3000:]
-        lars[system] = json.loads((out / "metrics.json").read_text())["summary"]["lar"]
-    assert lars["semmoe"] > lars["ep"] + 0.1
+    return write_trace(make_trace(meta, np.concatenate([[0], np.cumsum(lengths)]), token_ids, experts), path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("experiment", sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml")))
+def test_every_experiment_sweep_runs(tmp_path, cache, experiment):
+    """Each experiment's whole sweep (every system x mode x degree it names) runs, on a small imported trace."""
+    trace = synthetic_trace_dir(tmp_path / "trace")
+    env = dict(os.environ, WANDB_MODE="disabled", REPRO_CACHE=str(cache))
+    res = subprocess.run(
+        [sys.executable, "-m", "repro.run", "-m", f"experiment={experiment}", "logger=none", f"trace={trace}",
+         "parallel.tokens_per_step=256", f"hydra.sweep.dir={tmp_path / 'runs'}"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    launched = sum(int(n) for n in re.findall(r"Launching (\d+) jobs", res.stdout + res.stderr))
+    assert launched >= 1
+    assert len(list((tmp_path / "runs").rglob("metrics.json"))) == launched
