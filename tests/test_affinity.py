@@ -21,7 +21,7 @@ from repro.affinity import (
     vocab_row_map,
     with_fallback_row,
 )
-from repro.affinity.tables import break_even_confidence, token_table_occurrences
+from repro.affinity.tables import break_even_confidence, row_share_totals, token_table_occurrences
 from repro.errors import TraceError
 from repro.traces import TraceMeta, make_trace
 
@@ -167,7 +167,12 @@ def test_break_even_confidence_and_held_out_token_table_by_hand():
     assert break_even_confidence(keys, conf, gain, 1, margin=2.0)[0] == 0.0
     # held-out token table: row 0 seen twice (devices 0 then 1), row 1 once -> the layer's mean share
     share = np.array([[1.0, 0.0], [0.0, 1.0], [0.25, 0.75]], dtype=np.float32)
-    device, confidence = token_table_occurrences(np.array([0, 0, 1]), share, 2)
+    devices = np.array([[0, 0, 0, 0], [1, 1, 1, 1], [0, 1, 1, 1]])  # k = 4 activations per occurrence
+    totals, occurrences = row_share_totals(np.array([0, 0, 1]), devices, 2, 2)
+    np.testing.assert_allclose(totals, [[1, 1], [0.25, 0.75]])
+    assert occurrences.tolist() == [2, 1]
+    share = np.array([[1.0, 0.0], [0.0, 1.0], [0.25, 0.75]], dtype=np.float32)
+    device, confidence = token_table_occurrences(np.array([0, 0, 1]), share, totals, occurrences)
     assert device.tolist() == [1, 0, 1]  # each occurrence of row 0 is predicted by the other one
     np.testing.assert_allclose(confidence, [0.5, 0.5, 0.75])
 

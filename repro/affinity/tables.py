@@ -258,23 +258,35 @@ def local_shares(experts: np.ndarray, expert_device: np.ndarray, num_devices: in
     return (counts.reshape(num, num_devices) / top_k).astype(np.float32)
 
 
-def token_table_occurrences(token_row: np.ndarray, share: np.ndarray, num_rows: int) -> tuple[np.ndarray, np.ndarray]:
-    """(held-out T int64[n], T_p float32[n]) of each profile occurrence, for calibrating against the token table.
+def row_share_totals(token_row: np.ndarray, device: np.ndarray, num_rows: int, num_devices: int) -> tuple[np.ndarray, np.ndarray]:
+    """(totals float64[t, D], occurrences int64[t]): each token row's summed `local_shares` over the profile.
 
-    token_row int64[n]; share float32[n, D] (`local_shares`). T_p is the full-profile confidence of the
-    occurrence's row, the number the online rule will compare. The device is the one the table would predict
-    were the occurrence not in the profile: row j's mean share without occurrence i, (sum_j - share_i) /
-    (n_j - 1), or the layer's mean share (the OOV row) for ids seen once. Scoring the in-sample T would be
-    optimistic for rare ids (one occurrence with all experts on one device has T_p = 1 and is always right),
-    so the token table would look better than it is on unseen requests.
+    token_row int64[n]; device int[n, k] the device serving each of an occurrence's k activations. Counted from
+    the k device ids directly (integer histogram, then / k), never through a dense [n, D] share matrix.
     """
-    num_devices = share.shape[1]
-    # one weighted bincount per device: O(n x D), and much faster than np.add.at on large profiles
-    totals = np.stack([np.bincount(token_row, weights=share[:, d], minlength=num_rows) for d in range(num_devices)], axis=1)
-    seen = np.bincount(token_row, minlength=num_rows)[token_row]
+    top_k = device.shape[1]
+    keys = (np.asarray(token_row, dtype=np.int64)[:, None] * num_devices + device).ravel()
+    totals = np.bincount(keys, minlength=num_rows * num_devices).reshape(num_rows, num_devices) / top_k
+    return totals, np.bincount(token_row, minlength=num_rows)
+
+
+def token_table_occurrences(
+    token_row: np.ndarray, share: np.ndarray, totals: np.ndarray, occurrences: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """(held-out T int64[n], T_p float32[n]) of profile occurrences, for calibrating against the token table.
+
+    token_row int64[n] and share float32[n, D] (`local_shares`) of the occurrences to score, each of which is
+    counted in totals float[t, D] / occurrences int[t] (`row_share_totals` over the whole profile). T_p is the
+    full-profile confidence of the occurrence's row, the number the online rule will compare. The device is the
+    one the table would predict were the occurrence not in the profile: row j's mean share without occurrence
+    i, (sum_j - share_i) / (n_j - 1), or the layer's mean share (the OOV row) for ids seen once. Scoring the
+    in-sample T would be optimistic for rare ids (one occurrence with all experts on one device has T_p = 1 and
+    is always right), so the token table would look better than it is on unseen requests.
+    """
+    seen = occurrences[token_row]
     confidence = (totals.max(axis=1)[token_row] / seen).astype(np.float32)
     held_out = (totals[token_row] - share) / np.maximum(seen - 1, 1)[:, None]
-    held_out = np.where((seen > 1)[:, None], held_out, share.mean(axis=0))
+    held_out = np.where((seen > 1)[:, None], held_out, totals.sum(axis=0) / occurrences.sum())
     return np.argmax(held_out, axis=1), confidence
 
 
@@ -321,10 +333,12 @@ def device_markov_table(
     lookback: int = 2,
     tokens: np.ndarray | None = None,
     margin: float = 1.0,
+    max_occurrences: int = 1 << 17,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(A int16[L, Q], A_p float32[L, Q]): the Markov device per device history, and its calibrated confidence.
 
-    tokens int[N'] the profile tokens to learn from (default all). A token's device at a layer is the
+    tokens int[N'] the profile tokens to learn from (default all); A and A_p are estimated on at most
+    `max_occurrences` of them per layer (an evenly strided subset; all of them on smaller profiles). A token's device at a layer is the
     device hosting most of its k experts (`majority_device` semantics); row q of layer l is the mixed-radix
     key (`history_keys`) of its devices at layers l-h'..l-1, h' = min(h, l); at layer 0 only row 0 is used.
 
@@ -347,11 +361,19 @@ def device_markov_table(
     num_rows = num_devices**lookback
     _, token_row = encode_tokens(trace.token_ids[keep])
     num_token_rows = int(token_row.max(initial=-1)) + 1
-    token_device = np.empty((len(keep), num_layers), dtype=np.int64)
+    # every s-th occurrence (deterministic) bounds the dense [n, D] work at DeepSeek-V3 scale; the token
+    # table's totals still come from the whole profile
+    sample = np.arange(0, len(keep), max(1, -(-len(keep) // max_occurrences)))
+    token_device = np.empty((len(sample), num_layers), dtype=np.int64)
     table = np.zeros((num_layers, num_rows), dtype=np.int16)
     confidence = np.zeros((num_layers, num_rows), dtype=np.float32)
+    arange = np.arange(len(sample))
     for layer in range(num_layers):  # one forward pass: a layer's history only needs earlier layers
-        share = local_shares(trace.experts[keep, layer], expert_device[layer], num_devices)  # [N', D]
+        layer_experts = np.asarray(trace.experts[keep, layer], dtype=np.int64)
+        totals, occurrences = row_share_totals(
+            token_row, np.asarray(expert_device[layer])[layer_experts], num_token_rows, num_devices
+        )
+        share = local_shares(layer_experts[sample], expert_device[layer], num_devices)  # [S, D]
         token_device[:, layer] = np.argmax(share, axis=1)  # ties -> lowest id, as majority_device
         depth = min(lookback, layer)
         keys = history_keys(token_device[:, layer - depth : layer], num_devices)
@@ -360,8 +382,7 @@ def device_markov_table(
         )
         seen = np.bincount(keys, minlength=num_rows) > 0
         table[layer] = np.where(seen, np.argmax(row_mass, axis=1), np.argmax(row_mass.sum(axis=0)))
-        token_table, token_conf = token_table_occurrences(token_row, share, num_token_rows)
-        arange = np.arange(len(keep))
+        token_table, token_conf = token_table_occurrences(token_row[sample], share, totals, occurrences)
         gain = share[arange, table[layer][keys]] - share[arange, token_table]
         confidence[layer] = break_even_confidence(keys, token_conf, gain, num_rows, margin)
     return table, confidence
