@@ -315,7 +315,10 @@ def layer_token_table(
 
 
 # Sem-MoE parameters that shape the online plan; semmoe_exact passes them on to SemMoE.plan_for_placement
-ONLINE_PARAMS = ("lookback", "dp_scoring", "load_aware_lambda", "dp_window", "prompt_only", "embeddings_path")
+ONLINE_PARAMS = (
+    "lookback", "dp_scoring", "dp_assign", "dp_token_price", "load_aware_lambda", "dp_window", "prompt_only",
+    "embeddings_path",
+)
 
 
 class SemMoEExact:
