@@ -1,6 +1,6 @@
 """Oracle bounds: hand-made alignment cases, exact vs greedy, fit-oracle assignment, evaluator cross-checks."""
 
-from itertools import permutations
+from itertools import permutations, product
 
 import numpy as np
 import pytest
@@ -9,7 +9,14 @@ from repro.errors import ConfigError, ReproError
 from repro.parallel import ParallelConfig
 from repro.systems import make_system
 from repro.systems.base import Placement
-from repro.systems.oracle import align_exact, align_greedy, fit_request_assignment, local_scores
+from repro.systems.oracle import (
+    align_exact,
+    align_greedy,
+    fit_request_assignment,
+    local_scores,
+    max_weight_transport,
+    token_balanced_assign,
+)
 from repro.traces import TraceMeta, make_trace
 
 
@@ -42,25 +49,102 @@ def test_exact_alignment_is_optimal_and_never_below_greedy():
         assert value(exact) == best >= value(greedy)
 
 
-def planted_trace(seed=0, num_requests=24, length=16, num_experts=8, num_layers=2, top_k=2, communities=4):
+def planted_trace(seed=0, num_requests=24, length=16, num_experts=8, num_layers=2, top_k=2, communities=4, spread=0):
+    """Requests of `length` tokens (± spread, drawn uniformly) in planted expert communities."""
     rng = np.random.default_rng(seed)
     label = rng.integers(0, communities, num_requests)
-    request = np.repeat(np.arange(num_requests), length)
+    lengths = length + rng.integers(-spread, spread + 1, num_requests)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    request = np.repeat(np.arange(num_requests), lengths)
     per = num_experts // communities
     home = label[request]
     noisy = rng.random(len(request)) < 0.2
     group = np.where(noisy, rng.integers(0, communities, len(request)), home)
     experts = np.stack([group * per, group * per + 1], axis=-1)[:, None, :].repeat(num_layers, axis=1)
     meta = TraceMeta(model="t", num_experts=num_experts, top_k=top_k, layer_ids=tuple(range(num_layers)), vocab_size=40)
-    return make_trace(meta, np.arange(num_requests + 1) * length, rng.integers(0, 40, len(request)), experts)
+    return make_trace(meta, offsets, rng.integers(0, 40, len(request)), experts)
 
 
 def test_fit_request_assignment_recovers_communities_and_is_balanced():
     trace = planted_trace()
-    ranks, placement, history = fit_request_assignment(trace, Placement(np.tile(np.arange(8), (2, 1)), 4, 8), rounds=3)
+    ranks, placement, history, _ = fit_request_assignment(trace, Placement(np.tile(np.arange(8), (2, 1)), 4, 8), rounds=3)
     assert np.all(np.diff(history) >= -1e-9)  # alternation never loses local activations
     counts = np.bincount(ranks, minlength=4)
     assert counts.max() - counts.min() <= 1
+
+
+def brute_force(score, length, capacity=np.inf, count=None):
+    """Best Σ score over all assignments with every rank's load <= capacity (and exactly `count` requests)."""
+    num_requests, num_devices = score.shape
+    best = -np.inf
+    for ranks in product(range(num_devices), repeat=num_requests):
+        ranks = np.array(ranks)
+        load = np.bincount(ranks, weights=length, minlength=num_devices)
+        if load.max() > capacity or (count is not None and np.any(np.bincount(ranks, minlength=num_devices) != count)):
+            continue
+        best = max(best, score[np.arange(num_requests), ranks].sum())
+    return best
+
+
+def test_token_balance_and_count_balance_choose_different_assignments():
+    # two long requests both prefer rank 0: 2 + 2 requests per rank puts both there (loads 20 / 2); a token
+    # cap of 1.1 x mean = 12.1 splits them and sends the two short ones to rank 0 instead (loads 12 / 10)
+    score = np.array([[5.0, 0.0], [4.0, 0.0], [1.0, 0.0], [1.0, 0.0]])
+    length = np.array([10, 10, 1, 1])
+    by_count = np.argmax(max_weight_transport(score, np.array([2, 2]), np.array([2, 2]), what="test"), axis=1)
+    assert by_count.tolist() == [0, 0, 1, 1]
+    assert np.bincount(by_count, weights=length).tolist() == [20.0, 2.0]
+    by_tokens, bound = token_balanced_assign(score, length, 1.1 * length.sum() / 2, what="test")
+    assert by_tokens.tolist() == [0, 1, 0, 0]
+    assert np.bincount(by_tokens, weights=length).tolist() == [12.0, 10.0]
+    value = score[np.arange(4), by_tokens].sum()
+    assert value == 7.0 == brute_force(score, length, 12.1) < brute_force(score, length, count=2) == 9.0
+    assert value <= bound + 1e-9
+
+
+def test_token_balanced_assign_respects_the_cap_and_the_lp_bound():
+    rng = np.random.default_rng(3)
+    for _ in range(6):  # tiny and tight: the rounding may overflow, but by less than one request
+        score = rng.integers(0, 6, size=(7, 3)).astype(float)
+        length = rng.integers(1, 9, size=7)
+        capacity = 1.2 * length.sum() / 3
+        ranks, bound = token_balanced_assign(score, length, capacity, what="test")
+        load = np.bincount(ranks, weights=length, minlength=3)
+        value = score[np.arange(7), ranks].sum()
+        assert load.max() <= capacity + length.max()
+        assert brute_force(score, length, capacity) <= bound + 1e-9
+        if load.max() <= capacity:
+            assert value <= brute_force(score, length, capacity)
+    # many short requests (the evaluated traces): the cap holds and at most D requests lose their score
+    score = rng.random((300, 4)) * 10
+    length = rng.integers(5, 60, size=300)
+    capacity = 1.05 * length.sum() / 4
+    ranks, bound = token_balanced_assign(score, length, capacity, what="test")
+    assert np.bincount(ranks, weights=length, minlength=4).max() <= capacity
+    assert bound - 4 * score.max() <= score[np.arange(300), ranks].sum() <= bound + 1e-9
+    again, _ = token_balanced_assign(score, length, capacity, what="test")
+    assert np.array_equal(ranks, again)
+
+
+def test_fit_oracle_token_balance_bounds_token_load_and_vanilla():
+    evaluate = evaluate_or_skip()
+    trace = planted_trace(num_requests=40, spread=12)
+    parallel = ParallelConfig(devices=4, attention="dp", tokens_per_step=16)
+    rng = np.random.default_rng(0)
+    balanced = make_system("fit_oracle", base="ep", token_balance=1.1).fit(trace, parallel, rng)
+    by_count = make_system("fit_oracle", base="ep", token_balance=None).fit(trace, parallel, rng)
+    summary = {name: evaluate(plan, trace).summary for name, plan in (("balanced", balanced), ("count", by_count))}
+    lar_ep = evaluate(make_system("ep").fit(trace, parallel, rng), trace).summary["lar"]
+    assert summary["balanced"]["token_imbalance_max_mean"] <= 1.1 + 1e-9
+    assert summary["balanced"]["token_imbalance_max_mean"] == pytest.approx(balanced.info["oracle_token_imbalance_fit"])
+    assert summary["balanced"]["lar"] == pytest.approx(balanced.info["oracle_lar_fit"])
+    assert lar_ep < summary["balanced"]["lar"] <= balanced.info["oracle_lar_lp_bound"] + 1e-12
+    assert "oracle_lar_lp_bound" not in by_count.info
+    by_count.reset()
+    counts = np.bincount(by_count.assign_requests(trace.token_ids, trace.offsets, trace.prefill_len), minlength=4)
+    assert counts.max() - counts.min() <= 1
+    with pytest.raises(ConfigError, match="token_balance must be >= 1"):
+        make_system("fit_oracle", token_balance=0.9)
 
 
 def evaluate_or_skip():
