@@ -5,7 +5,7 @@
 
 Each job writes into its output dir (runs/<name>/<overrides>/): metrics.json (summary + resolved config; written
 last, so its presence means the job finished), per_layer.csv, traffic.npy, expert_load.npy, token_load.npy,
-plan/ and config.yaml. A job whose metrics.json holds the same resolved config is skipped (resume). Routing
+affinity_stats.csv (the paper's Table 1 on the profile split), plan/ and config.yaml. A job whose metrics.json holds the same resolved config is skipped (resume). Routing
 traces and trained models are cached under cache_dir keyed by the config that made them.
 """
 
@@ -146,6 +146,7 @@ def a2a_seconds_estimate(traffic: np.ndarray, hardware: dict) -> float:
 
 
 def run_job(cfg: DictConfig, out_dir: Path) -> dict | None:
+    from repro.affinity.stats import affinity_statistics
     from repro.eval import evaluate
     from repro.systems import make_system
 
@@ -184,6 +185,9 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict | None:
     for name, array in (("traffic", result.traffic), ("expert_load", result.expert_load), ("token_load", result.token_load)):
         atomic_write(out_dir / f"{name}.npy", lambda p, a=array: _save_npy(p, a))
     atomic_write(out_dir / "activation_map.npz", lambda p: _save_activation_map(p, evaluation))
+    # the paper's Table 1 on the profile split: how predictable each token's experts are from its id alone
+    affinity = affinity_statistics(profile)
+    atomic_write(out_dir / "affinity_stats.csv", lambda p: affinity.to_csv(p, index=False))
     atomic_write(out_dir / "config.yaml", lambda p: p.write_text(OmegaConf.to_yaml(config)))
     # last: its presence marks the job finished
     atomic_write(

@@ -35,7 +35,7 @@ def test_smoke_writes_metrics_then_resumes(tmp_path, cache):
     assert 0.0 < s["lar"] <= 1.0
     assert s["dispatch_bytes"] == s["combine_bytes"] > 0
     assert metrics["config"]["parallel"]["attention"] == "tp"
-    for name in ("per_layer.csv", "traffic.npy", "expert_load.npy", "config.yaml", "activation_map.npz"):
+    for name in ("per_layer.csv", "traffic.npy", "expert_load.npy", "config.yaml", "activation_map.npz", "affinity_stats.csv"):
         assert (out / name).exists(), name
     stamp = (out / "metrics.json").stat().st_mtime_ns
     second = run_app("experiment=smoke", "parallel.attention=tp", cache=cache, out=out)
@@ -87,6 +87,7 @@ def test_sweep_then_figures(tmp_path, cache):
     assert len(per_layer) == 2 * summary["num_layers"].iloc[0]
     report = write_report(tmp_path / "runs", tmp_path / "figures")
     text = report.read_text()
+    assert "paper Table 1" in text
     for png in ("lar_per_layer.png", "lar_vs_ep.png", "traffic_heatmap.png", "activation_heatmap.png"):
         assert png in text
         assert (tmp_path / "figures" / "smoke" / png).stat().st_size > 1000

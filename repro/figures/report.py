@@ -156,6 +156,17 @@ def markdown_table(df: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
+def affinity_section(run_dir: Path) -> list[str]:
+    """The paper's Table 1 (static top-k F1, cumulative top-k hotness, max non-top-k hotness) of a job's profile."""
+    path = run_dir / "affinity_stats.csv"
+    if not path.exists():
+        return []
+    stats = pd.read_csv(path)
+    cols = ["model_layer", "f1_p25", "f1_p50", "f1_p75", "topk_hotness_p50", "max_nontopk_hotness_p50", "kurtosis_p50"]
+    return ["### Token-expert affinity of the profile split (paper Table 1)", "",
+            markdown_table(stats[[c for c in cols if c in stats]]), ""]
+
+
 def _config_block(run_dir: str) -> str:
     cfg = json.loads((Path(run_dir) / "metrics.json").read_text())["config"]
     keep = {k: cfg[k] for k in ("model", "workload", "system", "parallel", "seed", "profile_fraction") if k in cfg}
@@ -188,6 +199,7 @@ def write_report(runs_dir: str | Path, out_dir: str | Path) -> Path:
                          fig_activation_heatmap(Path(biggest["run_dir"]), out_dir / experiment / "activation_heatmap.png")))
         for title, path in figs:
             lines += [f"### {title}", "", f"![{title}]({path.relative_to(out_dir)})", ""]
+        lines += affinity_section(Path(runs["run_dir"].iloc[0]))
         lines += ["Config of the jobs (first job shown; swept keys vary):", "", _config_block(runs["run_dir"].iloc[0]), ""]
     report = out_dir / "REPORT.md"
     report.parent.mkdir(parents=True, exist_ok=True)
