@@ -43,6 +43,6 @@ bench:
 lint:
 	$(VENV)/bin/ruff check repro tests bench
 
+# removes results, cached traces and trained models (runs/cache) and generated figures; keeps the .gitkeep files
 clean:
-	rm -rf runs/* figures/*.png figures/*.pdf figures/REPORT.md wandb .pytest_cache
-	touch runs/.gitkeep
+	rm -rf runs/* figures/* bench/results wandb .pytest_cache
