@@ -29,14 +29,21 @@ def encode_tokens(token_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return token_vocab.astype(np.int32), token_row.astype(np.int64).ravel()
 
 
+def pair_counts(row: np.ndarray, column: np.ndarray, num_rows: int, num_columns: int) -> np.ndarray:
+    """int64[num_rows, num_columns] histogram of (row[i], column[i, j]) pairs: row int[n], column int[n, m].
+
+    The one (row, expert) / (row, device) histogram behind the count, mass and share tables below.
+    """
+    keys = (np.asarray(row, dtype=np.int64)[:, None] * num_columns + np.asarray(column, dtype=np.int64)).ravel()
+    return np.bincount(keys, minlength=num_rows * num_columns).reshape(num_rows, num_columns)
+
+
 def layer_token_expert_counts(token_row: np.ndarray, experts: np.ndarray, num_rows: int, num_experts: int) -> np.ndarray:
     """float32[t, E] how often each token row activated each expert in one layer (all k slots counted).
 
     token_row int64[N] from `encode_tokens`; experts int[N, k] the layer's routing.
     """
-    experts = np.asarray(experts, dtype=np.int64)
-    flat = (token_row[:, None] * num_experts + experts).ravel()
-    return np.bincount(flat, minlength=num_rows * num_experts).reshape(num_rows, num_experts).astype(np.float32)
+    return pair_counts(token_row, experts, num_rows, num_experts).astype(np.float32)
 
 
 def layer_token_expert_coo(
@@ -44,12 +51,9 @@ def layer_token_expert_coo(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(row int64[nnz], expert int64[nnz], count float32[nnz]): the nonzeros of `layer_token_expert_counts`,
     sorted by (row, expert). Memory O(t x E) for one transient histogram, O(nnz) after."""
-    counts = np.bincount(
-        (token_row[:, None] * num_experts + np.asarray(experts, dtype=np.int64)).ravel(),
-        minlength=num_rows * num_experts,
-    )
-    flat = np.flatnonzero(counts)
-    return flat // num_experts, flat % num_experts, counts[flat].astype(np.float32)
+    counts = pair_counts(token_row, experts, num_rows, num_experts)
+    row, expert = np.nonzero(counts)
+    return row, expert, counts[row, expert].astype(np.float32)
 
 
 def routed_device_mass(
@@ -60,8 +64,7 @@ def routed_device_mass(
     token_row int64[N]; experts int[N, k] the layer's routing; expert_device int[E] the layer's placement.
     """
     device = np.asarray(expert_device)[np.asarray(experts, dtype=np.int64)]  # [N, k]
-    mass = np.bincount((token_row[:, None] * num_devices + device).ravel(), minlength=num_rows * num_devices)
-    mass = mass.reshape(num_rows, num_devices).astype(np.float32)
+    mass = pair_counts(token_row, device, num_rows, num_devices).astype(np.float32)
     return mass / np.maximum(mass.sum(axis=1, keepdims=True), 1e-30)
 
 
@@ -218,9 +221,8 @@ def majority_device(experts: np.ndarray, expert_device: np.ndarray, num_devices:
     experts = np.asarray(experts, dtype=np.int64)
     lead_shape, top_k = experts.shape[:-1], experts.shape[-1]
     device = np.asarray(expert_device)[experts.reshape(-1, top_k)]  # [n, k]
-    num = len(device)
-    per_device = np.bincount((np.arange(num)[:, None] * num_devices + device).ravel(), minlength=num * num_devices)
-    return np.argmax(per_device.reshape(num, num_devices), axis=1).reshape(lead_shape)
+    per_device = pair_counts(np.arange(len(device)), device, len(device), num_devices)
+    return np.argmax(per_device, axis=1).reshape(lead_shape)
 
 
 def history_keys(history: np.ndarray, num_devices: int) -> np.ndarray:
@@ -253,9 +255,8 @@ def local_shares(experts: np.ndarray, expert_device: np.ndarray, num_devices: in
     """
     experts = np.asarray(experts, dtype=np.int64)
     num, top_k = experts.shape
-    device = np.asarray(expert_device)[experts]
-    counts = np.bincount((np.arange(num)[:, None] * num_devices + device).ravel(), minlength=num * num_devices)
-    return (counts.reshape(num, num_devices) / top_k).astype(np.float32)
+    counts = pair_counts(np.arange(num), np.asarray(expert_device)[experts], num, num_devices)
+    return (counts / top_k).astype(np.float32)
 
 
 def row_share_totals(token_row: np.ndarray, device: np.ndarray, num_rows: int, num_devices: int) -> tuple[np.ndarray, np.ndarray]:
@@ -264,9 +265,7 @@ def row_share_totals(token_row: np.ndarray, device: np.ndarray, num_rows: int, n
     token_row int64[n]; device int[n, k] the device serving each of an occurrence's k activations. Counted from
     the k device ids directly (integer histogram, then / k), never through a dense [n, D] share matrix.
     """
-    top_k = device.shape[1]
-    keys = (np.asarray(token_row, dtype=np.int64)[:, None] * num_devices + device).ravel()
-    totals = np.bincount(keys, minlength=num_rows * num_devices).reshape(num_rows, num_devices) / top_k
+    totals = pair_counts(token_row, device, num_rows, num_devices) / device.shape[1]
     return totals, np.bincount(token_row, minlength=num_rows)
 
 

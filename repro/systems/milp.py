@@ -32,6 +32,7 @@ import numpy as np
 import scipy.sparse as sp
 from scipy.optimize import Bounds, LinearConstraint, milp
 
+from repro.affinity.tables import layer_token_expert_counts
 from repro.errors import ConfigError, SolverError
 from repro.parallel import ParallelConfig
 from repro.systems.semmoe import SemMoE, SemMoEPlan
@@ -108,8 +109,8 @@ def solve_milp(
     return MilpResult(res.x, objective, "time_limit", gap, seconds)
 
 
-def merge_status(results: list[MilpResult]) -> dict:
-    """plan.info entries for a sequence of solves: worst status, max gap, total seconds, summed objective."""
+def merge_status(results: list[MilpResult] | list[CoclusterSolution]) -> dict:
+    """plan.info entries for a sequence of solves (anything with status, gap, seconds, objective): worst status, max gap, total seconds, summed objective."""
     return {
         "solver_status": "time_limit" if any(r.status == "time_limit" for r in results) else "optimal",
         "solver_gap": max((r.gap for r in results), default=0.0),
@@ -131,9 +132,8 @@ class CoclusterSolution:
     seconds: float
 
 
-def coclustering_num_variables(confidence: np.ndarray, num_devices: int) -> int:
+def coclustering_num_variables(num_tokens: int, num_experts: int, num_devices: int) -> int:
     """V of the default ("local") co-clustering MILP: R (t·D) + C (N·D) + dev (D) + u (t·D)."""
-    num_tokens, num_experts = confidence.shape
     return (2 * num_tokens + num_experts + 1) * num_devices
 
 
@@ -291,27 +291,23 @@ def _check_coclustering_instance(confidence, frequency, num_devices, theta) -> N
 # ----------------------------------------------------------------------------------------------- the system
 
 
-def layer_token_table(
-    profile: RoutingTrace, layer: int, max_tokens: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Token→expert statistics of one MoE layer for the `max_tokens` most frequent token ids.
-
-    Returns (token_vocab int[t] ids sorted by descending frequency, ties by id; confidence float[t, E] =
-    activations / (k · occurrences), rows summing to 1; frequency float[t] = occurrences a_j).
-    """
-    num_experts, top_k = profile.meta.num_experts, profile.meta.top_k
+def frequent_token_rows(profile: RoutingTrace, max_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """(token_rank int64[N] row of each profile token among the `max_tokens` most frequent ids, -1 outside them;
+    frequency float[t] occurrences a_j of those ids, rows ordered by descending frequency, ties by id)."""
     vocab, inverse, occurrences = np.unique(np.asarray(profile.token_ids), return_inverse=True, return_counts=True)
     keep = np.lexsort((vocab, -occurrences))[:max_tokens]  # most frequent first
     rank_of = np.full(len(vocab), -1, dtype=np.int64)
     rank_of[keep] = np.arange(len(keep))
-    token_rank = rank_of[inverse]  # int[N], -1 for tokens outside the kept set
+    return rank_of[inverse.ravel()], occurrences[keep].astype(np.float64)
+
+
+def layer_token_table(profile: RoutingTrace, layer: int, token_rank: np.ndarray, frequency: np.ndarray) -> np.ndarray:
+    """float[t, E] confidence C_p = activations / (k · occurrences) of the rows of `frequent_token_rows` in one
+    MoE layer (rows sum to 1)."""
     mask = token_rank >= 0
     experts = np.asarray(profile.experts[:, layer, :], dtype=np.int64)[mask]  # [n_kept, k]
-    counts = np.bincount(
-        (np.repeat(token_rank[mask], top_k) * num_experts + experts.ravel()), minlength=len(keep) * num_experts
-    ).reshape(len(keep), num_experts)
-    frequency = occurrences[keep].astype(np.float64)
-    return vocab[keep], counts / (top_k * frequency[:, None]), frequency
+    counts = layer_token_expert_counts(token_rank[mask], experts, len(frequency), profile.meta.num_experts)
+    return counts / (profile.meta.top_k * frequency[:, None])
 
 
 # Sem-MoE parameters that shape the online plan; semmoe_exact passes them on to SemMoE.plan_for_placement
@@ -341,11 +337,8 @@ class SemMoEExact:
         mip_rel_gap: float = 1e-4,
         **semmoe_params,
     ):
-        if not 0.0 < theta < 1.0:
-            raise ConfigError(f"system.params.theta must be in (0, 1), got {theta}.")
         if max_tokens < 1:
             raise ConfigError(f"system.params.max_tokens must be >= 1, got {max_tokens}.")
-        self.theta = theta
         self.max_tokens = int(max_tokens)
         self.max_variables = int(max_variables)
         self.time_limit = float(time_limit)
@@ -355,39 +348,37 @@ class SemMoEExact:
             raise ConfigError(
                 f"semmoe_exact does not know system.params {sorted(unknown)}; allowed: {sorted(ONLINE_PARAMS)} and its own."
             )
-        # the online side (tables T/T_p, DP scores, Markov A/A_p) is Sem-MoE's own: built (and its params
-        # checked) by the same SemMoE object, so the only difference to system=semmoe is the offline solver
-        self.online = SemMoE(**semmoe_params)
+        # the online side (tables T/T_p, DP scores, Markov A/A_p) is Sem-MoE's own: built (and its params,
+        # theta included, checked) by the same SemMoE object, so the only difference to system=semmoe is the
+        # offline solver
+        self.online = SemMoE(theta=theta, **semmoe_params)
+        self.theta = self.online.theta
 
     def solve_layers(self, profile: RoutingTrace, parallel: ParallelConfig) -> tuple[np.ndarray, list[CoclusterSolution]]:
         """(expert_device int[L, E], one CoclusterSolution per layer)."""
         num_experts = profile.meta.num_experts
         parallel.check_experts(num_experts)
-        solutions = []
-        for layer in range(profile.num_layers):
-            _, confidence, frequency = layer_token_table(profile, layer, self.max_tokens)
-            if len(frequency) == 0:
-                raise ConfigError(f"the profile trace has no tokens; semmoe_exact needs profiled tokens in layer {layer}.")
-            num_vars = coclustering_num_variables(confidence, parallel.devices)
-            if num_vars > self.max_variables:
-                raise ConfigError(
-                    f"semmoe_exact: layer {layer} needs {num_vars} MILP variables (t={len(frequency)} tokens, "
-                    f"E={num_experts}, D={parallel.devices}), over the limit max_variables={self.max_variables}; "
-                    "lower system.params.max_tokens or use system=semmoe for instances this large."
-                )
-            solutions.append(
-                solve_coclustering_milp(confidence, frequency, parallel.devices, self.theta, self.time_limit, self.mip_rel_gap)
+        token_rank, frequency = frequent_token_rows(profile, self.max_tokens)
+        if len(frequency) == 0:
+            raise ConfigError("the profile trace has no tokens; semmoe_exact needs profiled tokens in every MoE layer.")
+        num_vars = coclustering_num_variables(len(frequency), num_experts, parallel.devices)
+        if num_vars > self.max_variables:
+            raise ConfigError(
+                f"semmoe_exact: each MoE layer needs {num_vars} MILP variables (t={len(frequency)} tokens, "
+                f"E={num_experts}, D={parallel.devices}), over the limit max_variables={self.max_variables}; "
+                "lower system.params.max_tokens or use system=semmoe for instances this large."
             )
+        solutions = [
+            solve_coclustering_milp(
+                layer_token_table(profile, layer, token_rank, frequency), frequency, parallel.devices, self.theta,
+                self.time_limit, self.mip_rel_gap,
+            )
+            for layer in range(profile.num_layers)
+        ]
         return np.stack([s.expert_cluster for s in solutions]), solutions
 
     def fit(self, profile: RoutingTrace, parallel: ParallelConfig, rng: np.random.Generator) -> SemMoEPlan:
         """Exact placement per layer, then Sem-MoE's online tables for it (SemMoE.plan_for_placement)."""
         expert_device, solutions = self.solve_layers(profile, parallel)
-        info = {
-            "solver_status": "time_limit" if any(s.status == "time_limit" for s in solutions) else "optimal",
-            "solver_gap": max(s.gap for s in solutions),
-            "solver_seconds": float(sum(s.seconds for s in solutions)),
-            "solver_objective": float(sum(s.objective for s in solutions)),
-            "max_tokens": self.max_tokens,
-        }
+        info = merge_status(solutions) | {"max_tokens": self.max_tokens}
         return self.online.plan_for_placement(profile, parallel, expert_device, info)

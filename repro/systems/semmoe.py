@@ -536,13 +536,12 @@ def perturb_units(
     theta: float,
     rng: np.random.Generator,
     kicks: int,
-    kick_size: int = 3,
     polish_rounds: int = 64,
 ) -> tuple[np.ndarray, float]:
     """(unit_cluster int64[u], objective): iterated local search on the unit clusters for fixed experts.
 
     cluster int[u]; local float[u, D]; unit_load float[u]. Polishes `cluster` (`polish_units`), then `kicks`
-    times sends `kick_size` random units to random other devices, polishes again and keeps the result when
+    times sends 3 random units (`kick_units`) to random other devices, polishes again and keeps the result when
     L drops. Why: moves and pairwise swaps stop at local optima that need two simultaneous swaps (seen on
     12-token instances 10-34 % above the MILP optimum); a random kick plus polish gets out of them.
     """
@@ -552,7 +551,7 @@ def perturb_units(
     if num_devices < 2:
         return cluster, best
     for _ in range(kicks):
-        trial = kick_units(cluster, num_devices, rng, kick_size)
+        trial = kick_units(cluster, num_devices, rng)
         trial = polish_units(trial, local, unit_load, num_layers, theta, max_rounds=polish_rounds)
         objective = _objective(trial, local, unit_load, num_layers, theta)
         if objective < best:
@@ -691,6 +690,21 @@ def refine_cocluster(
 # Algorithm 2: Attention-DP request scheduling
 
 
+def packed_prompts(
+    token_ids: np.ndarray, offsets: np.ndarray, prefill_len: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """(packed int[P], prompt_start int64[R+1]): request r's prompt tokens are
+    packed[prompt_start[r] : prompt_start[r + 1]], P = sum(prefill_len); offsets int64[R+1], prefill_len int64[R].
+
+    Without a Python loop; when every request is all prompt it is one contiguous slice of token_ids.
+    """
+    if np.array_equal(prefill_len, np.diff(offsets)):
+        return np.asarray(token_ids[offsets[0] : offsets[-1]]), offsets - offsets[0]
+    prompt_start = np.concatenate([[0], np.cumsum(prefill_len)])
+    gather = np.arange(int(prompt_start[-1])) + np.repeat(offsets[:-1] - prompt_start[:-1], prefill_len)
+    return np.asarray(token_ids)[gather], prompt_start
+
+
 def request_scores(
     token_score: np.ndarray, row_of_token: np.ndarray, token_ids: np.ndarray, offsets: np.ndarray, prefill_len: np.ndarray
 ) -> np.ndarray:
@@ -703,15 +717,11 @@ def request_scores(
     prefill_len = np.asarray(prefill_len, dtype=np.int64)
     num_requests = len(offsets) - 1
     scores = np.zeros((num_requests, token_score.shape[1]), dtype=np.float32)
-    total = int(prefill_len.sum())
-    if total == 0:
+    if int(prefill_len.sum()) == 0:
         return scores
-    # gather prompt positions without a loop: position i of request r is offsets[r] + i, i < prefill_len[r]
-    starts = np.concatenate([[0], np.cumsum(prefill_len)[:-1]])
-    positions = np.arange(total) + np.repeat(offsets[:-1] - starts, prefill_len)
-    rows = row_of_token[np.asarray(token_ids)[positions]]
+    packed, prompt_start = packed_prompts(token_ids, offsets, prefill_len)
     nonempty = prefill_len > 0
-    scores[nonempty] = np.add.reduceat(token_score[rows], starts[nonempty], axis=0)
+    scores[nonempty] = np.add.reduceat(token_score[row_of_token[packed]], prompt_start[:-1][nonempty], axis=0)
     return scores / np.maximum(prefill_len, 1)[:, None].astype(np.float32)
 
 
@@ -740,13 +750,7 @@ def request_votes(
     scores = np.zeros((num_requests, num_devices), dtype=np.float32)
     if num_requests == 0:
         return scores
-    # prompt positions, packed: request r's prompt is packed[prompt_start[r] : prompt_start[r] + prefill_len[r]]
-    if np.array_equal(prefill_len, np.diff(offsets)):  # whole requests are prompts: a contiguous slice
-        packed, prompt_start = np.asarray(token_ids[offsets[0] : offsets[-1]]), offsets - offsets[0]
-    else:
-        prompt_start = np.concatenate([[0], np.cumsum(prefill_len)])
-        gather = np.arange(int(prompt_start[-1])) + np.repeat(offsets[:-1] - prompt_start[:-1], prefill_len)
-        packed = np.asarray(token_ids)[gather]
+    packed, prompt_start = packed_prompts(token_ids, offsets, prefill_len)
     first = 0
     while first < num_requests:
         last = int(np.searchsorted(prompt_start, prompt_start[first] + VOTE_CHUNK_TOKENS, side="right")) - 1
@@ -1222,8 +1226,7 @@ class SemMoE:
         started = time.perf_counter()
         meta = profile.meta
         num_experts, top_k, num_devices, num_layers = meta.num_experts, meta.top_k, parallel.devices, profile.num_layers
-        parallel.check_experts(num_experts)
-        check_cocluster_args(num_experts, num_devices, self.theta, self.n_steps, self.ft_steps)
+        parallel.check_experts(num_experts)  # theta, n_steps, ft_steps were checked in __init__
         keep, token_vocab, token_row = self._profile_rows(profile)
         units = self.cluster_units
         if units == "auto":
