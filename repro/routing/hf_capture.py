@@ -149,7 +149,7 @@ def capture_routing(
             else [np.zeros(0, np.int64)] * len(requests)
         )
         model_seqs = [np.concatenate([p, g]) for p, g in zip(model_prompts, generated, strict=True)]
-        experts_NLk, weights_NLk = _route_sequences(model, routers, model_seqs, batch_tokens, model_name)
+        experts_NLk, weights_NLk = _route_sequences(model, routers, top_k, model_seqs, batch_tokens, model_name)
     finally:
         model.train(was_training)
 
@@ -159,7 +159,7 @@ def capture_routing(
     ]
     lengths = np.array([len(s) for s in real_seqs], dtype=np.int64)
     routed_layers = [layer_id for layer_id, _ in routers]
-    dense = tuple(i for i in range(len(_decoder_layers(model))) if i not in set(routed_layers))
+    dense = tuple(sorted(set(range(len(_decoder_layers(model)))) - set(routed_layers)))
     meta = TraceMeta(
         model=model_name,
         num_experts=num_experts,
@@ -219,11 +219,10 @@ def _batches(lengths: np.ndarray, batch_tokens: int) -> list[np.ndarray]:
     return groups
 
 
-def _route_sequences(model, routers, model_seqs: list[np.ndarray], batch_tokens: int, model_name: str):
+def _route_sequences(model, routers, top_k: int, model_seqs: list[np.ndarray], batch_tokens: int, model_name: str):
     """experts int16[N, L, k] and weights float16[N, L, k] of the concatenated sequences (model ids)."""
     lengths = np.array([len(s) for s in model_seqs], dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum(lengths)])
-    num_experts, top_k = _router_shape(routers)
     experts_NLk = np.zeros((int(offsets[-1]), len(routers), top_k), dtype=np.int16)
     weights_NLk = np.zeros((int(offsets[-1]), len(routers), top_k), dtype=np.float16)
     records: list[list] = [[] for _ in routers]
@@ -391,7 +390,7 @@ def route_with_hf_model(
     cfg = {**HF_DEFAULTS, **model_cfg}
     model = load_hf_model(cfg, seed=seed)
     name = cfg["name"] or cfg["checkpoint"] or cfg["from_config"]["config_class"]
-    trace = capture_routing(
+    return capture_routing(
         model,
         requests,
         model_name=str(name),
@@ -402,4 +401,3 @@ def route_with_hf_model(
         max_new_tokens=int(cfg["max_new_tokens"]),
         source="hf_capture",
     )
-    return trace

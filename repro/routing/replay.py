@@ -390,7 +390,8 @@ def route_with_replay(
     if not requests:
         raise WorkloadError("route_with_replay got no requests; the workload is empty after filtering.")
     files = resolve_table_paths(model_cfg.get("tables"))
-    tables = load_replay_tables(files, min_count=int(model_cfg.get("min_count", 1) or 1))
+    min_count = int(model_cfg.get("min_count", 1) or 1)
+    tables = load_replay_tables(files, min_count=min_count)
     lengths = np.array([len(r.token_ids) for r in requests], dtype=np.int64)
     token_ids = np.concatenate([np.asarray(r.token_ids, dtype=np.int64) for r in requests])
     experts = sample_routing(tables, token_ids, np.random.default_rng(seed))
@@ -406,7 +407,7 @@ def route_with_replay(
         dataset=dataset,
         extra={
             "tables": [str(f) for f in files],
-            "min_count": int(model_cfg.get("min_count", 1) or 1),
+            "min_count": min_count,
             "seed": int(seed),
             "token_coverage": float(seen.mean()) if len(seen) else 0.0,
             "layers_independent": True,

@@ -269,7 +269,6 @@ def train_tiny_model(cfg: dict, stream: np.ndarray, model_vocab_size: int, unk_i
             bar.update(1)
             bar.set_postfix(loss=f"{lm_losses[-1]:.3f}", aux=f"{aux:.3f}")
     seconds = time.monotonic() - start
-    model.eval()
     tail = max(1, min(20, len(lm_losses) // 5))
     stats = {
         "steps": len(lm_losses),
@@ -366,7 +365,7 @@ def route_with_tiny_model(
     meta.source = "tiny_model", and meta.extra holding the training stats (steps, losses, seconds, vocabulary
     coverage of the training and routed tokens, cache key, whether the cache was hit).
     """
-    cfg = check_tiny_config(dict(model_cfg))
+    cfg = check_tiny_config(model_cfg)
     model, vocab, record, cache_hit = load_or_train(
         cfg, train_requests, cache_dir=Path(cache_dir), seed=seed, tokenizer=tokenizer, vocab_size=vocab_size
     )

@@ -220,7 +220,7 @@ def _first(problems: list[_Problem], bad: np.ndarray, what) -> None:
         problems.append(_Problem(row, what(row)))
 
 
-def _nulls(column: pa.ChunkedArray) -> np.ndarray:
+def _nulls(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
     return column.is_null().to_numpy(zero_copy_only=False)
 
 
@@ -252,7 +252,7 @@ def _list_column(column: pa.ChunkedArray, name: str, *, integer: bool, width: in
                  problems: list[_Problem]) -> np.ndarray:
     """int64 or float64 [n, k]: the lists of a column (JSON-encoded strings in CSV), all of length k."""
     column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
-    null = column.is_null().to_numpy(zero_copy_only=False)
+    null = _nulls(column)
     _first(problems, null, lambda r: f"{name} is empty")
     malformed = np.zeros(len(column), bool)
     if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
