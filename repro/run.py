@@ -5,7 +5,7 @@
 
 Each job writes into its output dir (runs/<name>/<overrides>/): metrics.json (summary + resolved config; written
 last, so its presence means the job finished), per_layer.csv, traffic.npy, expert_load.npy, token_load.npy,
-affinity_stats.csv (the paper's Table 1 on the profile split), plan/ and config.yaml. A job whose metrics.json holds the same resolved config is skipped (resume). Routing
+activation_map.npz, affinity_stats.csv (the paper's Table 1 on the profile split), plan/ and config.yaml. A job whose metrics.json holds the same resolved config is skipped (resume). Routing
 traces and trained models are cached under cache_dir keyed by the config that made them.
 """
 

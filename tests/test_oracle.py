@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from repro.errors import ConfigError, ReproError
+from repro.eval import evaluate
 from repro.parallel import ParallelConfig
 from repro.systems import make_system
 from repro.systems.base import Placement
@@ -127,7 +128,6 @@ def test_token_balanced_assign_respects_the_cap_and_the_lp_bound():
 
 
 def test_fit_oracle_token_balance_bounds_token_load_and_vanilla():
-    evaluate = evaluate_or_skip()
     trace = planted_trace(num_requests=40, spread=12)
     parallel = ParallelConfig(devices=4, attention="dp", tokens_per_step=16)
     rng = np.random.default_rng(0)
@@ -147,13 +147,7 @@ def test_fit_oracle_token_balance_bounds_token_load_and_vanilla():
         make_system("fit_oracle", token_balance=0.9)
 
 
-def evaluate_or_skip():
-    accounting = pytest.importorskip("repro.eval.accounting")
-    return accounting.evaluate
-
-
 def test_fit_oracle_dp_bounds_vanilla_and_matches_evaluator():
-    evaluate = evaluate_or_skip()
     trace = planted_trace()
     parallel = ParallelConfig(devices=4, attention="dp", tokens_per_step=16)
     rng = np.random.default_rng(0)
@@ -170,7 +164,6 @@ def test_fit_oracle_dp_bounds_vanilla_and_matches_evaluator():
 
 
 def test_token_oracle_tp_is_an_upper_bound_and_matches_evaluator():
-    evaluate = evaluate_or_skip()
     trace = planted_trace()
     parallel = ParallelConfig(devices=4, attention="tp", tokens_per_step=32)
     rng = np.random.default_rng(0)
@@ -205,7 +198,6 @@ def test_token_oracle_same_seed_same_plan_and_bad_input():
 
 
 def test_fit_oracle_on_semmoe_base():
-    pytest.importorskip("repro.systems.semmoe")
     trace = planted_trace()
     parallel = ParallelConfig(devices=4, attention="dp", tokens_per_step=16)
     plan = make_system("fit_oracle").fit(trace, parallel, np.random.default_rng(0))

@@ -349,7 +349,7 @@ class EvalResult:
     traffic: np.ndarray  # int64[L, D, D] dispatch bytes from source to destination device
     expert_load: np.ndarray  # int64[L, D] activations served by each device
     token_load: np.ndarray  # int64[L, D] tokens whose home (attention) device is d at layer l
-    activations: np.ndarray | None = None  # int64[L, D, D] activations from home device to serving device
+    activations: np.ndarray  # int64[L, D, D] activations from home device to serving device
 
 
 def evaluate(plan: Plan, trace: RoutingTrace, *, history: int = 2, progress: bool = False) -> EvalResult:

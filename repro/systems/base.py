@@ -166,7 +166,7 @@ class Plan:
         return np.arange(len(token_ids)), even_counts(len(token_ids), self.parallel.devices)
 
     def save(self, directory: str | Path) -> None:
-        """Write placement.npy, info.json and the SGLang-ready placement for inspection and engines."""
+        """Write physical_to_logical.npy and plan_info.json for inspection (`to_sglang` gives the engine format)."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         np.save(directory / "physical_to_logical.npy", self.placement.physical_to_logical, allow_pickle=False)

@@ -189,6 +189,11 @@ def device_load(weight: np.ndarray, placement: Placement) -> np.ndarray:
     return np.einsum("le,led->ld", per_replica, replicas)
 
 
+def mean_max_over_mean(load_LD: np.ndarray) -> float:
+    """Mean over layers of max/mean load over devices (load float[L, D]): the profile imbalance in plan.info."""
+    return float(np.mean(load_LD.max(1) / np.maximum(load_LD.mean(1), 1e-12)))
+
+
 class EPLB:
     """DeepSeek EPLB on the profile's expert loads; `num_redundant` extra replicas, static dispatch.
 
@@ -219,11 +224,9 @@ class EPLB:
             "num_redundant": self.num_redundant,
             "num_nodes": num_nodes,
             "policy": "hierarchical" if self.num_groups % num_nodes == 0 else "global",
-            "profile_load_imbalance_max_mean": float(np.mean(per_device.max(1) / np.maximum(per_device.mean(1), 1e-12))),
+            "profile_load_imbalance_max_mean": mean_max_over_mean(per_device),
             "max_replicas": int(logical_count.max()),
         }
         if contiguous is not None:
-            info["profile_load_imbalance_max_mean_contiguous"] = float(
-                np.mean(contiguous.max(1) / np.maximum(contiguous.mean(1), 1e-12))
-            )
+            info["profile_load_imbalance_max_mean_contiguous"] = mean_max_over_mean(contiguous)
         return Plan(placement, parallel, info)

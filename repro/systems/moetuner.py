@@ -31,7 +31,8 @@ from scipy.optimize import Bounds, LinearConstraint
 from repro.errors import ConfigError
 from repro.parallel import ParallelConfig
 from repro.systems.base import Placement, Plan
-from repro.systems.eplb import expert_activation_counts
+from repro.systems.ep import contiguous_placement
+from repro.systems.eplb import device_load, expert_activation_counts, mean_max_over_mean
 from repro.systems.milp import MilpResult, merge_status, solve_milp
 from repro.traces import RoutingTrace
 
@@ -225,15 +226,13 @@ class MoETuner:
             locality_weight=self.locality_weight, time_limit=self.time_limit, mip_rel_gap=self.mip_rel_gap,
         )
         placement = Placement.from_expert_device(expert_device, parallel.devices)
-        device_load = np.stack([np.bincount(d, weights=w, minlength=parallel.devices) for d, w in zip(expert_device, load, strict=True)])
-        contiguous = Placement.from_expert_device(
-            np.tile(np.arange(profile.meta.num_experts) // (profile.meta.num_experts // parallel.devices), (profile.num_layers, 1)),
-            parallel.devices,
-        )
+        contiguous = contiguous_placement(profile.num_layers, profile.meta.num_experts, parallel.devices)
+
+        def mean_max_pair(device: np.ndarray) -> float:
+            return float(max_pair_traffic(device, transitions, parallel.devices).mean()) if len(transitions) else 0.0
+
         info = merge_status(solves)
-        info["profile_load_imbalance_max_mean"] = float(np.mean(device_load.max(1) / np.maximum(device_load.mean(1), 1e-12)))
-        info["profile_max_pair_traffic"] = float(max_pair_traffic(expert_device, transitions, parallel.devices).mean()) if len(transitions) else 0.0
-        info["profile_max_pair_traffic_contiguous"] = (
-            float(max_pair_traffic(contiguous.expert_device(), transitions, parallel.devices).mean()) if len(transitions) else 0.0
-        )
+        info["profile_load_imbalance_max_mean"] = mean_max_over_mean(device_load(load, placement))
+        info["profile_max_pair_traffic"] = mean_max_pair(expert_device)
+        info["profile_max_pair_traffic_contiguous"] = mean_max_pair(contiguous.expert_device())
         return Plan(placement, parallel, info)

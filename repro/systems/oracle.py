@@ -12,7 +12,7 @@ fit_oracle (Attention-DP, and TP): `fits_on_evaluation = True` tells the app to 
     `system.fit(eval_trace, parallel, rng)` — the placement and the request assignment are fitted on the
     evaluated routing itself. DP: request r on device d scores its activations of d's experts over all layers
     and tokens, and the requests are assigned to maximise the total score under a balance constraint:
-    `token_balance` = b > 0 (default 1.3, the DP balance target max/mean <= 1.3): every rank's token load (prompt + generated tokens of its requests)
+    `token_balance` = b ≥ 1 (default 1.3, the DP balance target max/mean <= 1.3): every rank's token load (prompt + generated tokens of its requests)
     ≤ b × the mean load, request counts free (the token load is what attention and the MoE layers pay for and
     what token_imbalance_max_mean reports; a count constraint on top would make it a ceiling only for
     schedulers that also fix the counts, and lower it, never raise it). This
@@ -281,12 +281,21 @@ def picked(score: np.ndarray, rank: np.ndarray) -> float:
     return float(score[np.arange(len(rank)), rank].sum())
 
 
+def check_token_balance(token_balance: float | None) -> None:
+    """Raise ConfigError unless token_balance is null / 0 (request-count balance) or a max/mean cap >= 1."""
+    if token_balance and token_balance < 1.0:
+        raise ConfigError(
+            "system.params.token_balance must be >= 1 (max/mean token load), or null / 0 for request-count "
+            f"balance; got {token_balance}."
+        )
+
+
 def fit_request_assignment(
     trace: RoutingTrace, placement: Placement, rounds: int, token_balance: float | None = None
 ) -> tuple[np.ndarray, Placement, list[float], dict]:
     """Alternate request assignment and (without replicas) exact per-layer expert placement.
 
-    token_balance b > 0: every rank's token load (prompt + generated) ≤ b × mean, request counts free
+    token_balance b ≥ 1: every rank's token load (prompt + generated) ≤ b × mean, request counts free
     (`token_balanced_assign`); None or 0: R/D ± 1 requests per rank, exact max-weight transportation.
     Returns (rank int[R], the final placement, local activations after each round (non-decreasing: a round
     keeps the previous ranks when the new ones score no higher on the new placement), info: the LP bound of the
@@ -296,8 +305,7 @@ def fit_request_assignment(
     num_requests = trace.num_requests
     if num_requests < num_devices:
         raise ConfigError(f"the evaluation trace has {num_requests} requests for {num_devices} DP ranks; need at least one per rank.")
-    if token_balance and token_balance < 1.0:
-        raise ConfigError(f"system.params.token_balance must be >= 1 (max/mean token load), or null / 0 for request-count balance; got {token_balance}.")
+    check_token_balance(token_balance)
     length = np.diff(np.asarray(trace.offsets)).astype(np.float64)
     capacity = (token_balance or 0.0) * length.sum() / num_devices
     floor, extra = divmod(num_requests, num_devices)
@@ -382,11 +390,7 @@ class FitOracle:
             raise ConfigError(f"system.params.align must be one of {ALIGN_MODES}, got {align!r}.")
         if rounds < 1:
             raise ConfigError(f"system.params.rounds must be >= 1, got {rounds}.")
-        if token_balance and token_balance < 1.0:
-            raise ConfigError(
-                "system.params.token_balance must be >= 1 (max/mean token load), or null / 0 for request-count "
-                f"balance; got {token_balance}."
-            )
+        check_token_balance(token_balance)
         self.base, self.base_params, self.rounds, self.align = base, dict(base_params or {}), int(rounds), align
         self.token_balance = float(token_balance) if token_balance else None
 
@@ -399,13 +403,13 @@ class FitOracle:
             ranks, placement, history, fit_info = fit_request_assignment(
                 evaluation, placement, self.rounds, self.token_balance
             )
-            total = evaluation.num_tokens * evaluation.num_layers * evaluation.meta.top_k
+            total = max(evaluation.num_tokens * evaluation.num_layers * evaluation.meta.top_k, 1)
             info["oracle_token_balance"] = self.token_balance or 0.0
-            info["oracle_lar_fit"] = history[-1] / max(total, 1)
-            info["oracle_lar_first_round"] = history[0] / max(total, 1)
+            info["oracle_lar_fit"] = history[-1] / total
+            info["oracle_lar_first_round"] = history[0] / total
             info["oracle_token_imbalance_fit"] = fit_info["token_imbalance_max_mean"]
             if "lp_bound" in fit_info:
-                info["oracle_lar_lp_bound"] = fit_info["lp_bound"] / max(total, 1)
+                info["oracle_lar_lp_bound"] = fit_info["lp_bound"] / total
         return FitOraclePlan(
             placement, parallel, info, self.align, ranks, np.asarray(evaluation.offsets),
             np.asarray(evaluation.token_ids),
