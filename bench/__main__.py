@@ -18,12 +18,13 @@ import os
 import pkgutil
 import platform
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
 
 import numpy as np
+
+from repro.atomic import atomic_write_text
 
 PREFIX = "bench_"
 
@@ -66,19 +67,6 @@ def run_one(name: str, quick: bool) -> dict:
         record["traceback"] = traceback.format_exc()
     record["elapsed_s"] = round(time.perf_counter() - start, 3)
     return record
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write text to path through a temporary sibling, so a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def flatten(results: dict, prefix: str = "") -> dict:
@@ -163,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         print(f"bench {name} ({'quick' if args.quick else 'full'}) ...", flush=True)
         record = run_one(name, args.quick)
-        write_atomic(out / f"{name}.json", json.dumps(record, indent=1, default=float) + "\n")
+        atomic_write_text(out / f"{name}.json", json.dumps(record, indent=1, default=float) + "\n")
         if record["ok"]:
             print(f"  done in {record['elapsed_s']:.1f} s -> {out / (name + '.json')}")
         else:
@@ -175,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             records.append(json.loads(path.read_text()))
         except (OSError, json.JSONDecodeError):
             continue  # a foreign or damaged file is not ours to summarise
-    write_atomic(out / "SUMMARY.md", summary_markdown([r for r in records if "name" in r and "machine" in r]))
+    atomic_write_text(out / "SUMMARY.md", summary_markdown([r for r in records if "name" in r and "machine" in r]))
     print(f"summary -> {out / 'SUMMARY.md'}")
     return 1 if failed else 0
 

@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import numpy as np
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from repro.atomic import atomic_write
 from repro.errors import ReproError
 from repro.parallel import ParallelConfig
 from repro.traces import RoutingTrace, read_trace, select_requests, split_indices, write_trace
@@ -33,19 +33,6 @@ log = logging.getLogger("repro.run")
 
 
 # ---- outputs -------------------------------------------------------------------------------------------------
-
-
-def atomic_write(path: Path, write) -> None:
-    """Call write(tmp_path) then rename onto `path`, so readers never see a partial file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        write(Path(tmp))
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def job_finished(out_dir: Path, config: dict) -> bool:

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 
+from repro.atomic import atomic_write_text
 from repro.errors import ReproError
 from repro.traces.format import write_trace
 from repro.traces.tabular import import_table_with_vocab
@@ -63,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         write_trace(trace, args.out)
         if vocab is not None:
-            _write_json_atomically(args.out / "vocab.json", vocab)
+            atomic_write_text(args.out / "vocab.json", json.dumps(vocab, ensure_ascii=False))
     except ReproError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -75,17 +74,6 @@ def main(argv: list[str] | None = None) -> int:
         f"{m.num_experts} experts, top-{m.top_k}" + (f", vocabulary of {len(vocab)} strings in vocab.json" if vocab else "")
     )
     return 0
-
-
-def _write_json_atomically(path: Path, value) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(value, f, ensure_ascii=False)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 if __name__ == "__main__":
