@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from repro.errors import ConfigError
 
@@ -44,6 +44,15 @@ class ParallelConfig:
             raise ConfigError(f"parallel.bytes_per_token must be >= 1, got {self.bytes_per_token}.")
         if self.devices_per_node < 1:
             raise ConfigError(f"parallel.devices_per_node must be >= 1, got {self.devices_per_node}.")
+
+    @classmethod
+    def from_config(cls, config: dict) -> ParallelConfig:
+        """Build from the `parallel` config group; an unknown key is a ConfigError naming the known ones."""
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(config) - set(known))
+        if unknown:
+            raise ConfigError(f"parallel has no key(s) {unknown}; its keys are {known}.")
+        return cls(**config)
 
     def check_experts(self, num_experts: int, num_slots: int | None = None) -> None:
         """Raise unless the physical slots split evenly over the devices."""

@@ -25,9 +25,9 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from repro.atomic import atomic_write
-from repro.errors import ReproError
+from repro.errors import ConfigError, ReproError
 from repro.parallel import ParallelConfig
-from repro.traces import RoutingTrace, read_trace, select_requests, split_indices, write_trace
+from repro.traces import RoutingTrace, Split, read_trace, select_requests, split_indices, trace_digest, write_trace
 
 log = logging.getLogger("repro.run")
 
@@ -35,21 +35,39 @@ log = logging.getLogger("repro.run")
 # ---- outputs -------------------------------------------------------------------------------------------------
 
 
-def job_finished(out_dir: Path, config: dict) -> bool:
+def job_finished(out_dir: Path, config: dict, digests: dict) -> bool:
+    """True when out_dir holds a finished job of this config on traces with these content digests."""
     metrics = out_dir / "metrics.json"
     if not metrics.exists():
         return False
     try:
-        return json.loads(metrics.read_text()).get("config") == config
+        done = json.loads(metrics.read_text())
     except json.JSONDecodeError:
         return False
+    return done.get("config") == config and done.get("summary", {}).get("trace_digests") == digests
 
 
 def config_key(*parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def job_dirname(override_dirname: str, trace: str | None, profile_trace: str | None) -> str:
+    """The job folder under runs/<name>/: Hydra's override string, with traces named by their folder name only.
+
+    (`trace` and `profile_trace` are excluded from override_dirname, so an absolute path never nests folders.)
+    """
+    parts = [f"trace={Path(str(trace)).name}"] if trace else []
+    parts += [f"profile_trace={Path(str(profile_trace)).name}"] if profile_trace else []
+    parts += [override_dirname] if override_dirname else []
+    return ",".join(parts)
+
+
+OmegaConf.register_new_resolver("job_dirname", job_dirname, replace=True)
+
+
 # ---- traces --------------------------------------------------------------------------------------------------
+
+SPLITS = ("validate", "evaluate")  # what a job may evaluate on; systems are always fitted on the profile split
 
 
 def _workload_kwargs(workload_cfg: dict, tokenizer: str, seed: int) -> dict:
@@ -59,11 +77,19 @@ def _workload_kwargs(workload_cfg: dict, tokenizer: str, seed: int) -> dict:
     return dict(kwargs, tokenizer=tokenizer, seed=seed)
 
 
-def routed_workload(cfg: dict, workload_cfg: dict, cache_dir: Path) -> tuple[RoutingTrace, np.ndarray, np.ndarray]:
-    """(trace of every request of `workload_cfg`, profile request indices, evaluate request indices).
+def request_split(cfg: dict, num_requests: int) -> Split:
+    """The seeded profile / validate / evaluate split of a workload or trace of `num_requests` requests."""
+    return split_indices(
+        num_requests, cfg["profile_fraction"], np.random.default_rng(cfg["seed"]), cfg.get("validate_fraction", 0.0)
+    )
+
+
+def routed_workload(cfg: dict, workload_cfg: dict, cache_dir: Path) -> tuple[RoutingTrace, Split]:
+    """(trace of every request of `workload_cfg`, its profile / validate / evaluate split).
 
     A trained routing model may learn only from the profile split of its training workload: cfg["train_workload"]
     when set (cross-dataset runs keep one model for every workload), else the profiling workload cfg["workload"].
+    The profile split does not depend on validate_fraction, so the cached trace is keyed without it.
     """
     from repro.routing import route_workload
     from repro.workloads import load_workload
@@ -72,21 +98,21 @@ def routed_workload(cfg: dict, workload_cfg: dict, cache_dir: Path) -> tuple[Rou
     train_cfg = cfg.get("train_workload") or cfg["workload"]
     key = config_key(model_cfg, train_cfg, workload_cfg, seed, fraction)
     cached = cache_dir / "traces" / key
-    if (cached / "trace" / "meta.json").exists() and (cached / "split.json").exists():
-        split = json.loads((cached / "split.json").read_text())
+    if (cached / "trace" / "meta.json").exists():
         log.info("routing trace from cache %s", cached)
-        return read_trace(cached / "trace"), np.asarray(split["profile"]), np.asarray(split["evaluate"])
+        trace = read_trace(cached / "trace")
+        return trace, request_split(cfg, trace.num_requests)
 
     def load(wcfg: dict):
         workload = load_workload(wcfg["name"], **_workload_kwargs(wcfg, model_cfg["tokenizer"], seed))
-        return workload, *split_indices(len(workload.requests), fraction, np.random.default_rng(seed))
+        return workload, request_split(cfg, len(workload.requests))
 
-    workload, profile_idx, eval_idx = load(workload_cfg)
-    training, train_idx, _ = (workload, profile_idx, None) if train_cfg == workload_cfg else load(train_cfg)
+    workload, split = load(workload_cfg)
+    training, train_split = (workload, split) if train_cfg == workload_cfg else load(train_cfg)
     trace = route_workload(
         model_cfg,
         workload.requests,
-        [training.requests[i] for i in train_idx],
+        [training.requests[i] for i in train_split.profile],
         cache_dir=cache_dir,
         seed=seed,
         dataset=workload.name,
@@ -94,29 +120,54 @@ def routed_workload(cfg: dict, workload_cfg: dict, cache_dir: Path) -> tuple[Rou
         vocab_size=workload.vocab_size,
     )
     write_trace(trace, cached / "trace")
-    atomic_write(
-        cached / "split.json",
-        lambda p: p.write_text(json.dumps({"profile": profile_idx.tolist(), "evaluate": eval_idx.tolist()})),
-    )
-    return trace, profile_idx, eval_idx
+    return trace, split
+
+
+def check_trace_options(cfg: dict) -> None:
+    """Reject option combinations that would silently evaluate something other than what was asked."""
+    if cfg.get("evaluate_split", "evaluate") not in SPLITS:
+        raise ConfigError(f"evaluate_split must be one of {SPLITS}, got {cfg['evaluate_split']!r}.")
+    if cfg.get("trace"):
+        for key in ("eval_workload", "train_workload"):
+            if cfg.get(key):
+                raise ConfigError(
+                    f"trace= evaluates an existing routing trace, so {key} (which routes a workload) would be "
+                    f"ignored; drop one of them."
+                )
+        if cfg.get("profile_trace") and Path(cfg["profile_trace"]).resolve() == Path(cfg["trace"]).resolve():
+            raise ConfigError("profile_trace is the evaluated trace itself; give a different trace or drop profile_trace.")
+    elif cfg.get("profile_trace"):
+        raise ConfigError("profile_trace needs trace= (the trace to evaluate); drop it or add trace=.")
 
 
 def build_traces(cfg: dict) -> tuple[RoutingTrace, RoutingTrace]:
-    """(profile trace, evaluation trace) for this job."""
-    rng = np.random.default_rng(cfg["seed"])
+    """(profile trace, evaluated trace) for this job; the evaluated part is cfg["evaluate_split"] (default evaluate).
+
+    With trace= and profile_trace=, the profile is the other trace and `trace` is split into validate and
+    evaluate only (validate_fraction / (1 - profile_fraction) of it validates, the paper's share).
+    """
+    check_trace_options(cfg)
+    part = cfg.get("evaluate_split", "evaluate")
     if cfg.get("trace"):
         trace = read_trace(cfg["trace"])
         if cfg.get("profile_trace"):
-            return read_trace(cfg["profile_trace"]), trace
-        profile_idx, eval_idx = split_indices(trace.num_requests, cfg["profile_fraction"], rng)
-        return select_requests(trace, profile_idx), select_requests(trace, eval_idx)
+            profile = read_trace(cfg["profile_trace"])
+            if trace_digest(profile) == trace_digest(trace):
+                raise ConfigError("profile_trace holds the same routing as trace; evaluating on the profile is not a result.")
+            share = cfg.get("validate_fraction", 0.0) / (1.0 - cfg["profile_fraction"])
+            if share == 0.0:
+                return profile, trace
+            rest = split_indices(trace.num_requests, share, np.random.default_rng(cfg["seed"]))
+            return profile, select_requests(trace, rest.profile if part == "validate" else rest.evaluate)
+        split = request_split(cfg, trace.num_requests)
+        return select_requests(trace, split.profile), select_requests(trace, split.part(part))
     cache_dir = Path(cfg["cache_dir"])
-    trace, profile_idx, eval_idx = routed_workload(cfg, cfg["workload"], cache_dir)
-    profile = select_requests(trace, profile_idx)
+    trace, split = routed_workload(cfg, cfg["workload"], cache_dir)
+    profile = select_requests(trace, split.profile)
     if cfg.get("eval_workload"):
-        other, _, other_eval_idx = routed_workload(cfg, cfg["eval_workload"], cache_dir)
-        return profile, select_requests(other, other_eval_idx)
-    return profile, select_requests(trace, eval_idx)
+        other, other_split = routed_workload(cfg, cfg["eval_workload"], cache_dir)
+        return profile, select_requests(other, other_split.part(part))
+    return profile, select_requests(trace, split.part(part))
 
 
 # ---- one job -------------------------------------------------------------------------------------------------
@@ -132,39 +183,94 @@ def a2a_seconds_estimate(traffic: np.ndarray, hardware: dict) -> float:
     return float(2 * per_layer.sum())
 
 
-def run_job(cfg: DictConfig, out_dir: Path) -> dict | None:
-    from repro.affinity.stats import affinity_statistics
-    from repro.eval import evaluate
+def unrouted_experts(*traces: RoutingTrace) -> int:
+    """Expert ids below meta.num_experts that no token of these traces is routed to, in any layer."""
+    num_experts = traces[0].meta.num_experts
+    used = np.zeros(num_experts, dtype=bool)
+    for trace in traces:
+        used[np.unique(np.asarray(trace.experts))] = True
+    return int(num_experts - used.sum())
+
+
+def make_job(config: dict):
+    """(ParallelConfig, system) of a job's config; every config error surfaces here, before any routing is made."""
     from repro.systems import make_system
 
-    config = OmegaConf.to_container(cfg, resolve=True)
-    if job_finished(out_dir, config):
-        log.info("%s already finished with this config; skipping", out_dir)
-        return None
-
-    profile, evaluation = build_traces(config)
-    parallel = ParallelConfig(**config["parallel"])
+    check_trace_options(config)
+    parallel = ParallelConfig.from_config(config["parallel"])
     system = make_system(config["system"]["name"], **(config["system"].get("params") or {}))
-    # bounds such as the fit oracle are fitted on the evaluated routing itself, by definition
-    fit_on = evaluation if getattr(system, "fits_on_evaluation", False) else profile
+    lookback = getattr(system, "lookback", 0)
+    if parallel.attention == "tp" and lookback > config["history"]:
+        raise ConfigError(
+            f"system.params.lookback={lookback} needs {lookback} layers of routing history but history="
+            f"{config['history']}; set history>={lookback} or a smaller lookback."
+        )
+    return parallel, system
+
+
+def fit_and_evaluate(config: dict, profile: RoutingTrace, evaluation: RoutingTrace, progress: bool = False):
+    """(summary, EvalResult, plan): fit config's system on the profile (a hindsight system or bound on
+    `evaluation`) and account it exactly on `evaluation`. The one place a system meets routing."""
+    from repro.eval import evaluate
+
+    parallel, system = make_job(config)
+    kind = getattr(system, "kind", "system")
+    # hindsight systems and bounds are fitted on the evaluated routing itself, by definition
+    fits_on_evaluation = getattr(system, "fits_on_evaluation", False)
+    fit_on = evaluation if fits_on_evaluation else profile
     t0 = time.perf_counter()
     plan = system.fit(fit_on, parallel, np.random.default_rng(config["seed"]))
     fit_seconds = time.perf_counter() - t0
-    result = evaluate(plan, evaluation, history=config["history"], progress=True)
+    result = evaluate(plan, evaluation, history=config["history"], progress=progress)
     eval_seconds = time.perf_counter() - t0 - fit_seconds
 
     summary = dict(result.summary)
     summary.update(
         system=config["system"]["name"],
+        kind=kind,
+        bound_constraint=getattr(system, "bound_constraint", None),
         model=evaluation.meta.model,
         dataset=evaluation.meta.dataset,
         profile_dataset=profile.meta.dataset,
+        evaluate_split=config.get("evaluate_split", "evaluate"),
         num_requests=evaluation.num_requests,
-        profile_requests=profile.num_requests,
+        fit_split=config.get("evaluate_split", "evaluate") if fits_on_evaluation else "profile",
+        fit_requests=fit_on.num_requests,
         fit_seconds=fit_seconds,
         eval_seconds=eval_seconds,
         a2a_seconds_est=a2a_seconds_estimate(result.traffic, config["hardware"]),
     )
+    if kind == "bound" and "lar_bound" in plan.info:
+        # a bound reports its proven ceiling; the evaluated plan is the feasible witness below it
+        summary.update(lar_achieved=summary["lar"], lar=float(plan.info["lar_bound"]))
+        summary["bound_gap"] = summary["lar"] - summary["lar_achieved"]
+        if "lar_bound_per_layer" in plan.info:
+            result.per_layer["lar_achieved"] = result.per_layer["lar"]
+            result.per_layer["lar"] = np.asarray(plan.info["lar_bound_per_layer"], dtype=float)
+    return summary, result, plan
+
+
+def run_job(cfg: DictConfig, out_dir: Path) -> dict | None:
+    from repro.affinity.stats import affinity_statistics
+
+    config = OmegaConf.to_container(cfg, resolve=True)
+    make_job(config)  # config errors before any (slow) routing
+    profile, evaluation = build_traces(config)
+    digests = {"profile": trace_digest(profile), "evaluated": trace_digest(evaluation)}
+    if job_finished(out_dir, config, digests):
+        log.info("%s already finished with this config and these traces; skipping", out_dir)
+        return None
+
+    summary, result, plan = fit_and_evaluate(config, profile, evaluation, progress=True)
+    summary["trace_digests"] = digests
+    unrouted = unrouted_experts(profile, evaluation)
+    summary["unrouted_experts"] = unrouted
+    if unrouted:
+        summary["warnings"] = [
+            f"{unrouted} of meta.num_experts={evaluation.meta.num_experts} expert ids are never routed to in any "
+            "layer; check the trace's num_experts (balance and placement count them as idle experts)."
+        ]
+        log.warning(summary["warnings"][0])
     # W&B first: if tracking fails, no result file has been written yet
     _log_to_wandb(config, summary, result, out_dir)
     plan.save(out_dir / "plan")
@@ -182,14 +288,15 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict | None:
         lambda p: p.write_text(json.dumps({"summary": summary, "config": config}, indent=1, default=_json_default)),
     )
     log.info(
-        "%s: LAR %.4f  a2a bytes %.3e  imbalance %.3f  (%s, D=%d, %s)",
+        "%s: LAR %.4f  a2a bytes %.3e  imbalance %.3f  (%s %s, D=%d, %s)",
         out_dir,
         summary["lar"],
         summary["a2a_bytes"],
         summary["expert_load_imbalance_max_mean"],
+        summary["kind"],
         summary["system"],
-        parallel.devices,
-        parallel.attention,
+        summary["devices"],
+        config["parallel"]["attention"],
     )
     return summary
 

@@ -48,12 +48,15 @@ def test_smoke_writes_metrics_then_resumes(tmp_path, cache):
     "override, message",
     [
         ("parallel.devcies=4", "devcies"),  # Hydra strict mode names the typo
+        ("+parallel.devics=4", "parallel has no key(s) ['devics']"),  # `+` bypasses strict mode
+        ("+system.params.thta=0.3", "system 'ep' has no parameter(s) ['thta']"),
+        ("system=semmoe parallel.attention=tp system.params.lookback=3", "lookback=3"),
         ("system=nope", "nope"),
         ("workload=nope", "nope"),
     ],
 )
 def test_config_errors_are_one_clear_message(tmp_path, cache, override, message):
-    res = run_app("experiment=smoke", override, cache=cache, out=tmp_path / "job")
+    res = run_app("experiment=smoke", *override.split(), cache=cache, out=tmp_path / "job")
     assert res.returncode != 0
     assert message in res.stderr
     assert "Traceback" not in res.stderr
@@ -136,3 +139,88 @@ def test_every_experiment_sweep_runs(tmp_path, cache, experiment):
     launched = sum(int(n) for n in re.findall(r"Launching (\d+) jobs", res.stdout + res.stderr))
     assert launched >= 1
     assert len(list((tmp_path / "runs").rglob("metrics.json"))) == launched
+
+
+def compose(*overrides) -> dict:
+    """The resolved job config the app would see (no Hydra runtime node)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return OmegaConf.to_container(hydra_compose("config", overrides=list(overrides)), resolve=True)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["trace=/x", "+workload@eval_workload=arena_hard"], "eval_workload"),
+        (["trace=/x", "+workload@train_workload=mmlu"], "train_workload"),
+        (["trace=/x", "profile_trace=/x"], "profile_trace is the evaluated trace itself"),
+        (["profile_trace=/x"], "profile_trace needs trace="),
+        (["evaluate_split=profile"], "evaluate_split must be one of"),
+    ],
+)
+def test_trace_options_that_would_be_silently_ignored_are_errors(overrides, message):
+    from repro.errors import ConfigError
+    from repro.run import make_job
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        make_job(compose("logger=none", *overrides))
+
+
+def test_a_copy_of_the_evaluated_trace_is_not_a_profile(tmp_path):
+    import shutil
+
+    from repro.errors import ConfigError
+    from repro.run import build_traces
+
+    synthetic_trace_dir(tmp_path / "a")
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    with pytest.raises(ConfigError, match="same routing"):
+        build_traces(compose(f"trace={tmp_path / 'a'}", f"profile_trace={tmp_path / 'b'}"))
+
+
+def test_splits_of_a_trace_are_disjoint_and_validate_is_selectable(tmp_path):
+    from repro.run import build_traces
+
+    synthetic_trace_dir(tmp_path / "t")
+    profile, evaluate = build_traces(compose(f"trace={tmp_path / 't'}"))
+    _, validate = build_traces(compose(f"trace={tmp_path / 't'}", "evaluate_split=validate"))
+    ids = [set(t.request_ids) for t in (profile, validate, evaluate)]
+    assert [len(i) for i in ids] == [12, 6, 42]  # 20 / 10 / 70 % of 60 requests
+    assert not (ids[0] & ids[1] or ids[0] & ids[2] or ids[1] & ids[2])
+
+
+def test_job_folder_resume_and_warnings_follow_the_trace_content(tmp_path, cache):
+    """An absolute trace path names the job folder by the trace's name; resume checks the routing, not only the
+    config; a trace declaring more experts than it routes to says so in metrics."""
+    import numpy as np
+
+    from repro.traces import read_trace, with_meta, write_trace
+
+    trace_dir = synthetic_trace_dir(tmp_path / "data" / "mine")
+    write_trace(with_meta(read_trace(trace_dir, mmap=False), num_experts=32), trace_dir)  # ids use 0..15 only
+    env = dict(os.environ, WANDB_MODE="disabled", REPRO_CACHE=str(cache))
+
+    def run():
+        return subprocess.run(
+            [sys.executable, "-m", "repro.run", "logger=none", f"trace={trace_dir}", "system=ep", "name=edge"],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,  # the default run dir, under tmp_path
+        )
+
+    assert run().returncode == 0
+    (job,) = [p.parent for p in (tmp_path / "runs").rglob("metrics.json")]
+    assert job.relative_to(tmp_path / "runs").parts == ("edge", "trace=mine,system=ep")
+    summary = json.loads((job / "metrics.json").read_text())["summary"]
+    assert summary["unrouted_experts"] == 16 and "never routed" in summary["warnings"][0]
+    assert summary["kind"] == "system" and summary["fit_split"] == "profile"
+    assert "skipping" in (second := run()).stdout + second.stderr
+    # same path and config, different routing: the job runs again
+    t = read_trace(trace_dir, mmap=False)
+    experts = np.array(t.experts)
+    experts[:, :, 0], experts[:, :, 1] = t.experts[:, :, 1], t.experts[:, :, 0] + 16
+    write_trace(t.__class__(**{**t.__dict__, "experts": experts.astype(np.int16)}), trace_dir)
+    third = run()
+    assert third.returncode == 0 and "skipping" not in third.stdout + third.stderr
+    assert json.loads((job / "metrics.json").read_text())["summary"]["unrouted_experts"] == 0

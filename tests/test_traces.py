@@ -10,7 +10,9 @@ from repro.traces import (
     make_trace,
     read_trace,
     select_requests,
+    split_indices,
     split_trace,
+    trace_digest,
     write_trace,
 )
 
@@ -173,3 +175,35 @@ def test_failed_write_leaves_nothing(tmp_path):
 def test_split_rejects_bad_fraction():
     with pytest.raises(TraceError, match="profile_fraction"):
         split_trace(small_trace(), 1.5)
+
+
+def test_three_way_split_is_disjoint_complete_and_keeps_the_profile():
+    split = split_indices(100, 0.2, np.random.default_rng(5), validate_fraction=0.1)
+    assert (len(split.profile), len(split.validate), len(split.evaluate)) == (20, 10, 70)
+    assert sorted(np.concatenate(split).tolist()) == list(range(100))
+    # the profile part (what routing models train on) does not move when the validate share changes
+    two_way = split_indices(100, 0.2, np.random.default_rng(5))
+    np.testing.assert_array_equal(two_way.profile, split.profile)
+    assert len(two_way.validate) == 0
+    with pytest.raises(TraceError, match="validate_fraction"):
+        split_indices(100, 0.5, validate_fraction=0.5)
+    with pytest.raises(TraceError, match="empty"):
+        split_indices(5, 0.2, validate_fraction=0.05)
+
+
+def test_a_token_listing_one_expert_twice_is_rejected():
+    t = small_trace()
+    experts = np.array(t.experts)
+    experts[7, 1] = [3, 3]
+    with pytest.raises(TraceError, match="token 7 lists expert 3 twice at MoE layer index 1"):
+        make_trace(t.meta, t.offsets, t.token_ids, experts, prefill_len=t.prefill_len)
+
+
+def test_digest_changes_with_routing_only():
+    t = small_trace()
+    assert trace_digest(t) == trace_digest(select_requests(t, range(t.num_requests)))
+    experts = np.array(t.experts)
+    experts[0, 0] = experts[0, 0][::-1]
+    changed = make_trace(t.meta, t.offsets, t.token_ids, experts, prefill_len=t.prefill_len,
+                         request_labels=t.request_labels, weights=t.weights)
+    assert trace_digest(changed) != trace_digest(t)

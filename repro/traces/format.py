@@ -205,10 +205,29 @@ def validate(trace: RoutingTrace) -> None:
         if lo < 0 or hi >= m.num_experts:
             bad = lo if lo < 0 else hi
             raise TraceError(f"expert id {bad} is outside 0..{m.num_experts - 1} (meta.num_experts={m.num_experts}).")
+        _check_distinct_experts(trace.experts)
         tlo, thi = int(trace.token_ids.min()), int(trace.token_ids.max())
         if tlo < 0 or thi >= m.vocab_size:
             bad = tlo if tlo < 0 else thi
             raise TraceError(f"token id {bad} is outside 0..{m.vocab_size - 1} (meta.vocab_size={m.vocab_size}).")
+
+
+DISTINCT_CHECK_ROWS = 1 << 16  # tokens per chunk of the duplicate-expert check (bounds the sorted copy's memory)
+
+
+def _check_distinct_experts(experts: np.ndarray) -> None:
+    """A router picks k distinct experts; a token listing one twice would be counted twice by every metric."""
+    if experts.shape[2] < 2:
+        return
+    for start in range(0, len(experts), DISTINCT_CHECK_ROWS):
+        chunk = np.sort(np.asarray(experts[start : start + DISTINCT_CHECK_ROWS]), axis=2)
+        repeated = (chunk[:, :, 1:] == chunk[:, :, :-1]).any(axis=2)  # [n, L]
+        if repeated.any():
+            token, layer = np.argwhere(repeated)[0]
+            raise TraceError(
+                f"token {start + token} lists expert {int(chunk[token, layer][np.argmax(np.diff(chunk[token, layer]) == 0)])} "
+                f"twice at MoE layer index {layer}; each token's top-k experts must be distinct."
+            )
 
 
 def write_trace(trace: RoutingTrace, path: str | os.PathLike) -> Path:

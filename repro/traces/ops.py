@@ -1,8 +1,11 @@
-"""Request-level operations on traces: select, split (profile / evaluate), concatenate."""
+"""Request-level operations on traces: select, split (profile / validate / evaluate), digest, concatenate."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import replace
+from typing import NamedTuple
 
 import numpy as np
 
@@ -34,30 +37,65 @@ def select_requests(trace: RoutingTrace, indices) -> RoutingTrace:
 def split_trace(
     trace: RoutingTrace, profile_fraction: float = 0.2, rng: np.random.Generator | None = None
 ) -> tuple[RoutingTrace, RoutingTrace]:
-    """Split by request into (profile, evaluate), the paper's 20 % / 80 %.
+    """Split by request into (profile, evaluate), the paper's 20 % / 80 % (no validate split).
 
     Requests are shuffled with `rng` (default seed 0) before cutting; each part keeps the original request
     order so arrival order survives.
     """
-    profile, evaluate = split_indices(trace.num_requests, profile_fraction, rng)
-    return select_requests(trace, profile), select_requests(trace, evaluate)
+    split = split_indices(trace.num_requests, profile_fraction, rng)
+    return select_requests(trace, split.profile), select_requests(trace, split.evaluate)
+
+
+class Split(NamedTuple):
+    """Sorted request indices of the three parts: fit on profile, tune on validate, report on evaluate."""
+
+    profile: np.ndarray  # int64[R_p]
+    validate: np.ndarray  # int64[R_v] (empty when validate_fraction is 0)
+    evaluate: np.ndarray  # int64[R - R_p - R_v]
+
+    def part(self, name: str) -> np.ndarray:
+        if name not in self._fields:
+            raise TraceError(f"unknown split {name!r}; choose one of {self._fields}.")
+        return getattr(self, name)
+
+    def to_json(self) -> dict:
+        return {name: getattr(self, name).tolist() for name in self._fields}
+
+    @classmethod
+    def from_json(cls, d: dict) -> Split:
+        return cls(*(np.asarray(d.get(name, []), dtype=np.int64) for name in cls._fields))
 
 
 def split_indices(
-    num_requests: int, profile_fraction: float = 0.2, rng: np.random.Generator | None = None
-) -> tuple[np.ndarray, np.ndarray]:
-    """(profile int[R_p], evaluate int[R - R_p]) sorted request indices of a seeded random split."""
+    num_requests: int,
+    profile_fraction: float = 0.2,
+    rng: np.random.Generator | None = None,
+    validate_fraction: float = 0.0,
+) -> Split:
+    """A seeded random split by request into profile / validate / evaluate (each part sorted).
+
+    The profile part is the first round(profile_fraction x R) requests of one seeded permutation, the validate
+    part the next round(validate_fraction x R), the evaluate part the rest; so for a given seed the profile
+    part does not depend on validate_fraction (a model trained on it stays valid when the validate share changes).
+    """
     if not 0.0 < profile_fraction < 1.0:
         raise TraceError(f"profile_fraction must be in (0, 1), got {profile_fraction}.")
-    n_profile = int(round(profile_fraction * num_requests))
-    if n_profile < 1 or n_profile >= num_requests:
+    if not 0.0 <= validate_fraction < 1.0 - profile_fraction:
         raise TraceError(
-            f"a {profile_fraction:.0%} profile split of {num_requests} requests leaves one side empty; "
-            "use more requests."
+            f"validate_fraction must be in [0, 1 - profile_fraction) = [0, {1 - profile_fraction:g}), "
+            f"got {validate_fraction}."
+        )
+    n_profile = int(round(profile_fraction * num_requests))
+    n_validate = int(round(validate_fraction * num_requests))
+    if n_profile < 1 or n_profile + n_validate >= num_requests or (validate_fraction > 0 and n_validate < 1):
+        raise TraceError(
+            f"a {profile_fraction:.0%} profile / {validate_fraction:.0%} validate split of {num_requests} requests "
+            "leaves a part empty; use more requests."
         )
     rng = np.random.default_rng(0) if rng is None else rng
     perm = rng.permutation(num_requests)
-    return np.sort(perm[:n_profile]), np.sort(perm[n_profile:])
+    cut = n_profile + n_validate
+    return Split(np.sort(perm[:n_profile]), np.sort(perm[n_profile:cut]), np.sort(perm[cut:]))
 
 
 def concat_traces(traces: list[RoutingTrace]) -> RoutingTrace:
@@ -86,3 +124,15 @@ def concat_traces(traces: list[RoutingTrace]) -> RoutingTrace:
         request_labels=[x for t in traces for x in t.request_labels],
         weights=np.concatenate([t.weights for t in traces]) if has_w else None,
     )
+
+
+def trace_digest(trace: RoutingTrace) -> str:
+    """sha256 (hex, 16 chars) of a trace's meta, request table and arrays: same routing <=> same digest."""
+    h = hashlib.sha256(json.dumps(trace.meta.to_json(), sort_keys=True).encode())
+    h.update(json.dumps([trace.request_ids, trace.request_datasets, trace.request_labels]).encode())
+    for array in (trace.offsets, trace.token_ids, trace.experts, trace.prefill_len, trace.weights):
+        if array is not None:
+            a = np.ascontiguousarray(array)
+            h.update(str((a.dtype.str, a.shape)).encode())
+            h.update(memoryview(a).cast("B"))
+    return h.hexdigest()[:16]
