@@ -36,7 +36,10 @@ def community_trace(rng, num_requests=64, request_len=16, num_layers=2, num_expe
         axis=1,
     )
     noisy = rng.random(experts.shape) < noise
-    experts = np.where(noisy, rng.integers(num_experts, size=experts.shape), experts)
+    noisy_experts = np.where(noisy, rng.integers(num_experts, size=experts.shape), experts)
+    # a token's top-k experts are distinct (traces reject repeats): keep the planted row where noise repeats one
+    repeated = (np.diff(np.sort(noisy_experts, axis=2), axis=2) == 0).any(axis=2, keepdims=True)
+    experts = np.where(repeated, experts, noisy_experts)
     meta = TraceMeta(model="communities", num_experts=num_experts, top_k=top_k, layer_ids=tuple(range(num_layers)),
                      vocab_size=10 * communities)
     return make_trace(meta, np.arange(num_requests + 1) * request_len, token_ids, experts)

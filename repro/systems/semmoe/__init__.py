@@ -1,0 +1,72 @@
+"""Sem-MoE (arXiv 2503.04398): balanced token-expert co-clustering offline, plus two online schedulers.
+
+One file per algorithm, each readable on its own (its docstring has the shape legend and the method):
+  cocluster.py  Algorithm 1, offline: balanced token-expert co-clustering -> expert placement.
+  dp.py         Algorithm 2, online Attention-DP: request scoring and the round-robin dev_mask assignment.
+  tp.py         Algorithm 3, online Attention-TP: predicted device per token and the align to equal slices.
+  system.py     `SemMoE` (fit: Algorithm 1 on a profile, then the online tables) and `SemMoEPlan`.
+
+Every public name is re-exported here, so `from repro.systems.semmoe import X` works for all of them.
+"""
+
+from repro.systems.semmoe.cocluster import (
+    SEARCH_CELLS,
+    CoclusterResult,
+    SparseAffinity,
+    assign_units,
+    balanced_cocluster,
+    capacity_assign,
+    check_cocluster_args,
+    coclustering_objective,
+    kick_units,
+    perturb_units,
+    place_experts,
+    polish_units,
+    refine_cocluster,
+    swap_random_experts,
+)
+from repro.systems.semmoe.dp import (
+    DP_ASSIGNS,
+    DP_SCORINGS,
+    VOTE_CHUNK_TOKENS,
+    fold_dp_scores,
+    masked_argmax_assign,
+    packed_prompts,
+    request_scores,
+    request_votes,
+    window_exact_assign,
+)
+from repro.systems.semmoe.system import CLUSTER_UNITS, SemMoE, SemMoEPlan
+from repro.systems.semmoe.tp import align_to_slices, inverse_permutation, predict_devices
+
+__all__ = [
+    "CLUSTER_UNITS",
+    "DP_ASSIGNS",
+    "DP_SCORINGS",
+    "SEARCH_CELLS",
+    "VOTE_CHUNK_TOKENS",
+    "CoclusterResult",
+    "SemMoE",
+    "SemMoEPlan",
+    "SparseAffinity",
+    "align_to_slices",
+    "assign_units",
+    "balanced_cocluster",
+    "capacity_assign",
+    "check_cocluster_args",
+    "coclustering_objective",
+    "fold_dp_scores",
+    "inverse_permutation",
+    "kick_units",
+    "masked_argmax_assign",
+    "packed_prompts",
+    "perturb_units",
+    "place_experts",
+    "polish_units",
+    "predict_devices",
+    "refine_cocluster",
+    "request_scores",
+    "request_votes",
+    "swap_random_experts",
+    "window_exact_assign",
+]

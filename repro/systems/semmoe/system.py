@@ -1,0 +1,466 @@
+"""The Sem-MoE system (arXiv 2503.04398): `SemMoE` fits Algorithm 1 on a profile and builds a `SemMoEPlan`,
+which serves Algorithm 2 (Attention-DP, `assign_requests`) and Algorithm 3 (Attention-TP, `shuffle_tokens`).
+
+Legend: L MoE layers, E experts per layer (the paper's N), D devices = EP ranks (the paper's E), t distinct
+profiled token ids (table rows; row t is the OOV fallback row), u clustering units (token rows or profile
+requests), R requests, N tokens, T tokens in one TP step, k experts per token, h lookback layers,
+Q = D**h device histories, V vocabulary size.
+
+Units of the co-clustering depend on the attention mode: under Attention-TP every layer clusters token ids
+on its own (token level, per-layer choice, as in the paper's L); under Attention-DP a request lives on one
+rank for all layers, so profile requests are clustered once and shared by every layer's expert placement
+(otherwise device labels would disagree between layers and a request could be local in one layer only).
+Only the `max_units` heaviest units enter the solver (8192 token rows cover ~70 % of a 512k-token profile's
+load and lose no LAR on the planted bench). The plan's tables: T / T_p per layer and token row (the device
+hosting most of the token's routed mass and that share), the folded DP score table, and the Markov table
+A / A_p over device histories (repro.affinity.tables.device_markov_table).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from repro.affinity.tables import (
+    check_markov_size,
+    device_markov_table,
+    encode_tokens,
+    layer_token_expert_coo,
+    profile_tokens,
+    routed_device_mass,
+    vocab_row_map,
+)
+from repro.errors import ConfigError, TraceError
+from repro.parallel import ParallelConfig
+from repro.systems.base import Placement, Plan
+from repro.systems.semmoe.cocluster import SparseAffinity, balanced_cocluster
+from repro.systems.semmoe.dp import (
+    DP_ASSIGNS,
+    DP_SCORINGS,
+    fold_dp_scores,
+    masked_argmax_assign,
+    request_scores,
+    request_votes,
+    window_exact_assign,
+)
+from repro.systems.semmoe.tp import align_to_slices, predict_devices
+from repro.traces import RoutingTrace
+
+CLUSTER_UNITS = ("auto", "tokens", "requests")
+
+
+class SemMoEPlan(Plan):
+    """Sem-MoE placement plus the DP request scheduler and the TP token reshuffler.
+
+    Tables: token_vocab int32[t]; row_of_token int32[V]; token_device int16[L, t+1] (T) and token_confidence
+    float32[L, t+1] (T_p), row t = OOV fallback (expert popularity); dp_score float32[t+1, D];
+    markov_device int16[L, Q] (A) and markov_confidence float32[L, Q] (A_p, on T_p's scale: the token
+    confidence below which A wins; see `device_markov_table`), or None when lookback = 0.
+    """
+
+    def __init__(
+        self,
+        placement: Placement,
+        parallel: ParallelConfig,
+        token_vocab: np.ndarray,
+        row_of_token: np.ndarray,
+        token_device: np.ndarray,
+        token_confidence: np.ndarray,
+        dp_score: np.ndarray,
+        markov_device: np.ndarray | None = None,
+        markov_confidence: np.ndarray | None = None,
+        lookback: int = 2,
+        load_aware_lambda: float = 0.0,
+        dp_window: int = 1,
+        dp_scoring: str = "confidence",
+        token_frequency: np.ndarray | None = None,
+        info: dict | None = None,
+        dp_assign: str = "greedy",
+        dp_token_price: float = 0.0,
+    ):
+        self.dp_window = int(dp_window)
+        self.dp_scoring = dp_scoring
+        self.dp_assign, self.dp_token_price = dp_assign, float(dp_token_price)
+        # "expected" score rows sum to the number of layers (device mass per layer); votes sum to <= 1
+        self._gain_scale = 1.0 / max(token_device.shape[0], 1) if dp_scoring == "expected" else 1.0
+        self.token_vocab = token_vocab
+        self.row_of_token = row_of_token
+        self.token_device = token_device
+        self.token_confidence = token_confidence
+        self.dp_score = dp_score
+        self.markov_device = markov_device
+        self.markov_confidence = markov_confidence
+        self.lookback = int(lookback) if markov_device is not None else 0
+        self.load_aware_lambda = float(load_aware_lambda)
+        self._expert_device = placement.expert_device()
+        # "vote" / "confidence": each vocabulary id casts one vote for the top device of its folded score row
+        # (weight: the row's top share for "confidence", 1 for "vote"; 0 for rows without any score, e.g. OOV)
+        top = np.argmax(dp_score, axis=1)
+        top_score = dp_score[np.arange(len(dp_score)), top]
+        row_total = dp_score.sum(axis=1)
+        weight = top_score / np.maximum(row_total, 1e-30) if dp_scoring == "confidence" else (row_total > 0).astype(np.float32)
+        self._vocab_device = top.astype(np.int64)[row_of_token]
+        self._vocab_weight = weight.astype(np.float64)[row_of_token]
+        # the score of the average profile token: subtracted so a request is placed by what sets it apart,
+        # not by the devices that every request leans to (hot experts of stop words, punctuation, ...)
+        self.token_frequency = token_frequency
+        self.dp_prior = np.zeros(parallel.devices)
+        if token_frequency is not None and token_frequency.sum() > 0:
+            share = token_frequency / token_frequency.sum()
+            if dp_scoring == "expected":
+                self.dp_prior = share @ dp_score.astype(np.float64)
+            else:
+                self.dp_prior = np.bincount(top, weights=share * weight, minlength=parallel.devices)
+        super().__init__(placement, parallel, info)
+
+    def reset(self) -> None:
+        super().reset()
+        self._position = 0
+        self._taken = np.zeros(self.parallel.devices, dtype=np.int64)
+        self._queued = np.zeros(self.parallel.devices, dtype=np.float64)
+        self._assigned_requests = 0
+        self.info["align_moved_tokens"] = 0
+        self.info["shuffled_tokens"] = 0
+        self.info["align_moved_share"] = 0.0
+
+    def _check_tokens(self, token_ids: np.ndarray) -> np.ndarray:
+        token_ids = np.asarray(token_ids)
+        if token_ids.size and (token_ids.min() < 0 or token_ids.max() >= len(self.row_of_token)):
+            raise TraceError(
+                f"token id {int(token_ids.max())} is outside the plan's vocabulary of {len(self.row_of_token)} ids; "
+                "fit the plan on a profile of the same model."
+            )
+        return token_ids
+
+    def assign_requests(self, token_ids: np.ndarray, offsets: np.ndarray, prefill_len: np.ndarray) -> np.ndarray:
+        """int64[R] DP rank per request (Algorithm 2); requests stay on their rank for decode."""
+        token_ids = self._check_tokens(token_ids)
+        if self.dp_scoring == "expected":
+            scores = request_scores(self.dp_score, self.row_of_token, token_ids, offsets, prefill_len)
+        else:
+            scores = request_votes(
+                self._vocab_device, self._vocab_weight, token_ids, offsets, prefill_len, self.parallel.devices
+            )
+        if len(scores) == 0:
+            return np.zeros(0, dtype=np.int64)
+        if self.dp_assign == "exact" and self.load_aware_lambda == 0:
+            # gain: the request's expected local activations per layer (tokens), without the prior: a per-rank
+            # constant cancels inside a window, and prior x prompt length would not
+            prompt_len = np.asarray(prefill_len, dtype=np.float64)
+            gain = scores * (prompt_len * self._gain_scale)[:, None]
+            ranks, self._position, self._taken, self._queued = window_exact_assign(
+                gain, prompt_len, self._position, self._taken, self._queued, self.dp_window, self.dp_token_price
+            )
+            return ranks
+        scores = scores - self.dp_prior.astype(np.float32)
+        if self.load_aware_lambda > 0:
+            return self._assign_load_aware(scores, np.asarray(prefill_len, dtype=np.float64))
+        ranks, self._position, self._taken = masked_argmax_assign(scores, self._position, self._taken, self.dp_window)
+        return ranks
+
+    def _assign_load_aware(self, scores: np.ndarray, prompt_len: np.ndarray) -> np.ndarray:
+        # sequential by nature: each choice changes the queues the next request sees (one loop per request).
+        # The plan never learns when a request finishes, so "queued" = prompt tokens assigned so far.
+        ranks = np.empty(len(scores), dtype=np.int64)
+        window_size = self.dp_window * self.parallel.devices
+        for r, score in enumerate(scores):
+            mean_len = max((self._queued.sum() + prompt_len[r]) / (self._assigned_requests + 1), 1.0)
+            adjusted = score - self.load_aware_lambda * (self._queued - self._queued.min()) / mean_len
+            adjusted[self._taken >= self.dp_window] = -np.inf
+            rank = int(np.argmax(adjusted))
+            ranks[r] = rank
+            self._queued[rank] += prompt_len[r]
+            self._assigned_requests += 1
+            self._taken[rank] += 1
+            self._position = (self._position + 1) % window_size
+            if self._position == 0:
+                self._taken[:] = 0
+        return ranks
+
+    def predicted_devices(
+        self, token_ids: np.ndarray, layer: int, prev_experts: np.ndarray | None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(device int64[T], confidence float32[T]): T / T_p, or A / A_p where the Markov table is more confident
+        (`repro.systems.semmoe.tp.predict_devices`); prev_experts int[T, h', k] chronological."""
+        rows = self.row_of_token[self._check_tokens(token_ids)]
+        return predict_devices(
+            rows, layer, prev_experts, self.token_device, self.token_confidence, self.markov_device,
+            self.markov_confidence, self._expert_device, self.lookback, self.parallel.devices,
+        )
+
+    def shuffle_tokens(
+        self, token_ids: np.ndarray, layer: int, prev_experts: np.ndarray | None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(permutation int64[T], counts int64[D]) for the shuffled reduce-scatter before MoE layer `layer`."""
+        device, confidence = self.predicted_devices(token_ids, layer, prev_experts)
+        permutation, counts, moved = align_to_slices(device, confidence, self.parallel.devices)
+        self.info["align_moved_tokens"] += moved
+        self.info["shuffled_tokens"] += len(device)
+        self.info["align_moved_share"] = self.info["align_moved_tokens"] / max(self.info["shuffled_tokens"], 1)
+        return permutation, counts
+
+    def save(self, directory: str | Path) -> None:
+        """Placement and info (base), plus every table as .npy (no pickle) and the scalars as semmoe.json."""
+        super().save(directory)
+        directory = Path(directory)
+        tables = {
+            "token_vocab": self.token_vocab,
+            "row_of_token": self.row_of_token,
+            "token_device": self.token_device,
+            "token_confidence": self.token_confidence,
+            "dp_score": self.dp_score,
+            "token_frequency": self.token_frequency,
+        }
+        if self.markov_device is not None:
+            tables.update(markov_device=self.markov_device, markov_confidence=self.markov_confidence)
+        for name, array in tables.items():
+            if array is None:
+                continue
+            np.save(directory / f"{name}.npy", np.ascontiguousarray(array), allow_pickle=False)
+        scalars = {
+            "lookback": self.lookback,
+            "load_aware_lambda": self.load_aware_lambda,
+            "dp_window": self.dp_window,
+            "dp_scoring": self.dp_scoring,
+            "dp_assign": self.dp_assign,
+            "dp_token_price": self.dp_token_price,
+        }
+        (directory / "semmoe.json").write_text(json.dumps(scalars))
+
+    @classmethod
+    def load(cls, directory: str | Path, parallel: ParallelConfig, num_experts: int) -> SemMoEPlan:
+        """Read a plan written by `save` (arrays with allow_pickle=False)."""
+        directory = Path(directory)
+
+        def read(name: str):
+            path = directory / f"{name}.npy"
+            return np.load(path, allow_pickle=False) if path.exists() else None
+
+        try:
+            scalars = json.loads((directory / "semmoe.json").read_text())
+            info = json.loads((directory / "plan_info.json").read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{directory} does not hold a saved Sem-MoE plan ({e}); write one with plan.save().") from e
+        placement = Placement(read("physical_to_logical"), parallel.devices, num_experts)
+        return cls(
+            placement, parallel, read("token_vocab"), read("row_of_token"), read("token_device"),
+            read("token_confidence"), read("dp_score"), read("markov_device"), read("markov_confidence"),
+            scalars["lookback"], scalars["load_aware_lambda"], scalars["dp_window"], scalars["dp_scoring"],
+            read("token_frequency"), info, scalars.get("dp_assign", "greedy"), scalars.get("dp_token_price", 0.0),
+        )
+
+
+class SemMoE:
+    """Sem-MoE: co-clustered placement (cocluster.py) + Algorithm 2 (DP, dp.py) + Algorithm 3 (TP, tp.py).
+
+    cluster_units: "auto" (token rows per layer under Attention-TP, profile requests shared by all layers
+    under Attention-DP), or force "tokens" / "requests". prompt_only: profile prompt tokens only (the paper
+    profiles prompts). embeddings_path: optional .npy float[V, H] input-embedding matrix for the
+    nearest-neighbour OOV fallback (without it unseen ids use each layer's expert popularity).
+    """
+
+    name = "semmoe"
+
+    def __init__(
+        self,
+        theta: float = 0.5,
+        alpha: float = 1.0,
+        beta: float = 1.0,
+        gamma: float = 1.0,
+        n_steps: int = 8,
+        ft_steps: int = 64,
+        lookback: int = 2,
+        dp_scoring: str = "confidence",
+        load_aware_lambda: float = 0.0,
+        dp_window: int = 1,
+        dp_assign: str = "exact",
+        dp_token_price: float = 1.5,
+        max_units: int = 8192,
+        price_iters: int = 12,
+        exact_expert_step: bool = True,
+        n_starts: int = 4,
+        polish_rounds: int = 64,
+        polish_kicks: int = 32,
+        cluster_units: str = "auto",
+        prompt_only: bool = False,
+        embeddings_path: str | None = None,
+    ):
+        if not 0.0 < float(theta) < 1.0:
+            raise ConfigError(f"system.params.theta must be strictly between 0 and 1, got {theta}.")
+        if min(alpha, beta, gamma) < 0:
+            raise ConfigError(f"system.params alpha, beta, gamma must be >= 0, got {alpha}, {beta}, {gamma}.")
+        if int(n_steps) < 1 or int(ft_steps) < 0 or int(price_iters) < 1:
+            raise ConfigError(
+                f"system.params.n_steps and price_iters must be >= 1 and ft_steps >= 0, got {n_steps}, {price_iters}, {ft_steps}."
+            )
+        if int(n_starts) < 1:
+            raise ConfigError(f"system.params.n_starts must be >= 1, got {n_starts}.")
+        if int(polish_rounds) < 0 or int(polish_kicks) < 0:
+            raise ConfigError(
+                f"system.params.polish_rounds and polish_kicks must be >= 0 (0 = off), got {polish_rounds}, {polish_kicks}."
+            )
+        if int(lookback) < 0:
+            raise ConfigError(f"system.params.lookback must be >= 0, got {lookback}.")
+        if dp_scoring not in DP_SCORINGS:
+            raise ConfigError(f"system.params.dp_scoring must be one of {DP_SCORINGS}, got {dp_scoring!r}.")
+        if load_aware_lambda < 0:
+            raise ConfigError(f"system.params.load_aware_lambda must be >= 0, got {load_aware_lambda}.")
+        if int(max_units) < 1:
+            raise ConfigError(f"system.params.max_units must be >= 1, got {max_units}.")
+        if dp_assign not in DP_ASSIGNS:
+            raise ConfigError(f"system.params.dp_assign must be one of {DP_ASSIGNS}, got {dp_assign!r}.")
+        if float(dp_token_price) < 0:
+            raise ConfigError(f"system.params.dp_token_price must be >= 0, got {dp_token_price}.")
+        if int(dp_window) < 1:
+            raise ConfigError(f"system.params.dp_window must be >= 1 (requests per rank per mask window), got {dp_window}.")
+        if cluster_units not in CLUSTER_UNITS:
+            raise ConfigError(f"system.params.cluster_units must be one of {CLUSTER_UNITS}, got {cluster_units!r}.")
+        self.theta, self.alpha, self.beta, self.gamma = float(theta), float(alpha), float(beta), float(gamma)
+        self.n_steps, self.ft_steps, self.lookback = int(n_steps), int(ft_steps), int(lookback)
+        self.price_iters, self.max_units = int(price_iters), int(max_units)
+        self.exact_expert_step = bool(exact_expert_step)
+        self.n_starts, self.polish_rounds, self.polish_kicks = int(n_starts), int(polish_rounds), int(polish_kicks)
+        self.dp_scoring, self.load_aware_lambda, self.dp_window = dp_scoring, float(load_aware_lambda), int(dp_window)
+        self.dp_assign, self.dp_token_price = dp_assign, float(dp_token_price)
+        self.cluster_units, self.prompt_only, self.embeddings_path = cluster_units, bool(prompt_only), embeddings_path
+
+    def _solver_args(self) -> dict:
+        return dict(
+            theta=self.theta, alpha=self.alpha, beta=self.beta, gamma=self.gamma,
+            n_steps=self.n_steps, ft_steps=self.ft_steps, price_iters=self.price_iters,
+            exact_expert_step=self.exact_expert_step, n_starts=self.n_starts,
+            polish_rounds=self.polish_rounds, polish_kicks=self.polish_kicks,
+        )
+
+    def fit(self, profile: RoutingTrace, parallel: ParallelConfig, rng: np.random.Generator) -> SemMoEPlan:
+        """Algorithm 1 on the profile, then the online tables for the resulting placement."""
+        started = time.perf_counter()
+        expert_device, info = self.solve_placement(profile, parallel, rng)
+        plan = self.plan_for_placement(profile, parallel, expert_device, info)
+        plan.info["fit_seconds"] = time.perf_counter() - started
+        return plan
+
+    def _profile_rows(self, profile: RoutingTrace) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(kept token indices int64[N'], token_vocab int32[t], token_row int64[N']) of the profile."""
+        keep = profile_tokens(profile, self.prompt_only)
+        if len(keep) == 0:
+            raise TraceError(
+                f"the profile split of {profile.meta.model!r} has no {'prompt ' if self.prompt_only else ''}tokens "
+                "in any MoE layer; profile on more requests (or set system.params.prompt_only=false)."
+            )
+        token_vocab, token_row = encode_tokens(profile.token_ids[keep])
+        return keep, token_vocab, token_row
+
+    def solve_placement(
+        self, profile: RoutingTrace, parallel: ParallelConfig, rng: np.random.Generator
+    ) -> tuple[np.ndarray, dict]:
+        """(expert_device int64[L, E] with exactly E/D experts per device per layer, solver info)."""
+        started = time.perf_counter()
+        meta = profile.meta
+        num_experts, top_k, num_devices, num_layers = meta.num_experts, meta.top_k, parallel.devices, profile.num_layers
+        parallel.check_experts(num_experts)  # theta, n_steps, ft_steps were checked in __init__
+        keep, token_vocab, token_row = self._profile_rows(profile)
+        units = self.cluster_units
+        if units == "auto":
+            units = "requests" if parallel.attention == "dp" else "tokens"
+        expert_device = np.empty((num_layers, num_experts), dtype=np.int64)
+        objectives: list[float] = []
+        if units == "requests":
+            unit_of_token = profile.request_of_token()[keep]
+            num_units = profile.num_requests
+        else:
+            unit_of_token, num_units = token_row, len(token_vocab)
+        unit_load = np.bincount(unit_of_token, minlength=num_units).astype(np.float64)  # a_j or request tokens
+        # the solver sees the `max_units` heaviest units; lighter ones (rare token ids, short requests) still
+        # get tables from the resulting placement, they just do not steer it
+        solver_units = np.sort(np.argsort(-unit_load, kind="stable")[: self.max_units])
+        solver_units = solver_units[unit_load[solver_units] > 0]
+        unit_index = np.full(num_units, -1, dtype=np.int64)
+        unit_index[solver_units] = np.arange(len(solver_units))
+        solver_tokens = unit_index[unit_of_token] >= 0
+        solver_unit_of_token = unit_index[unit_of_token[solver_tokens]]
+
+        def layer_coo(layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            experts = profile.experts[keep[solver_tokens], layer]
+            return layer_token_expert_coo(solver_unit_of_token, experts, len(solver_units), num_experts)
+
+        def sparse(layers: list[int]) -> SparseAffinity:
+            parts = [layer_coo(layer) for layer in layers]
+            return SparseAffinity(
+                np.repeat(np.arange(len(layers)), [len(p[0]) for p in parts]),
+                np.concatenate([p[0] for p in parts]),
+                np.concatenate([p[1] for p in parts]),
+                np.concatenate([p[2] for p in parts]).astype(np.float64) / top_k,  # token units
+                len(layers), len(solver_units), num_experts,
+            )
+
+        if units == "requests":  # one clustering shared by every layer
+            result = balanced_cocluster(sparse(list(range(num_layers))), unit_load[solver_units], num_devices, rng, **self._solver_args())
+            expert_device[:] = result.expert_device
+            objectives.append(result.objective)
+        else:  # one clustering per layer keeps memory at one layer's nonzeros
+            for layer in range(num_layers):
+                result = balanced_cocluster(sparse([layer]), unit_load[solver_units], num_devices, rng, **self._solver_args())
+                expert_device[layer] = result.expert_device[0]
+                objectives.append(result.objective)
+        info = {
+            "cluster_units": units,
+            "objective": float(np.sum(objectives)),
+            "objective_per_layer": [float(x) for x in objectives] if units == "tokens" else [],
+            "profile_token_rows": len(token_vocab),
+            "solver_units": len(solver_units),
+            "solver_load_share": float(unit_load[solver_units].sum() / unit_load.sum()),
+            "solver_seconds": time.perf_counter() - started,
+        }
+        return expert_device, info
+
+    def plan_for_placement(
+        self, profile: RoutingTrace, parallel: ParallelConfig, expert_device: np.ndarray, info: dict | None = None
+    ) -> SemMoEPlan:
+        """The online plan (tables T, T_p, dp_score, A, A_p) for a given expert_device int[L, E] placement.
+
+        Also used by system=semmoe_exact, whose placement comes from the exact MILP.
+        """
+        meta = profile.meta
+        num_experts, num_devices, num_layers = meta.num_experts, parallel.devices, profile.num_layers
+        expert_device = np.asarray(expert_device, dtype=np.int64)
+        if expert_device.shape != (num_layers, num_experts):
+            raise ConfigError(
+                f"expert_device has shape {expert_device.shape}; the profile needs ({num_layers}, {num_experts})."
+            )
+        check_markov_size(num_devices, self.lookback)
+        placement = Placement.from_expert_device(expert_device, num_devices)
+        keep, token_vocab, token_row = self._profile_rows(profile)
+        num_rows = len(token_vocab)
+        token_device = np.empty((num_layers, num_rows + 1), dtype=np.int16)
+        token_confidence = np.empty((num_layers, num_rows + 1), dtype=np.float32)
+        dp_score = np.zeros((num_rows + 1, num_devices), dtype=np.float32)
+        for layer in range(num_layers):
+            experts = np.asarray(profile.experts[keep, layer])
+            mass = np.empty((num_rows + 1, num_devices), dtype=np.float32)
+            mass[:num_rows] = routed_device_mass(token_row, experts, num_rows, expert_device[layer], num_devices)
+            # row t, the OOV fallback: the layer's expert popularity, folded onto devices
+            device_load = np.bincount(expert_device[layer][experts.ravel()], minlength=num_devices)
+            mass[num_rows] = device_load / device_load.sum()
+            token_device[layer] = np.argmax(mass, axis=1)
+            token_confidence[layer] = mass.max(axis=1)
+            dp_score += fold_dp_scores(mass, self.dp_scoring)
+        dp_score[num_rows] = 0.0  # an unseen token says nothing about where its request belongs
+        token_frequency = np.bincount(token_row, minlength=num_rows + 1).astype(np.float32)
+        markov_device = markov_confidence = None
+        if self.lookback > 0:
+            markov_device, markov_confidence = device_markov_table(
+                profile, expert_device, num_devices, self.lookback, tokens=keep
+            )
+        embeddings = None if self.embeddings_path is None else np.load(self.embeddings_path, allow_pickle=False)
+        row_of_token = vocab_row_map(token_vocab, meta.vocab_size, embeddings)
+        info = dict(info or {})
+        info["dp_scoring"] = self.dp_scoring
+        return SemMoEPlan(
+            placement, parallel, token_vocab, row_of_token, token_device, token_confidence, dp_score,
+            markov_device, markov_confidence, self.lookback, self.load_aware_lambda, self.dp_window, self.dp_scoring,
+            token_frequency, info, self.dp_assign, self.dp_token_price,
+        )
