@@ -1,0 +1,156 @@
+"""`python -m repro.tune`: choose a system's tunable defaults on the validate split, then report them on evaluate.
+
+    python -m repro.tune -m                                   # conf/tune.yaml: Sem-MoE at EP 2/4/8, DP and TP
+    python -m repro.tune model=replay_olmoe parallel.devices=4 parallel.attention=tp
+
+One job = one deployment shape (model, workload, EP degree, attention mode):
+1. Every candidate of the grid `tune.space[<attention mode>]` (parameter path -> values) is fitted on the profile
+   split and accounted on the validate split. A candidate is feasible when it meets every cap of
+   `tune.constraints` (e.g. token_imbalance_max_mean <= 1.3); the chosen one maximises `tune.objective` among
+   the feasible (ties: the earlier in grid order, which starts at the current defaults).
+2. The chosen candidate and the current defaults are then fitted on the profile again and accounted on the
+   evaluate split: the evaluate split is touched exactly once per reported number (two numbers per job).
+
+Writes into the job dir: candidates.csv (every candidate's validate metrics) and tuned.json (chosen values, the
+defaults, and both on validate and evaluate side by side; written last, so its presence means the job
+finished). Defaults in conf/system/*.yaml quote the validate numbers of these files, never evaluate ones.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import logging
+import sys
+from pathlib import Path
+
+import hydra
+import pandas as pd
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from repro.atomic import atomic_write
+from repro.errors import ConfigError, ReproError
+from repro.run import build_traces, fit_and_evaluate, make_job
+
+log = logging.getLogger("repro.tune")
+
+REPORTED = ("lar", "a2a_bytes", "token_imbalance_max_mean", "expert_load_imbalance_max_mean")
+
+
+def grid(space: dict) -> list[dict]:
+    """Every combination of `space` (parameter path -> list of values), first values first."""
+    keys = list(space)
+    return [dict(zip(keys, values, strict=True)) for values in itertools.product(*(space[k] for k in keys))]
+
+
+def with_values(config: dict, values: dict) -> dict:
+    """A copy of config with dotted parameter paths (e.g. system.params.theta) set to values."""
+    out = copy.deepcopy(config)
+    for path, value in values.items():
+        *parents, leaf = path.split(".")
+        node = out
+        for key in parents:
+            node = node.setdefault(key, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"tune.space key {path!r} does not name a config parameter.")
+        node[leaf] = value
+    return out
+
+
+def current_values(config: dict, paths) -> dict:
+    values = {}
+    for path in paths:
+        node = config
+        for key in path.split("."):
+            if not isinstance(node, dict) or key not in node:
+                raise ConfigError(f"tune.space key {path!r} does not name a config parameter; check conf/tune.yaml.")
+            node = node[key]
+        values[path] = node
+    return values
+
+
+def feasible(summary: dict, constraints: dict) -> bool:
+    return all(summary[metric] <= cap for metric, cap in constraints.items())
+
+
+def tune_job(config: dict, out_dir: Path) -> dict:
+    tune = config["tune"]
+    mode = config["parallel"]["attention"]
+    space = (tune.get("space") or {}).get(mode)
+    if not space:
+        raise ConfigError(f"tune.space has no grid for attention mode {mode!r}; add tune.space.{mode}.")
+    defaults = current_values(config, space)
+    candidates = grid(space)
+    if defaults not in candidates:
+        candidates.insert(0, defaults)
+    for candidate in candidates:
+        make_job(with_values(config, candidate))  # every config error before the first (slow) fit
+
+    validate_cfg = dict(config, evaluate_split="validate")
+    profile, validate = build_traces(validate_cfg)
+    rows = []
+    for candidate in candidates:
+        summary, _, _ = fit_and_evaluate(with_values(validate_cfg, candidate), profile, validate)
+        rows.append({**candidate, **{m: summary[m] for m in REPORTED}, "feasible": feasible(summary, tune["constraints"])})
+        log.info("validate %s: %s %.4f", candidate, tune["objective"], summary[tune["objective"]])
+    table = pd.DataFrame(rows)
+    ok = table[table["feasible"]]
+    if ok.empty:
+        raise ConfigError(
+            f"no candidate meets tune.constraints {tune['constraints']} on the validate split; relax them or widen tune.space."
+        )
+    best = int(ok[tune["objective"]].idxmax())  # first maximum = earliest in grid order
+    chosen = candidates[best]
+
+    evaluate_cfg = dict(config, evaluate_split="evaluate")
+    profile, evaluation = build_traces(evaluate_cfg)
+    scores = {}
+    for label, values in (("default", defaults), ("chosen", chosen)):
+        summary, _, _ = fit_and_evaluate(with_values(evaluate_cfg, values), profile, evaluation)
+        scores[label] = {
+            "values": values,
+            "validate": {m: rows[candidates.index(values)][m] for m in REPORTED},
+            "evaluate": {m: summary[m] for m in REPORTED},
+            "feasible_on_validate": bool(rows[candidates.index(values)]["feasible"]),
+        }
+    result = {
+        "system": config["system"]["name"],
+        "model": config["model"]["name"],
+        "workload": config["workload"]["name"],
+        "devices": config["parallel"]["devices"],
+        "attention": mode,
+        "objective": tune["objective"],
+        "constraints": tune["constraints"],
+        "num_candidates": len(candidates),
+        **scores,
+        "config": config,
+    }
+    atomic_write(out_dir / "candidates.csv", lambda p: table.to_csv(p, index=False))
+    atomic_write(out_dir / "tuned.json", lambda p: p.write_text(json.dumps(result, indent=1, default=str)))
+    log.info(
+        "%s: chosen %s (validate %.4f, evaluate %.4f); default %s (validate %.4f, evaluate %.4f)",
+        out_dir, chosen, scores["chosen"]["validate"][tune["objective"]], scores["chosen"]["evaluate"][tune["objective"]],
+        defaults, scores["default"]["validate"][tune["objective"]], scores["default"]["evaluate"][tune["objective"]],
+    )
+    return result
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="tune")
+def main(cfg: DictConfig) -> None:
+    try:
+        config = OmegaConf.to_container(cfg, resolve=True)
+        out_dir = Path(HydraConfig.get().runtime.output_dir)
+        done = out_dir / "tuned.json"
+        if done.exists() and json.loads(done.read_text()).get("config") == config:
+            log.info("%s already tuned with this config; skipping", out_dir)
+            return
+        tune_job(config, out_dir)
+    except ReproError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()
