@@ -1,4 +1,5 @@
-"""Oracle bounds: hand-made alignment cases, exact vs greedy, fit-oracle assignment, evaluator cross-checks."""
+"""Token oracle and fit_assign: hand-made alignment cases, exact LP vs the MILP reference vs greedy, fit_assign's
+request assignment, evaluator cross-checks. The Attention-DP ceiling is tested in test_bounds.py."""
 
 from itertools import permutations, product
 
@@ -10,13 +11,13 @@ from repro.eval import evaluate
 from repro.parallel import ParallelConfig
 from repro.systems import make_system
 from repro.systems.base import Placement
+from repro.systems.fit_assign import fit_request_assignment, token_balanced_assign
 from repro.systems.oracle import (
     align_exact,
     align_greedy,
-    fit_request_assignment,
     local_scores,
     max_weight_transport,
-    token_balanced_assign,
+    max_weight_transport_milp,
 )
 from repro.traces import TraceMeta, make_trace
 
@@ -48,6 +49,44 @@ def test_exact_alignment_is_optimal_and_never_below_greedy():
         # brute force over all balanced assignments of 9 tokens to 3 devices (1680 of them)
         best = max(value(np.array(p)) for p in set(permutations([0, 0, 0, 1, 1, 1, 2, 2, 2])))
         assert value(exact) == best >= value(greedy)
+
+
+def test_lp_transport_matches_the_milp_reference():
+    rng = np.random.default_rng(1)
+    for trial in range(20):
+        num_types, num_bins = int(rng.integers(1, 40)), int(rng.integers(1, 6))
+        score = rng.integers(0, 5, size=(num_types, num_bins)).astype(float) + (trial % 2) * rng.random((num_types, num_bins))
+        count = rng.integers(1, 9, num_types)
+        floor, extra = divmod(int(count.sum()), num_bins)
+        lower, upper = np.full(num_bins, floor), np.full(num_bins, floor + (extra > 0))
+        fast = max_weight_transport(score, lower, upper, count, what="test")
+        slow = max_weight_transport_milp(score, lower, upper, count, what="test")
+        for x in (fast, slow):  # a feasible integral assignment
+            assert np.array_equal(x.sum(axis=1), count) and np.all(x >= 0)
+            assert np.all(x.sum(axis=0) >= lower) and np.all(x.sum(axis=0) <= upper)
+        assert (fast * score).sum() == pytest.approx((slow * score).sum(), abs=1e-9)
+
+
+@pytest.mark.parametrize("num_tokens,num_devices,top_k,replicated", [(33, 4, 2, False), (511, 8, 6, False), (64, 3, 3, True)])
+def test_exact_alignment_equals_the_reference_on_random_routing(num_tokens, num_devices, top_k, replicated):
+    rng = np.random.default_rng(num_tokens)
+    num_experts = 8 * num_devices
+    present = np.zeros((num_experts, num_devices), dtype=bool)
+    present[np.arange(num_experts), rng.permutation(np.arange(num_experts) % num_devices)] = True
+    if replicated:  # a few experts with a second replica, one expert map with missing local copies
+        present[rng.choice(num_experts, 4, replace=False), rng.integers(0, num_devices, 4)] = True
+    popularity = rng.dirichlet(np.full(num_experts, 0.3))
+    experts = np.stack([rng.choice(num_experts, top_k, replace=False, p=popularity) for _ in range(num_tokens)])
+    score = local_scores(experts, present)
+    floor = num_tokens // num_devices
+    lower, upper = np.full(num_devices, floor), np.full(num_devices, floor + (num_tokens % num_devices > 0))
+    fast, slow = align_exact(score, lower, upper), align_exact(score, lower, upper, reference=True)
+    for device in (fast, slow):
+        load = np.bincount(device, minlength=num_devices)
+        assert np.all(load >= lower) and np.all(load <= upper)
+    picked = np.arange(num_tokens)
+    greedy = align_greedy(score, lower + (np.arange(num_devices) < num_tokens % num_devices))
+    assert score[picked, fast].sum() == score[picked, slow].sum() >= score[picked, greedy].sum()
 
 
 def planted_trace(seed=0, num_requests=24, length=16, num_experts=8, num_layers=2, top_k=2, communities=4, spread=0):
@@ -127,12 +166,12 @@ def test_token_balanced_assign_respects_the_cap_and_the_lp_bound():
     assert np.array_equal(ranks, again)
 
 
-def test_fit_oracle_token_balance_bounds_token_load_and_vanilla():
+def test_fit_assign_token_balance_bounds_token_load_and_vanilla():
     trace = planted_trace(num_requests=40, spread=12)
     parallel = ParallelConfig(devices=4, attention="dp", tokens_per_step=16)
     rng = np.random.default_rng(0)
-    balanced = make_system("fit_oracle", base="ep", token_balance=1.1).fit(trace, parallel, rng)
-    by_count = make_system("fit_oracle", base="ep", token_balance=None).fit(trace, parallel, rng)
+    balanced = make_system("fit_assign", base="ep", token_balance=1.1).fit(trace, parallel, rng)
+    by_count = make_system("fit_assign", base="ep", token_balance=None).fit(trace, parallel, rng)
     summary = {name: evaluate(plan, trace).summary for name, plan in (("balanced", balanced), ("count", by_count))}
     lar_ep = evaluate(make_system("ep").fit(trace, parallel, rng), trace).summary["lar"]
     assert summary["balanced"]["token_imbalance_max_mean"] <= 1.1 + 1e-9
@@ -144,15 +183,15 @@ def test_fit_oracle_token_balance_bounds_token_load_and_vanilla():
     counts = np.bincount(by_count.assign_requests(trace.token_ids, trace.offsets, trace.prefill_len), minlength=4)
     assert counts.max() - counts.min() <= 1
     with pytest.raises(ConfigError, match="token_balance must be >= 1"):
-        make_system("fit_oracle", token_balance=0.9)
+        make_system("fit_assign", token_balance=0.9)
 
 
-def test_fit_oracle_dp_bounds_vanilla_and_matches_evaluator():
+def test_fit_assign_dp_beats_vanilla_on_planted_routing_and_matches_evaluator():
     trace = planted_trace()
     parallel = ParallelConfig(devices=4, attention="dp", tokens_per_step=16)
     rng = np.random.default_rng(0)
-    oracle = make_system("fit_oracle", base="ep").fit(trace, parallel, rng)
-    assert make_system("fit_oracle").fits_on_evaluation is True
+    oracle = make_system("fit_assign", base="ep").fit(trace, parallel, rng)
+    assert make_system("fit_assign").fits_on_evaluation is True
     lar_oracle = evaluate(oracle, trace).summary["lar"]
     lar_ep = evaluate(make_system("ep").fit(trace, parallel, rng), trace).summary["lar"]
     assert lar_oracle == pytest.approx(oracle.info["oracle_lar_fit"])
@@ -174,6 +213,12 @@ def test_token_oracle_tp_is_an_upper_bound_and_matches_evaluator():
     }
     lar = {name: evaluate(plan, trace).summary["lar"] for name, plan in plans.items()}
     assert lar["oracle"] == pytest.approx(plans["oracle"].info["oracle_lar_aligned"])
+    # the exact oracle is a bound whose plan evaluates to its ceiling; greedy alignment is no ceiling
+    assert make_system("token_oracle").kind == "bound" and make_system("token_oracle", align="greedy").kind == "hindsight"
+    assert plans["oracle"].info["lar_bound"] == pytest.approx(lar["oracle"])
+    per_layer = evaluate(plans["oracle"], trace).per_layer["lar"].to_numpy()
+    assert np.allclose(plans["oracle"].info["lar_bound_per_layer"], per_layer)
+    assert "lar_bound" not in plans["greedy"].info
     assert lar["ep"] < lar["greedy"] <= lar["oracle"] <= plans["oracle"].info["oracle_lar_unaligned"] + 1e-12
 
 
@@ -194,12 +239,12 @@ def test_token_oracle_same_seed_same_plan_and_bad_input():
     with pytest.raises(ConfigError, match="would recurse"):
         make_system("token_oracle", base="token_oracle").fit(trace, tp, np.random.default_rng(0))
     with pytest.raises(ConfigError, match="align must be one of"):
-        make_system("fit_oracle", align="best")
+        make_system("fit_assign", align="best")
 
 
-def test_fit_oracle_on_semmoe_base():
+def test_fit_assign_on_semmoe_base():
     trace = planted_trace()
     parallel = ParallelConfig(devices=4, attention="dp", tokens_per_step=16)
-    plan = make_system("fit_oracle").fit(trace, parallel, np.random.default_rng(0))
+    plan = make_system("fit_assign").fit(trace, parallel, np.random.default_rng(0))
     assert plan.info["oracle_lar_fit"] >= plan.info["oracle_lar_first_round"]
     assert np.all(np.apply_along_axis(np.bincount, 1, plan.placement.expert_device(), minlength=4) == 2)

@@ -14,9 +14,11 @@ REGISTRY: dict[str, str] = {
     "semmoe_exact": "repro.systems.milp:SemMoEExact",
     "moetuner": "repro.systems.moetuner:MoETuner",
     "eplb": "repro.systems.eplb:EPLB",
-    # bounds: fitted with knowledge no deployed system has (see oracle.py)
+    # kind "bound": proven LAR ceilings (oracle.py, dp_bound.py); kind "hindsight": fitted on the evaluated
+    # routing, neither deployable nor a ceiling (fit_assign.py)
     "token_oracle": "repro.systems.oracle:TokenOracle",
-    "fit_oracle": "repro.systems.oracle:FitOracle",
+    "dp_bound": "repro.systems.dp_bound:DPBound",
+    "fit_assign": "repro.systems.fit_assign:FitAssign",
 }
 
 

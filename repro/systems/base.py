@@ -174,8 +174,16 @@ class Plan:
 
 
 class System(Protocol):
-    """Offline fitting on the profile split; `name` is the registry key."""
+    """Offline fitting on the profile split; `name` is the registry key.
+
+    `kind` says what its LAR means: "system" (deployable, fitted on the profile; the default, so ordinary
+    systems need not set it), "bound" (a proven ceiling: it also sets `bound_constraint`, one sentence saying
+    what it bounds under which constraint, and its plan.info carries `lar_bound` float and `lar_bound_per_layer`
+    list[float], while the plan itself evaluates to a feasible witness below the ceiling) or "hindsight" (fitted
+    on the evaluated routing, neither deployable nor a ceiling). Read it as getattr(system, "kind", "system").
+    """
 
     name: str
+    kind: str = "system"
 
     def fit(self, profile: RoutingTrace, parallel: ParallelConfig, rng: np.random.Generator) -> Plan: ...
