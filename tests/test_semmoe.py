@@ -20,6 +20,7 @@ from repro.systems.semmoe import (
     request_scores,
     request_votes,
     window_exact_assign,
+    window_lookahead,
 )
 from repro.traces import TraceMeta, make_trace, split_trace
 
@@ -279,19 +280,121 @@ def test_window_exact_assign_keeps_the_mask_and_beats_greedy():
         assert np.bincount(ranks[32:], minlength=4).max() <= 2
 
 
-def test_exact_dp_assignment_is_deterministic_and_balanced():
+def test_batch_window_assignment_is_deterministic_and_balanced():
     trace = community_trace(np.random.default_rng(8), num_requests=40)
     parallel = ParallelConfig(devices=2, tokens_per_step=64, attention="dp")
     ranks = []
     for _ in range(2):
-        plan = SemMoE(n_steps=1, dp_assign="exact", dp_token_price=1.5).fit(trace, parallel, np.random.default_rng(0))
+        plan = SemMoE(n_steps=1, dp_assign="batch_window", dp_token_price=1.5).fit(trace, parallel, np.random.default_rng(0))
         ranks.append(plan.assign_requests(trace.token_ids, trace.offsets, trace.prefill_len))
     assert ranks[0].tolist() == ranks[1].tolist()
     assert all(sorted(ranks[0][i : i + 2]) == [0, 1] for i in range(0, 40, 2))
     with pytest.raises(ConfigError, match="dp_assign"):
         SemMoE(dp_assign="magic")
+    with pytest.raises(ConfigError, match="'exact' is now 'batch_window'"):
+        SemMoE(dp_assign="exact")  # old names are for old plan files only
     with pytest.raises(ConfigError, match="dp_token_price"):
         SemMoE(dp_token_price=-1.0)
+    with pytest.raises(ConfigError, match="load_aware_lambda"):
+        SemMoE(dp_token_price=1.0)  # the online assignment's token price is load_aware_lambda
+    with pytest.raises(ConfigError, match="dp_token_price"):
+        SemMoE(dp_assign="batch_window", load_aware_lambda=0.5)
+
+
+# ---------------------------------------------------------------------------------------------- online means online
+
+
+def test_online_is_the_default_in_code_and_config():
+    from omegaconf import OmegaConf
+
+    params = OmegaConf.to_container(OmegaConf.load("conf/system/semmoe.yaml"))["params"]
+    assert params["dp_assign"] == "online" and SemMoE().dp_assign == "online"
+    assert SemMoE(**params).dp_token_price == 0.0
+
+
+def stream(token_ids, lengths):
+    """(token_ids, offsets, prefill_len) of an all-prompt request stream."""
+    return np.asarray(token_ids), np.concatenate([[0], np.cumsum(lengths)]), np.asarray(lengths)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [{}, {"load_aware_lambda": 0.5}, {"dp_window": 2}, {"dp_scoring": "expected"}],
+    ids=["masked_argmax", "load_aware", "wider_window", "expected_scores"],
+)
+def test_online_rank_of_a_request_ignores_later_prompts(community_split, params):
+    # black box: assign a stream; rewrite every prompt after request i (new tokens, new lengths); reassign from a
+    # fresh state: requests 0..i keep their ranks, for i at every position of a mask window
+    profile, _ = community_split
+    plan = SemMoE(n_steps=1, **params).fit(profile, ParallelConfig(devices=2, attention="dp"), np.random.default_rng(0))
+    rng = np.random.default_rng(5)
+    lengths = rng.integers(1, 30, size=24)
+    tokens = rng.integers(20, size=lengths.sum())
+    plan.reset()
+    ranks = plan.assign_requests(*stream(tokens, lengths))
+    assert plan.info["dp_lookahead_requests_max"] == 0 and plan.info["dp_lookahead_requests_mean"] == 0.0
+    later_changed = False
+    for i in (0, 1, 2, 5, 11, 22):
+        new_lengths = np.concatenate([lengths[: i + 1], rng.integers(1, 30, size=len(lengths) - i - 1)])
+        keep = lengths[: i + 1].sum()
+        new_tokens = np.concatenate([tokens[:keep], rng.integers(20, size=new_lengths.sum() - keep)])
+        plan.reset()
+        new_ranks = plan.assign_requests(*stream(new_tokens, new_lengths))
+        assert new_ranks[: i + 1].tolist() == ranks[: i + 1].tolist(), f"request <= {i} changed"
+        later_changed |= new_ranks[i + 1 :].tolist() != ranks[i + 1 :].tolist()
+    assert later_changed  # the rewrites did matter to the later requests
+
+
+def test_batch_window_looks_ahead_and_reports_it(community_split):
+    # positive control of the test above: request 0 (8 tokens of community 0) is followed either by a long
+    # community-1 prompt or a long community-0 prompt. Online, request 0 takes community 0's rank either way;
+    # batch_window gives that rank to the longer request 1 in the second case, so request 0's rank depends on
+    # a prompt that arrived after it
+    profile, _ = community_split
+    parallel = ParallelConfig(devices=2, attention="dp")
+    first = np.arange(8) % 10  # community 0 uses tokens 0..9, community 1 tokens 10..19
+    second = {"other": 10 + np.arange(32) % 10, "same": np.arange(32) % 10}
+    rank0 = {}
+    for assign in ("online", "batch_window"):
+        plan = SemMoE(n_steps=1, dp_assign=assign).fit(profile, parallel, np.random.default_rng(0))
+        for case, tokens in second.items():
+            plan.reset()
+            rank0[assign, case] = int(plan.assign_requests(*stream(np.concatenate([first, tokens]), [8, 32]))[0])
+        lookahead = plan.info["dp_lookahead_requests_max"], plan.info["dp_lookahead_requests_mean"]
+        assert lookahead == ((0, 0.0) if assign == "online" else (1, 0.5))  # D = 2: request 0 saw request 1
+    assert rank0["online", "other"] == rank0["online", "same"] == rank0["batch_window", "other"]
+    assert rank0["batch_window", "same"] != rank0["batch_window", "other"]
+
+
+def test_window_lookahead_by_hand():
+    # windows of 2 slots, one slot of the open window filled by an earlier call: slots 1..5 of the stream
+    assert window_lookahead(5, 1, 2).tolist() == [0, 1, 0, 1, 0]
+    assert window_lookahead(4, 0, 4).tolist() == [3, 2, 1, 0]
+    assert window_lookahead(0, 0, 4).tolist() == []
+
+
+def test_plan_save_load_keeps_dp_assign_and_maps_old_names(community_split, tmp_path):
+    import json
+
+    profile, evaluation = community_split
+    parallel = ParallelConfig(devices=2, attention="dp")
+    plan = SemMoE(n_steps=1, dp_assign="batch_window", dp_token_price=1.5).fit(profile, parallel, np.random.default_rng(0))
+    plan.save(tmp_path / "plan")
+    loaded = SemMoEPlan.load(tmp_path / "plan", parallel, profile.meta.num_experts)
+    assert (loaded.dp_assign, loaded.dp_token_price) == ("batch_window", 1.5)
+    requests = (evaluation.token_ids, evaluation.offsets, evaluation.prefill_len)
+    for p in (plan, loaded):
+        p.reset()
+    assert plan.assign_requests(*requests).tolist() == loaded.assign_requests(*requests).tolist()
+    scalars_path = tmp_path / "plan" / "semmoe.json"
+    scalars = json.loads(scalars_path.read_text())
+    for saved, lam, expected in (("exact", 0.0, "batch_window"), ("greedy", 0.0, "online"), ("exact", 0.5, "online"),
+                                 (None, 0.0, "online")):
+        old = {k: v for k, v in scalars.items() if k != "dp_assign"} | {"load_aware_lambda": lam}
+        if saved is not None:
+            old["dp_assign"] = saved
+        scalars_path.write_text(json.dumps(old))
+        assert SemMoEPlan.load(tmp_path / "plan", parallel, profile.meta.num_experts).dp_assign == expected, saved
 
 
 # ---------------------------------------------------------------------------------------------- bad input

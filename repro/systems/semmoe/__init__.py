@@ -2,7 +2,8 @@
 
 One file per algorithm, each readable on its own (its docstring has the shape legend and the method):
   cocluster.py  Algorithm 1, offline: balanced token-expert co-clustering -> expert placement.
-  dp.py         Algorithm 2, online Attention-DP: request scoring and the round-robin dev_mask assignment.
+  dp.py         Algorithm 2, Attention-DP: request scoring and the round-robin dev_mask assignment, online
+                (default) or jointly per mask window (batch_window, looks ahead).
   tp.py         Algorithm 3, online Attention-TP: predicted device per token and the align to equal slices.
   system.py     `SemMoE` (fit: Algorithm 1 on a profile, then the online tables) and `SemMoEPlan`.
 
@@ -28,13 +29,16 @@ from repro.systems.semmoe.cocluster import (
 from repro.systems.semmoe.dp import (
     DP_ASSIGNS,
     DP_SCORINGS,
+    LEGACY_DP_ASSIGNS,
     VOTE_CHUNK_TOKENS,
     fold_dp_scores,
+    load_aware_assign,
     masked_argmax_assign,
     packed_prompts,
     request_scores,
     request_votes,
     window_exact_assign,
+    window_lookahead,
 )
 from repro.systems.semmoe.system import CLUSTER_UNITS, SemMoE, SemMoEPlan
 from repro.systems.semmoe.tp import align_to_slices, inverse_permutation, predict_devices
@@ -43,6 +47,7 @@ __all__ = [
     "CLUSTER_UNITS",
     "DP_ASSIGNS",
     "DP_SCORINGS",
+    "LEGACY_DP_ASSIGNS",
     "SEARCH_CELLS",
     "VOTE_CHUNK_TOKENS",
     "CoclusterResult",
@@ -58,6 +63,7 @@ __all__ = [
     "fold_dp_scores",
     "inverse_permutation",
     "kick_units",
+    "load_aware_assign",
     "masked_argmax_assign",
     "packed_prompts",
     "perturb_units",
@@ -69,4 +75,5 @@ __all__ = [
     "request_votes",
     "swap_random_experts",
     "window_exact_assign",
+    "window_lookahead",
 ]

@@ -40,11 +40,14 @@ from repro.systems.semmoe.cocluster import SparseAffinity, balanced_cocluster
 from repro.systems.semmoe.dp import (
     DP_ASSIGNS,
     DP_SCORINGS,
+    LEGACY_DP_ASSIGNS,
     fold_dp_scores,
+    load_aware_assign,
     masked_argmax_assign,
     request_scores,
     request_votes,
     window_exact_assign,
+    window_lookahead,
 )
 from repro.systems.semmoe.tp import align_to_slices, predict_devices
 from repro.traces import RoutingTrace
@@ -59,6 +62,9 @@ class SemMoEPlan(Plan):
     float32[L, t+1] (T_p), row t = OOV fallback (expert popularity); dp_score float32[t+1, D];
     markov_device int16[L, Q] (A) and markov_confidence float32[L, Q] (A_p, on T_p's scale: the token
     confidence below which A wins; see `device_markov_table`), or None when lookback = 0.
+    dp_assign: "online" (decided at arrival; with load_aware_lambda > 0 also pricing queued prompt tokens) or
+    "batch_window" (each mask window assigned jointly, dp_token_price on queued tokens; info reports the
+    look-ahead as dp_lookahead_requests_max / _mean); see repro.systems.semmoe.dp.
     """
 
     def __init__(
@@ -78,9 +84,11 @@ class SemMoEPlan(Plan):
         dp_scoring: str = "confidence",
         token_frequency: np.ndarray | None = None,
         info: dict | None = None,
-        dp_assign: str = "greedy",
+        dp_assign: str = "online",
         dp_token_price: float = 0.0,
     ):
+        if dp_assign not in DP_ASSIGNS:
+            raise ConfigError(f"dp_assign must be one of {DP_ASSIGNS}, got {dp_assign!r}.")
         self.dp_window = int(dp_window)
         self.dp_scoring = dp_scoring
         self.dp_assign, self.dp_token_price = dp_assign, float(dp_token_price)
@@ -122,6 +130,9 @@ class SemMoEPlan(Plan):
         self._taken = np.zeros(self.parallel.devices, dtype=np.int64)
         self._queued = np.zeros(self.parallel.devices, dtype=np.float64)
         self._assigned_requests = 0
+        self._lookahead_total = 0
+        self.info["dp_lookahead_requests_max"] = 0
+        self.info["dp_lookahead_requests_mean"] = 0.0
         self.info["align_moved_tokens"] = 0
         self.info["shuffled_tokens"] = 0
         self.info["align_moved_share"] = 0.0
@@ -146,38 +157,30 @@ class SemMoEPlan(Plan):
             )
         if len(scores) == 0:
             return np.zeros(0, dtype=np.int64)
-        if self.dp_assign == "exact" and self.load_aware_lambda == 0:
+        prompt_len = np.asarray(prefill_len, dtype=np.float64)
+        if self.dp_assign == "batch_window":
             # gain: the request's expected local activations per layer (tokens), without the prior: a per-rank
             # constant cancels inside a window, and prior x prompt length would not
-            prompt_len = np.asarray(prefill_len, dtype=np.float64)
             gain = scores * (prompt_len * self._gain_scale)[:, None]
+            lookahead = window_lookahead(len(gain), self._position, self.dp_window * self.parallel.devices)
             ranks, self._position, self._taken, self._queued = window_exact_assign(
                 gain, prompt_len, self._position, self._taken, self._queued, self.dp_window, self.dp_token_price
             )
+            self._lookahead_total += int(lookahead.sum())
+            self.info["dp_lookahead_requests_max"] = max(self.info["dp_lookahead_requests_max"], int(lookahead.max()))
+            self.info["dp_lookahead_requests_mean"] = self._lookahead_total / (self._assigned_requests + len(ranks))
+            self._assigned_requests += len(ranks)
             return ranks
+        # online: request r's rank depends on its own prompt and the requests before it only
         scores = scores - self.dp_prior.astype(np.float32)
         if self.load_aware_lambda > 0:
-            return self._assign_load_aware(scores, np.asarray(prefill_len, dtype=np.float64))
+            ranks, self._position, self._taken, self._queued, self._assigned_requests = load_aware_assign(
+                scores, prompt_len, self._position, self._taken, self._queued, self._assigned_requests,
+                self.dp_window, self.load_aware_lambda,
+            )
+            return ranks
         ranks, self._position, self._taken = masked_argmax_assign(scores, self._position, self._taken, self.dp_window)
-        return ranks
-
-    def _assign_load_aware(self, scores: np.ndarray, prompt_len: np.ndarray) -> np.ndarray:
-        # sequential by nature: each choice changes the queues the next request sees (one loop per request).
-        # The plan never learns when a request finishes, so "queued" = prompt tokens assigned so far.
-        ranks = np.empty(len(scores), dtype=np.int64)
-        window_size = self.dp_window * self.parallel.devices
-        for r, score in enumerate(scores):
-            mean_len = max((self._queued.sum() + prompt_len[r]) / (self._assigned_requests + 1), 1.0)
-            adjusted = score - self.load_aware_lambda * (self._queued - self._queued.min()) / mean_len
-            adjusted[self._taken >= self.dp_window] = -np.inf
-            rank = int(np.argmax(adjusted))
-            ranks[r] = rank
-            self._queued[rank] += prompt_len[r]
-            self._assigned_requests += 1
-            self._taken[rank] += 1
-            self._position = (self._position + 1) % window_size
-            if self._position == 0:
-                self._taken[:] = 0
+        self._assigned_requests += len(ranks)
         return ranks
 
     def predicted_devices(
@@ -249,8 +252,20 @@ class SemMoEPlan(Plan):
             placement, parallel, read("token_vocab"), read("row_of_token"), read("token_device"),
             read("token_confidence"), read("dp_score"), read("markov_device"), read("markov_confidence"),
             scalars["lookback"], scalars["load_aware_lambda"], scalars["dp_window"], scalars["dp_scoring"],
-            read("token_frequency"), info, scalars.get("dp_assign", "greedy"), scalars.get("dp_token_price", 0.0),
+            read("token_frequency"), info, _saved_dp_assign(scalars), scalars.get("dp_token_price", 0.0),
         )
+
+
+def _saved_dp_assign(scalars: dict) -> str:
+    """The dp_assign of a saved plan's semmoe.json, old option names mapped to today's (`LEGACY_DP_ASSIGNS`).
+
+    Plans saved before the option existed ran the in-order masked argmax ("online"), and so did an old
+    "exact" plan with load_aware_lambda > 0 (the load-aware path took precedence).
+    """
+    name = scalars.get("dp_assign", "online")
+    if name == "exact" and scalars.get("load_aware_lambda", 0.0) > 0:
+        return "online"
+    return LEGACY_DP_ASSIGNS.get(name, name)
 
 
 class SemMoE:
@@ -259,7 +274,10 @@ class SemMoE:
     cluster_units: "auto" (token rows per layer under Attention-TP, profile requests shared by all layers
     under Attention-DP), or force "tokens" / "requests". prompt_only: profile prompt tokens only (the paper
     profiles prompts). embeddings_path: optional .npy float[V, H] input-embedding matrix for the
-    nearest-neighbour OOV fallback (without it unseen ids use each layer's expert popularity).
+    nearest-neighbour OOV fallback (without it unseen ids use each layer's expert popularity). dp_assign:
+    "online" (default: the paper's Algorithm 2, each request decided at arrival; load_aware_lambda is its
+    queued-token price) or "batch_window" (each mask window assigned jointly, looking ahead up to
+    dp_window x D - 1 requests; dp_token_price is its queued-token price). A price of the other mode is refused.
     """
 
     name = "semmoe"
@@ -276,8 +294,8 @@ class SemMoE:
         dp_scoring: str = "confidence",
         load_aware_lambda: float = 0.0,
         dp_window: int = 1,
-        dp_assign: str = "exact",
-        dp_token_price: float = 1.5,
+        dp_assign: str = "online",
+        dp_token_price: float = 0.0,
         max_units: int = 8192,
         price_iters: int = 12,
         exact_expert_step: bool = True,
@@ -311,9 +329,20 @@ class SemMoE:
         if int(max_units) < 1:
             raise ConfigError(f"system.params.max_units must be >= 1, got {max_units}.")
         if dp_assign not in DP_ASSIGNS:
-            raise ConfigError(f"system.params.dp_assign must be one of {DP_ASSIGNS}, got {dp_assign!r}.")
+            renamed = f" ({dp_assign!r} is now {LEGACY_DP_ASSIGNS[dp_assign]!r})" if dp_assign in LEGACY_DP_ASSIGNS else ""
+            raise ConfigError(f"system.params.dp_assign must be one of {DP_ASSIGNS}, got {dp_assign!r}{renamed}.")
         if float(dp_token_price) < 0:
             raise ConfigError(f"system.params.dp_token_price must be >= 0, got {dp_token_price}.")
+        if dp_assign == "online" and float(dp_token_price) > 0:
+            raise ConfigError(
+                f"system.params.dp_token_price={dp_token_price} prices queued tokens in dp_assign=batch_window only; "
+                "the online assignment's queued-token price is load_aware_lambda (or set dp_assign=batch_window)."
+            )
+        if dp_assign == "batch_window" and load_aware_lambda > 0:
+            raise ConfigError(
+                f"system.params.load_aware_lambda={load_aware_lambda} prices queued tokens in dp_assign=online only; "
+                "batch_window's queued-token price is dp_token_price (or set dp_assign=online)."
+            )
         if int(dp_window) < 1:
             raise ConfigError(f"system.params.dp_window must be >= 1 (requests per rank per mask window), got {dp_window}.")
         if cluster_units not in CLUSTER_UNITS:
