@@ -4,6 +4,7 @@
   tiny   - the offline default: a small Mixtral-architecture MoE trained for CPU minutes (tiny_model.py)
   hf     - any HF transformers MoE checkpoint or config, captured with router hooks (hf_capture.py)
   replay - sampling from measured per-token expert tables of a real model (replay.py)
+  synthetic - a seeded generative router with popularity, class, per-token and inter-layer knobs (synthetic.py)
 Every producer returns a RoutingTrace over `requests` (in order); `train_requests` is the profile split, the only
 data a producer may learn from.
 """
@@ -21,6 +22,7 @@ PRODUCERS = {
     "tiny": "repro.routing.tiny_model:route_with_tiny_model",
     "hf": "repro.routing.hf_capture:route_with_hf_model",
     "replay": "repro.routing.replay:route_with_replay",
+    "synthetic": "repro.routing.synthetic:route_with_synthetic",
 }
 
 
