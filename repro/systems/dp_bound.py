@@ -90,7 +90,8 @@ def layer_bound(counts: np.ndarray, num_devices: int, num_slots: int, max_reques
         rhs.append(np.full(num_experts, float(max_requests)))
     scale = max(float(weight.max()), 1.0)
     cost = np.concatenate([-weight / scale, np.zeros(num_vars - num_pairs)])
-    lp = linprog(cost, A_ub=sp.vstack(rows).tocsr(), b_ub=np.concatenate(rhs), bounds=bounds, method="highs-ds")
+    lp = linprog(cost, A_ub=sp.vstack(rows).tocsr(), b_ub=np.concatenate(rhs), bounds=bounds, method="highs-ds",
+                 options={"presolve": False})
     if lp.status != 0:
         raise ReproError(f"dp_bound: the per-layer LP failed ({lp.message}).")
     return -float(lp.fun) * scale
