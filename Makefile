@@ -25,13 +25,15 @@ test:
 
 # experiments that read ../shared/data (arena-hard prompts, measured routing tables) run only where it exists
 SHARED_DATA ?= $(or $(REPRO_SHARED_DATA),../shared/data)
-OFFLINE_EXPERIMENTS := default paper_dp paper_tp
+OFFLINE_EXPERIMENTS := default paper_dp paper_tp dp_lookahead routing_sources
 SHARED_EXPERIMENTS := $(if $(wildcard $(SHARED_DATA)/arena-hard),cross_dataset replay_olmoe_dp replay_olmoe_tp)
 
 reproduce:
 	for e in $(OFFLINE_EXPERIMENTS) $(SHARED_EXPERIMENTS); do \
 	  WANDB_MODE=$${WANDB_MODE:-offline} $(PY) -m repro.run -m experiment=$$e || exit 1; \
 	done
+	# Sem-MoE's tunable defaults: chosen on the validate split, reported on evaluate (runs/tune_semmoe/*/tuned.json)
+	$(PY) -m repro.tune -m logger=none
 	$(MAKE) figures
 
 figures:

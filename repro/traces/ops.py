@@ -127,8 +127,13 @@ def concat_traces(traces: list[RoutingTrace]) -> RoutingTrace:
 
 
 def trace_digest(trace: RoutingTrace) -> str:
-    """sha256 (hex, 16 chars) of a trace's meta, request table and arrays: same routing <=> same digest."""
-    h = hashlib.sha256(json.dumps(trace.meta.to_json(), sort_keys=True).encode())
+    """sha256 (hex, 16 chars) of a trace's meta, request table and arrays: same routing <=> same digest.
+
+    meta.extra is provenance (training time, cache hits, ...) and is left out: it differs between two builds of
+    the same routing.
+    """
+    meta = {k: v for k, v in trace.meta.to_json().items() if k != "extra"}
+    h = hashlib.sha256(json.dumps(meta, sort_keys=True).encode())
     h.update(json.dumps([trace.request_ids, trace.request_datasets, trace.request_labels]).encode())
     for array in (trace.offsets, trace.token_ids, trace.experts, trace.prefill_len, trace.weights):
         if array is not None:
