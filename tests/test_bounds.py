@@ -14,7 +14,8 @@ from repro.traces import TraceMeta, make_trace
 
 # every DP system of the suite that obeys the request-count balance (<= ceil(R/D) requests per rank) with E/D
 # experts per device; fit_assign with its default token balance may break the count balance and is checked apart
-DP_SYSTEMS = [("ep", {}), ("semmoe", {}), ("moetuner", {}), ("eplb", {}), ("fit_assign", {"token_balance": None})]
+DP_SYSTEMS = [("ep", {}), ("semmoe", {}), ("semmoe", {"dp_assign": "batch_window"}), ("moetuner", {}), ("eplb", {}),
+              ("fit_assign", {"token_balance": None})]
 
 
 def alternating_trace(num_requests=8):
