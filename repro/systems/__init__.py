@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 
 from repro.errors import ConfigError
 from repro.systems.base import Placement, Plan, System, even_counts
@@ -26,8 +27,14 @@ def make_system(name: str, **params) -> System:
     """Instantiate the system registered as `name` with its config parameters."""
     if name not in REGISTRY:
         raise ConfigError(f"unknown system {name!r}; choose one of {sorted(REGISTRY)}.")
-    module, cls = REGISTRY[name].split(":")
-    return getattr(importlib.import_module(module), cls)(**params)
+    module, cls_name = REGISTRY[name].split(":")
+    cls = getattr(importlib.import_module(module), cls_name)
+    accepted = inspect.signature(cls).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in accepted.values()):
+        unknown = sorted(set(params) - set(accepted))
+        if unknown:
+            raise ConfigError(f"system {name!r} has no parameter(s) {unknown}; its parameters are {sorted(accepted)}.")
+    return cls(**params)
 
 
 __all__ = ["REGISTRY", "Placement", "Plan", "System", "even_counts", "make_system"]
