@@ -40,7 +40,7 @@ def planted_trace(
     experts, and each token prefers k consecutive experts of its topic's group (a per-token, per-layer
     offset). A request has one topic; a share `topic_token_share` of its tokens come from that topic's
     vocabulary slice, the rest from the whole vocabulary, both with Zipf-like (log-uniform) ranks. Each routed slot
-    keeps the preferred expert with probability 1 - noise, otherwise a uniformly random expert.
+    keeps the preferred expert with probability 1 - noise, otherwise a random expert outside the topic's group.
     """
     group = num_experts // num_topics
     slice_len = vocab_size // num_topics
@@ -63,8 +63,12 @@ def planted_trace(
         offset = ((token_ids * 2654435761 + layer_salt[layer]) % 1_000_003) % group  # [N]
         member = (offset[:, None] + np.arange(top_k)) % group  # [N, k]
         chosen = expert_perm[layer][token_topic[:, None] * group + member]
+        # a noisy slot takes an expert outside the token's topic group (slot j: the (base + j)-th of them, a
+        # random base per token), so a token's k experts stay distinct, as a router's are
         noisy = rng.random(chosen.shape) < noise
-        experts[:, layer] = np.where(noisy, rng.integers(num_experts, size=chosen.shape), chosen)
+        outside = (rng.integers(num_experts - group, size=(num_tokens, 1)) + np.arange(top_k)) % (num_experts - group)
+        stray = expert_perm[layer][(token_topic[:, None] * group + group + outside) % num_experts]
+        experts[:, layer] = np.where(noisy, stray, chosen)
     meta = TraceMeta(model=model, num_experts=num_experts, top_k=top_k, layer_ids=tuple(range(num_layers)),
                      vocab_size=vocab_size, source="planted")
     offsets = np.arange(num_requests + 1) * request_len
