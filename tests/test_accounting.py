@@ -246,7 +246,8 @@ def test_account_is_independent_of_chunking(monkeypatch):
 
 def test_memory_mapped_trace_gives_the_same_result(tmp_path):
     rng = np.random.default_rng(4)
-    trace = tiny_trace(rng.integers(0, 8, (400, 2, 2)), lengths=[100] * 4, num_experts=8)
+    experts = np.argsort(rng.random((400, 2, 8)), axis=2)[:, :, :2]  # two distinct experts per token-layer
+    trace = tiny_trace(experts, lengths=[100] * 4, num_experts=8)
     mapped = read_trace(write_trace(trace, tmp_path / "t"))
     for attention in ("dp", "tp"):
         plan = VanillaEP().fit(trace, ParallelConfig(devices=4, attention=attention, tokens_per_step=64), rng)
