@@ -13,13 +13,49 @@ length p[e]. With a fixed expert order systematic sampling never draws some pair
 experts and k = 2, experts 0 and 1 would never meet), which would plant an artificial pattern in which experts
 share a device. So each token's experts are laid out in a random order, taken from a pool of random
 permutations drawn per call (any order keeps the first-order probabilities exact; a pool keeps the cost at one
-gather instead of a per-token sort). The k drawn experts are then written in descending order of p (ties: lower
-expert id first), so slot 0 holds the expert the token most likely uses, which keeps "top-1" meaningful.
+gather instead of a per-token sort). The k drawn experts are then written in descending order of p (of the
+tilted q when layers are coupled; ties: lower expert id first), so slot 0 holds the expert the token most likely uses, which keeps "top-1" meaningful.
 
-What replay does not model: the tables are per layer and context-free, so replay draws each layer
-independently given the token id (the NPZ's `cross_count` holds inter-layer pair counts, but only as a
-marginal over all tokens; it is not used). Gate weights are not recorded and not produced. Tokens absent from
-the tables (or seen fewer than `min_count` times) fall back to the layer's overall expert popularity.
+Layer coupling (`layer_coupling`, default 0). Real routing has inter-layer dependence beyond what the token id
+explains. The tables hold it only as `cross_count[i, a, b]`: over all tokens, how often expert a at layers[i]
+and expert b at layers[i+1] sat in the same top-k slot (slots are ranked by gate score; slot j paired with slot
+j). What is and is not identifiable from that:
+- The all-k x k pair counts between layers are not in the data, and the zipped counts depend on the slot order.
+  Replay has no trustworthy slot order to compare with: the only slot-resolved measurement, `expert_count_top1`,
+  is matched WORSE by replay's descending-p slot 0 than by the all-slot loads (OLMoE total variation 0.39 /
+  0.26 / 0.44 at layers 0/7/15 vs 0.25 / 0.27 / 0.39), so zipping replay's slots (mutual information 0.193 at
+  0->7 vs 0.123 measured) mostly measures the order rule, not dependence.
+- So the target is defined order-free on the replay side: the slot-symmetrised pair matrix, all k x k pairs
+  / k, which is what zipping gives when slots are paired in a random order. For independent replay its
+  expectation is analytic, `independent_pairs`: sum_t n_t p_l(t, a) p_{l+1}(t, b) / k (same row/column sums as
+  cross_count: the loads). It is compared with cross_count as measured. That comparison is exact only if real
+  gate ranks carry no cross-layer alignment; if they do (a token's rank-0 experts pairing up), cross_count
+  overstates the symmetric dependence and the coupling fitted to it overshoots. Nothing in the tables can tell.
+- Residual lift G[i, a, b] = cross_count / independent_pairs (`residual_lift`, pseudo-count 1, clipped to
+  [1/8, 8]; computed from the loaded tables, popularity rows of min_count-dropped tokens included). G = 1
+  means the token id already explains the pair; independent replay's symmetrised pairs MI is 0.059 / 0.173
+  (OLMoE 0->7 / 7->15) vs 0.123 / 0.334 for cross_count, so G > 1 on the real affinities.
+- Tilt (`tilt_inclusion`): layer l is drawn after layer l-1, and token n's inclusion vector becomes
+  q[b] ~ p[b] * exp(c * sum_a (1[a drawn at l-1] - p_prev[a]) * log G[a, b]), water-filled by `cap_inclusion`
+  (so distinct-k systematic sampling is unchanged) with c = layer_coupling. The centring by the token's own
+  previous-layer probabilities p_prev keeps the mean log tilt over the token's draws at zero: the coupling adds
+  within-token co-variation (a token that took expert a at layer 0 this time leans to a's partners at layer 7)
+  instead of re-adding the dependence its token id already explains, and per-token marginals move only at
+  second order. An uncentred tilt (p * prod_a G[a, b]^c) drifted per-token marginals by up to 0.9 on OLMoE.
+  Tokens with near-deterministic rows (p in {0, 1}) cannot carry within-token dependence, so the population
+  statistic is only partly reachable.
+- Measured with the whole table population replayed (`c` chosen by the best match of the symmetrised pair
+  matrix to cross_count, total variation, 0->7 / 7->15): Mixtral c = 0: 0.034 / 0.050, c = 2: 0.0072 / 0.012
+  (mutual information 0.015 / 0.031 vs measured 0.015 / 0.033), per-token drift unchanged (mean per-token total
+  variation of the inclusion vector, tokens seen >= 100 times, 0.037 / 0.039 vs a sampling floor of 0.035 /
+  0.035). OLMoE c = 0: 0.093 / 0.139, c = 0.5: 0.075 / 0.121, c = 1: 0.065 / 0.118, c = 2: 0.070 / 0.156;
+  drift at layer 15: 0.048 (c = 0.5) and 0.094 (c = 1) vs a floor of 0.032, so the OLMoE default is 0.5 (the
+  best match whose drift stays within ~0.015 of the floor). The remaining OLMoE gap (symmetrised MI 0.064 /
+  0.181 vs 0.123 / 0.334) is dependence the tables cannot place on tokens.
+With c = 0 the sampler is today's independent one, bit for bit (the random numbers drawn never depend on c).
+Only consecutive recorded layers are linked (0 -> 7 -> 15, seven model layers apart). Gate weights are not
+recorded and not produced. Tokens absent from the tables (or seen fewer than `min_count` times) fall back to
+the layer's overall expert popularity.
 
 Pathological rows (a probability above 1, e.g. from hand-edited or inconsistent counts) are clipped at 1 and
 the rest rescaled so the row still sums to k (water-filling, `cap_inclusion`); rows with fewer than k
@@ -45,6 +81,8 @@ from repro.workloads.request import Request
 TABLE_KEYS = ("layers", "num_experts", "top_k", "tte_layer", "tte_token", "tte_expert", "tte_count", "expert_count")
 PERMUTATION_POOL = 256  # random expert orders per call and layer; see the module docstring
 MAX_REDRAWS = 64  # a redraw is needed with probability ~1e-16 per token; more than this means a broken table
+MAX_COUPLING = 4.0
+LIFT_CLIP = 8.0  # residual lifts are clipped to [1/8, 8]; see residual_lift
 CHUNK_ELEMENTS = 1 << 22  # tokens x experts handled at once: bounds memory to ~100 MB per chunk
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,6 +95,8 @@ class ReplayTables:
     inclusion float32[L, t, E]: Pr(expert in the token's top-k); every row sums to top_k, entries in [0, 1].
     popularity float32[L, E]: the same over all tokens of the layer; the fallback for unseen tokens.
     token_count int64[L, t]: occurrences of each token at each layer in the measured text.
+    cross_lift float32[L-1, E, E] or None: residual lift G[l, a, b] of (a at layer l, b at layer l+1) beyond
+        what the token id explains (`residual_lift`); None when the files hold no cross_count (no coupling).
     """
 
     model: str
@@ -67,6 +107,7 @@ class ReplayTables:
     inclusion: np.ndarray
     popularity: np.ndarray
     token_count: np.ndarray
+    cross_lift: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         num_layers, num_rows, num_experts = len(self.layer_ids), len(self.token_vocab), self.num_experts
@@ -75,6 +116,8 @@ class ReplayTables:
             "popularity": (self.popularity.shape, (num_layers, num_experts)),
             "token_count": (self.token_count.shape, (num_layers, num_rows)),
         }
+        if self.cross_lift is not None:
+            shapes["cross_lift"] = (self.cross_lift.shape, (max(num_layers - 1, 0), num_experts, num_experts))
         for name, (got, want) in shapes.items():
             if got != want:
                 raise TraceError(f"ReplayTables.{name} has shape {got}; layer_ids, token_vocab and num_experts say {want}.")
@@ -187,13 +230,80 @@ def order_by_probability(experts_kN: np.ndarray, probs_kN: np.ndarray) -> np.nda
     return (keys & np.uint64(0xFFFFFFFF)).astype(np.int64)
 
 
-def sample_routing(tables: ReplayTables, token_ids: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+def independent_pairs(inclusion_LtE: np.ndarray, token_count_Lt: np.ndarray, top_k: int) -> np.ndarray:
+    """Expected slot-symmetrised pair counts of layer-independent replay.
+
+    inclusion_LtE float[L, t, E] (rows sum to top_k; include a popularity row for unseen tokens if they are
+    replayed), token_count_Lt int[L, t] -> float64[L-1, E, E]: entry [l, a, b] = sum_t n_t p_l(t, a)
+    p_{l+1}(t, b) / k, the expected count of (a at layer l, b at layer l+1) over all k x k slot pairs divided by
+    k, i.e. the expected zipped count if the slots of one layer were paired with those of the next in a random
+    order. Given the token the layers are independent, so inclusions multiply. Row/column sums are the loads.
+    """
+    p = np.asarray(inclusion_LtE, dtype=np.float64)
+    n = np.asarray(token_count_Lt, dtype=np.float64)
+    pairs = [(p[i] * n[i][:, None]).T @ p[i + 1] / top_k for i in range(len(p) - 1)]
+    return np.stack(pairs) if pairs else np.zeros((0, p.shape[2], p.shape[2]))
+
+
+def residual_lift(cross_LEE: np.ndarray, independent_LEE: np.ndarray) -> np.ndarray:
+    """float32[L-1, E, E] lift of measured pair counts over layer-independent replay, (cross + 1) / (indep + 1).
+
+    cross_LEE: measured zipped pair counts (the NPZ cross_count); independent_LEE: `independent_pairs` scaled to
+    the same total. The pseudo-count of one pair keeps empty cells finite; the lift is clipped to
+    [1 / LIFT_CLIP, LIFT_CLIP] so one rare pair cannot take over a token's row.
+    """
+    cross = np.asarray(cross_LEE, dtype=np.float64)
+    indep = np.asarray(independent_LEE, dtype=np.float64)
+    return np.clip((cross + 1.0) / (indep + 1.0), 1.0 / LIFT_CLIP, LIFT_CLIP).astype(np.float32)
+
+
+def tilt_inclusion(
+    inclusion_NE: np.ndarray,
+    previous_Nk: np.ndarray,
+    previous_inclusion_NE: np.ndarray,
+    log_lift_EE: np.ndarray,
+    top_k: int,
+) -> np.ndarray:
+    """Tilt each token's inclusion probabilities by how its previous-layer draw deviates from the token's norm.
+
+    inclusion_NE float[N, E]: the token's inclusion vector at this layer (valid rows); previous_Nk int[N, k]: the
+    experts drawn at the previous recorded layer; previous_inclusion_NE float[N, E]: the token's inclusion vector
+    there (what previous_Nk is on average); log_lift_EE float[E, E]: coupling x log residual lift (previous
+    expert -> this expert). Returns float64[N, E]:
+        q[n, b] proportional to p[n, b] * exp(sum_a (1[a in previous[n]] - p_prev[n, a]) * log_lift[a, b]),
+    rescaled to sum k and water-filled at 1 (`cap_inclusion`): a valid inclusion vector with the support of p.
+    The centring by p_prev makes the mean log tilt over the token's own previous draws zero, so the tilt moves
+    co-occurrence within a token's routing without shifting the token's marginals (to first order).
+    """
+    log_w_NE = -(np.asarray(previous_inclusion_NE, dtype=np.float64) @ log_lift_EE)
+    for slot in range(previous_Nk.shape[1]):  # k vectorised adds, no [N, k, E] temporary
+        log_w_NE += log_lift_EE[previous_Nk[:, slot]]
+    log_w_NE -= log_w_NE.max(axis=1, keepdims=True)  # exp stays <= 1; the scale is renormalised away
+    q_NE = np.asarray(inclusion_NE, dtype=np.float64) * np.exp(log_w_NE)
+    q_NE *= top_k / q_NE.sum(axis=1, keepdims=True)
+    return cap_inclusion(q_NE, top_k)
+
+
+def sample_routing(
+    tables: ReplayTables, token_ids: np.ndarray, rng: np.random.Generator, layer_coupling: float = 0.0
+) -> np.ndarray:
     """Draw top-k experts for every token at every recorded layer.
 
     token_ids int[N] -> experts int16[N, L, k]: k distinct experts per token and layer, drawn with the
     measured inclusion probabilities (popularity for tokens without measurements), slot 0 the expert with the
-    highest probability. Layers are drawn independently given the token.
+    highest probability. With layer_coupling = 0 layers are drawn independently given the token; with
+    layer_coupling in (0, 1] layer l's probabilities are first tilted by tables.cross_lift ** layer_coupling of
+    the experts drawn at layer l-1 (`tilt_inclusion`; module docstring). The random numbers drawn do not
+    depend on layer_coupling, and layer_coupling = 0 takes exactly the uncoupled path.
     """
+    layer_coupling = float(layer_coupling)
+    if not 0.0 <= layer_coupling <= MAX_COUPLING:
+        raise ConfigError(f"layer_coupling={layer_coupling} must be in [0, {MAX_COUPLING}] (0: layers independent given the token).")
+    if layer_coupling > 0 and tables.cross_lift is None and tables.num_layers > 1:
+        raise ConfigError(
+            f"layer_coupling={layer_coupling} needs inter-layer pair counts (cross_count) in the replay tables of "
+            f"{tables.model}; set model.layer_coupling=0 or use tables that hold cross_count."
+        )
     token_ids = np.asarray(token_ids)
     if token_ids.ndim != 1 or not (token_ids.size == 0 or np.issubdtype(token_ids.dtype, np.integer)):
         raise TraceError(f"token_ids must be a 1-D integer array, got shape {token_ids.shape} dtype {token_ids.dtype}.")
@@ -205,15 +315,25 @@ def sample_routing(tables: ReplayTables, token_ids: np.ndarray, rng: np.random.G
     chunk = max(1, CHUNK_ELEMENTS // num_experts)
     for layer in range(tables.num_layers):
         # the popularity row is appended as row t, where rows_of sends unseen tokens
-        table_flat = np.concatenate([tables.inclusion[layer], tables.popularity[layer][None]]).astype(np.float32).ravel()
+        table_tE = np.concatenate([tables.inclusion[layer], tables.popularity[layer][None]]).astype(np.float32)
+        table_flat = table_tE.ravel()
         pool_EP = rng.permuted(np.tile(np.arange(num_experts, dtype=np.int32), (PERMUTATION_POOL, 1)), axis=1).T.copy()
+        coupled = layer_coupling > 0 and layer > 0
+        if coupled:
+            log_lift_EE = layer_coupling * np.log(tables.cross_lift[layer - 1].astype(np.float64))
+            previous_tE = np.concatenate([tables.inclusion[layer - 1], tables.popularity[layer - 1][None]])
         for start in range(0, num_tokens, chunk):
             rows = rows_N[start : start + chunk]
             n = len(rows)
             # expert laid out at place e; take() keeps the result C-ordered (pool[:, idx] would be token-major)
             order_EN = pool_EP.take(rng.integers(0, PERMUTATION_POOL, size=n), axis=1)
             # int32 indices halve the index traffic; systematic_sample sums in float64
-            probs_EN = table_flat[order_EN + (rows * num_experts).astype(np.int32)]
+            if coupled:
+                previous_nk = experts_NLk[start : start + n, layer - 1].astype(np.int64)
+                tilted_flat = tilt_inclusion(table_tE[rows], previous_nk, previous_tE[rows], log_lift_EE, top_k).astype(np.float32).ravel()
+                probs_EN = tilted_flat[order_EN + (np.arange(n) * num_experts).astype(np.int32)]
+            else:
+                probs_EN = table_flat[order_EN + (rows * num_experts).astype(np.int32)]
             positions_kN, ok = systematic_sample(probs_EN, rng.random(n), top_k)
             redraws = 0
             while not ok.all():  # rounding at p ~ 1 only: vanishingly rare, redraw those tokens
@@ -261,11 +381,23 @@ def load_replay_tables(paths: list[Path] | Path, min_count: int = 1) -> ReplayTa
     counts_LtE = counts_LtE.reshape(num_layers, len(vocab), num_experts)
     occurrences_Lt = counts_LtE.sum(axis=2) / top_k  # every occurrence adds k assignments
     keep = occurrences_Lt.min(axis=0) >= int(min_count) if len(vocab) else np.zeros(0, bool)
+    dropped_Lt = occurrences_Lt[:, ~keep].sum(axis=1)  # occurrences that replay from popularity
     counts_LtE, occurrences_Lt, vocab = counts_LtE[:, keep], occurrences_Lt[:, keep], vocab[keep]
     inclusion = counts_LtE / np.maximum(occurrences_Lt, 1e-300)[..., None]
     inclusion = cap_inclusion(inclusion.reshape(-1, num_experts), top_k).reshape(inclusion.shape)
     load_LE = np.sum([p["expert_count"] for p in parts], axis=0).astype(np.float64)
     popularity = cap_inclusion(load_LE / np.maximum(load_LE.sum(axis=1, keepdims=True) / top_k, 1e-300), top_k)
+    cross_lift = None
+    if all(p.get("cross_count") is not None for p in parts) and num_layers > 1:
+        cross_LEE = np.sum([p["cross_count"] for p in parts], axis=0).astype(np.float64)
+        # what independent replay of these very tables produces, popularity rows included
+        independent = independent_pairs(
+            np.concatenate([inclusion, popularity[:, None]], axis=1),
+            np.concatenate([occurrences_Lt, dropped_Lt[:, None]], axis=1),
+            top_k,
+        )
+        scale = cross_LEE.sum(axis=(1, 2), keepdims=True) / np.maximum(independent.sum(axis=(1, 2), keepdims=True), 1e-300)
+        cross_lift = residual_lift(cross_LEE, independent * scale)
     return ReplayTables(
         model=first["model"],
         num_experts=num_experts,
@@ -275,6 +407,7 @@ def load_replay_tables(paths: list[Path] | Path, min_count: int = 1) -> ReplayTa
         inclusion=inclusion.astype(np.float32),
         popularity=popularity.astype(np.float32),
         token_count=np.rint(occurrences_Lt).astype(np.int64),
+        cross_lift=cross_lift,
     )
 
 
@@ -310,6 +443,7 @@ def _read_table_file(path: Path) -> dict:
                     "format of shared/data/README.md."
                 )
             d = {k: np.asarray(npz[k]) for k in TABLE_KEYS}
+            d["cross_count"] = np.asarray(npz["cross_count"]) if "cross_count" in npz.files else None
     except (OSError, ValueError, EOFError) as e:
         raise TraceError(f"{path} cannot be read as an NPZ file ({e}); re-create or re-download it.") from e
     num_layers, num_experts, top_k = len(d["layers"]), int(d["num_experts"]), int(d["top_k"])
@@ -327,6 +461,8 @@ def _read_table_file(path: Path) -> dict:
         problem = "negative token ids or counts"
     elif d["expert_count"].shape != (num_layers, num_experts):
         problem = f"expert_count of shape {d['expert_count'].shape}, expected {(num_layers, num_experts)}"
+    elif d["cross_count"] is not None and d["cross_count"].shape != (num_layers - 1, num_experts, num_experts):
+        problem = f"cross_count of shape {d['cross_count'].shape}, expected {(num_layers - 1, num_experts, num_experts)}"
     if problem:
         raise TraceError(f"{path} is inconsistent ({problem}); re-create it from the routing counts.")
     d.update(model=path.parent.name, num_experts=num_experts, top_k=top_k)
@@ -376,7 +512,8 @@ def route_with_replay(
     """Route the prompts of `requests` by replaying measured tables (model_cfg: conf/model/replay_*.yaml).
 
     model_cfg keys: name, kind ("replay"), tables (paths or globs of NPZ files), tokenizer (the tokenizer
-    the tables' ids come from; it must match the workload's), min_count (default 1). `train_requests` and
+    the tables' ids come from; it must match the workload's), min_count (default 1), layer_coupling (default 0:
+    layers independent given the token; see the module docstring). `train_requests` and
     `cache_dir` are unused: the tables are measured already and loading them takes well under a second.
     Every request's prompt is routed (prefill_len = prompt length); generated tokens are not replayed.
     """
@@ -394,7 +531,8 @@ def route_with_replay(
     tables = load_replay_tables(files, min_count=min_count)
     lengths = np.array([len(r.token_ids) for r in requests], dtype=np.int64)
     token_ids = np.concatenate([np.asarray(r.token_ids, dtype=np.int64) for r in requests])
-    experts = sample_routing(tables, token_ids, np.random.default_rng(seed))
+    layer_coupling = float(model_cfg.get("layer_coupling", 0.0) or 0.0)
+    experts = sample_routing(tables, token_ids, np.random.default_rng(seed), layer_coupling=layer_coupling)
     seen = tables.rows_of(token_ids) < len(tables.token_vocab)
     meta = TraceMeta(
         model=tables.model,
@@ -410,7 +548,8 @@ def route_with_replay(
             "min_count": min_count,
             "seed": int(seed),
             "token_coverage": float(seen.mean()) if len(seen) else 0.0,
-            "layers_independent": True,
+            "layer_coupling": layer_coupling,
+            "layers_independent": layer_coupling == 0,
         },
     )
     return make_trace(
