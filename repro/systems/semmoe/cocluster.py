@@ -169,7 +169,8 @@ def place_experts(
     when their affinity gain is > 0 and they do not raise the layer's maximum device load. With `exact` and
     unit clusters, the swaps' goal is then reached exactly: each layer's experts go to the E/D slots per
     device that maximise the local activations sum_e cluster_affinity[device(e), e] (a linear assignment,
-    O(E^3) per layer); on replayed OLMoE routing it raised DP LAR at EP4 from 0.262 to 0.275.
+    O(E^3) per layer); on replayed OLMoE routing (3,000 MMLU requests, layer_coupling 0.5) it raised DP LAR
+    at EP4 on the validate split from 0.2594 to 0.2673 (and cut the expert load max/mean 1.383 -> 1.248).
     """
     num_layers, num_experts = hotness.shape
     capacity = num_experts // num_devices
