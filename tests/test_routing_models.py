@@ -365,7 +365,7 @@ def test_tiny_config_and_cache_key_checks():
     with pytest.raises(ConfigError, match="unknown keys"):
         check_tiny_config({"num_layer": 2})
     with pytest.raises(ConfigError, match="top_k=9 exceeds"):
-        check_tiny_config({"top_k": 9})
+        check_tiny_config({"top_k": 9, "num_experts": 8})
     with pytest.raises(ConfigError, match="not divisible"):
         check_tiny_config({"hidden_size": 30, "num_attention_heads": 4})
     with pytest.raises(ConfigError, match="train_seconds"):
