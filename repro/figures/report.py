@@ -135,8 +135,8 @@ def systems_table(summary: pd.DataFrame) -> str:
     """
     group = ["workload", "eval_workload", "evaluate_split", "attention", "devices"]
     cols = group + ["system", "kind", "lar", "lar_achieved", "a2a_bytes", "expert_load_imbalance_max_mean",
-                    "token_imbalance_max_mean"]
-    cols = [c for c in cols if c in summary]
+                    "token_imbalance_max_mean", "plan_dp_lookahead_requests_max"]
+    cols = [c for c in cols if c in summary and summary[c].notna().any()]
     # jobs that differ in something else than the columns (e.g. a swept system parameter) are told apart by job
     if summary.duplicated(subset=[c for c in group + ["system"] if c in summary]).any():
         cols.insert(cols.index("system") + 1, "job")
