@@ -14,8 +14,10 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
+import numpy as np
+
 from repro.errors import ConfigError
-from repro.traces import RoutingTrace
+from repro.traces import RoutingTrace, TraceMeta, make_trace
 from repro.workloads.request import Request
 
 PRODUCERS = {
@@ -51,4 +53,19 @@ def route_workload(
         dataset=dataset,
         tokenizer=tokenizer,
         vocab_size=vocab_size,
+    )
+
+
+def prompts_trace(meta: TraceMeta, requests: list[Request], experts) -> RoutingTrace:
+    """The trace of `requests`' prompts (every token is prefill) routed to experts int[N, L, k], in request order."""
+    lengths = np.array([len(r.token_ids) for r in requests], dtype=np.int64)
+    return make_trace(
+        meta,
+        np.concatenate([[0], np.cumsum(lengths)]),
+        np.concatenate([np.asarray(r.token_ids, dtype=np.int64) for r in requests]),
+        experts,
+        prefill_len=lengths,
+        request_ids=[r.id for r in requests],
+        request_datasets=[r.dataset for r in requests],
+        request_labels=[r.label for r in requests],
     )

@@ -75,7 +75,8 @@ from pathlib import Path
 import numpy as np
 
 from repro.errors import ConfigError, TraceError, WorkloadError
-from repro.traces import RoutingTrace, TraceMeta, make_trace
+from repro.routing import prompts_trace
+from repro.traces import RoutingTrace, TraceMeta
 from repro.workloads.request import Request
 
 TABLE_KEYS = ("layers", "num_experts", "top_k", "tte_layer", "tte_token", "tte_expert", "tte_count", "expert_count")
@@ -529,7 +530,6 @@ def route_with_replay(
     files = resolve_table_paths(model_cfg.get("tables"))
     min_count = int(model_cfg.get("min_count", 1) or 1)
     tables = load_replay_tables(files, min_count=min_count)
-    lengths = np.array([len(r.token_ids) for r in requests], dtype=np.int64)
     token_ids = np.concatenate([np.asarray(r.token_ids, dtype=np.int64) for r in requests])
     layer_coupling = float(model_cfg.get("layer_coupling", 0.0) or 0.0)
     experts = sample_routing(tables, token_ids, np.random.default_rng(seed), layer_coupling=layer_coupling)
@@ -552,13 +552,4 @@ def route_with_replay(
             "layers_independent": layer_coupling == 0,
         },
     )
-    return make_trace(
-        meta,
-        np.concatenate([[0], np.cumsum(lengths)]),
-        token_ids,
-        experts,
-        prefill_len=lengths,
-        request_ids=[r.id for r in requests],
-        request_datasets=[r.dataset for r in requests],
-        request_labels=[r.label for r in requests],
-    )
+    return prompts_trace(meta, requests, experts)

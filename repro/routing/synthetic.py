@@ -57,7 +57,8 @@ import hashlib
 import numpy as np
 
 from repro.errors import ConfigError, WorkloadError
-from repro.traces import RoutingTrace, TraceMeta, make_trace
+from repro.routing import prompts_trace
+from repro.traces import RoutingTrace, TraceMeta
 from repro.workloads.request import Request
 
 SYNTHETIC_DEFAULTS = {
@@ -364,16 +365,7 @@ def route_with_synthetic(
                                    "popularity_skew", "domain_key", "model_seed")},
         },
     )
-    return make_trace(
-        meta,
-        np.concatenate([[0], np.cumsum(lengths)]),
-        token_ids,
-        experts,
-        prefill_len=lengths,
-        request_ids=[r.id for r in requests],
-        request_datasets=[r.dataset for r in requests],
-        request_labels=[r.label for r in requests],
-    )
+    return prompts_trace(meta, requests, experts)
 
 
 def request_class(request: Request, domain_key: str) -> str:
