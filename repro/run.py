@@ -186,10 +186,8 @@ def a2a_seconds_estimate(traffic: np.ndarray, hardware: dict) -> float:
 def unrouted_experts(*traces: RoutingTrace) -> int:
     """Expert ids below meta.num_experts that no token of these traces is routed to, in any layer."""
     num_experts = traces[0].meta.num_experts
-    used = np.zeros(num_experts, dtype=bool)
-    for trace in traces:
-        used[np.unique(np.asarray(trace.experts))] = True
-    return int(num_experts - used.sum())
+    routed = sum(np.bincount(np.asarray(t.experts).ravel(), minlength=num_experts) for t in traces)
+    return int((routed == 0).sum())
 
 
 def make_job(config: dict):

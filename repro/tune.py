@@ -19,7 +19,6 @@ finished). Defaults in conf/system/*.yaml quote the validate numbers of these fi
 
 from __future__ import annotations
 
-import copy
 import itertools
 import json
 import logging
@@ -48,28 +47,20 @@ def grid(space: dict) -> list[dict]:
 
 def with_values(config: dict, values: dict) -> dict:
     """A copy of config with dotted parameter paths (e.g. system.params.theta) set to values."""
-    out = copy.deepcopy(config)
+    out = OmegaConf.create(config)
     for path, value in values.items():
-        *parents, leaf = path.split(".")
-        node = out
-        for key in parents:
-            node = node.setdefault(key, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"tune.space key {path!r} does not name a config parameter.")
-        node[leaf] = value
-    return out
+        OmegaConf.update(out, path, value, merge=False)
+    return OmegaConf.to_container(out)
 
 
 def current_values(config: dict, paths) -> dict:
-    values = {}
-    for path in paths:
-        node = config
-        for key in path.split("."):
-            if not isinstance(node, dict) or key not in node:
-                raise ConfigError(f"tune.space key {path!r} does not name a config parameter; check conf/tune.yaml.")
-            node = node[key]
-        values[path] = node
-    return values
+    """The config's values at dotted parameter paths; a path that names no parameter is a ConfigError."""
+    cfg, missing = OmegaConf.create(config), object()
+    values = {path: OmegaConf.select(cfg, path, default=missing) for path in paths}
+    unknown = [path for path, value in values.items() if value is missing]
+    if unknown:
+        raise ConfigError(f"tune.space keys {unknown} do not name config parameters; check conf/tune.yaml.")
+    return {path: OmegaConf.to_object(v) if OmegaConf.is_config(v) else v for path, v in values.items()}
 
 
 def feasible(summary: dict, constraints: dict, reference: dict | None = None) -> bool:

@@ -40,6 +40,7 @@ def load_runs(runs_dir: str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:
             eval_workload=(cfg.get("eval_workload") or cfg["workload"])["name"],
             model_name=cfg["model"]["name"],
             job=metrics.parent.name,
+            lookback=(cfg["system"].get("params") or {}).get("lookback"),
         )
         row.setdefault("kind", "system")
         row.setdefault("evaluate_split", "evaluate")
@@ -187,11 +188,9 @@ def routing_sources_section(runs: pd.DataFrame) -> list[str]:
     the Markov history (lookback 2), beside the paper's Table 1 statistics of that source's profile split."""
     rows = []
     for run in runs.itertuples():
-        cfg = json.loads((Path(run.run_dir) / "metrics.json").read_text())["config"]
         stats_path = Path(run.run_dir) / "affinity_stats.csv"
         stats = pd.read_csv(stats_path) if stats_path.exists() else pd.DataFrame()
-        row = {"model": run.model_name, "devices": run.devices,
-               "lookback": (cfg["system"].get("params") or {}).get("lookback"), "lar": run.lar}
+        row = {"model": run.model_name, "devices": run.devices, "lookback": run.lookback, "lar": run.lar}
         for col in ("f1_p50", "topk_hotness_p50", "max_nontopk_hotness_p50"):
             if col in stats:
                 row[f"{col} (median over layers)"] = float(stats[col].median())
@@ -200,7 +199,7 @@ def routing_sources_section(runs: pd.DataFrame) -> list[str]:
     if table["lookback"].nunique() < 2:
         return []
     lar = table.pivot_table(index=["model", "devices"], columns="lookback", values="lar")
-    lar.columns = [f"lar_lookback_{c}" for c in lar.columns]
+    lar.columns = [f"lar_lookback_{int(c)}" for c in lar.columns]
     first, last = lar.columns[0], lar.columns[-1]
     lar["history_gain"] = lar[last] - lar[first]
     stats = table.drop(columns=["lookback", "lar"]).groupby(["model", "devices"]).first()
