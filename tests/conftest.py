@@ -4,6 +4,8 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("WANDB_MODE", "disabled")
+# Triton kernels run in the CPU interpreter; it must be on before anything imports triton
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data"
