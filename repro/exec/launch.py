@@ -1,0 +1,222 @@
+"""Start a torch.distributed process group and run one worker function per rank.
+
+    from repro.exec.launch import launch
+    results = launch(my_worker, 4, backend="gloo", timeout_s=60, n=3)   # list of 4 dicts, rank order
+
+`my_worker(rank, world_size, **kwargs) -> dict` must be a module-level function (it is sent to spawned
+processes by reference) and return something JSON-serialisable; the process group is already initialised when it
+runs (`torch.distributed.get_rank()` works, the default group spans all ranks) and is torn down after it returns.
+
+Two ways to run the same worker:
+- `launch(worker, world_size, ...)`: this process spawns `world_size` workers on this machine (spawn context),
+  with a TCP store it hosts itself on a free loopback port (no port race), and collects their dicts.
+- `join(worker, ...)`: this process IS one rank of a job started by torchrun / SLURM (RANK, WORLD_SIZE,
+  MASTER_ADDR, MASTER_PORT in the environment; `in_torchrun()`); every rank gets every rank's dict, exchanged
+  as JSON bytes over the group (nothing is unpickled).
+
+Faults: every collective of the group times out after `timeout_s`. If a rank raises or dies (os._exit, a kill),
+its peers fail in their next collective (connection closed, or the timeout), `launch` waits for them at most
+`timeout_s` more, stops any still running, and raises ReproError naming the rank that failed first and its error.
+gloo workers get torch.set_num_threads(cpus // world_size) so ranks do not fight over cores; NCCL workers get
+cuda device rank % device_count (`worker_device(backend, rank)`).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import multiprocessing as mp
+import os
+import queue
+import time
+import traceback
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from repro.errors import ConfigError, ReproError
+
+DIST_BACKENDS = ("gloo", "nccl")
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def in_torchrun() -> bool:
+    """True when torchrun (or a SLURM wrapper that sets the same variables) started this process as one rank."""
+    return all(name in os.environ for name in TORCHRUN_ENV)
+
+
+def worker_device(backend: str, rank: int) -> torch.device:
+    """The device a rank computes on: cuda:(rank % visible GPUs) with NCCL, the CPU with gloo."""
+    if backend == "nccl":
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def check_backend(backend: str, world_size: int) -> None:
+    """Raise ConfigError unless `backend` can run `world_size` ranks here."""
+    if backend not in DIST_BACKENDS:
+        raise ConfigError(f"exec backend must be one of {DIST_BACKENDS}, got {backend!r}.")
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"exec world size must be an integer >= 1, got {world_size!r}.")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ConfigError("exec backend nccl needs CUDA GPUs and none is visible; use backend gloo on this machine.")
+
+
+def launch(
+    worker: Callable[..., dict], world_size: int, *, backend: str = "gloo", timeout_s: float = 300.0, **kwargs
+) -> list[dict]:
+    """Spawn `world_size` ranks, run worker(rank, world_size, **kwargs) in each, return their dicts in rank order.
+
+    Raises ReproError naming the first failed rank and its error sentence when any rank raises or dies; no rank
+    is left running and the call returns within about 2 x timeout_s of the failure.
+    """
+    check_backend(backend, world_size)
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                          timeout=dt.timedelta(seconds=timeout_s))
+    context = mp.get_context("spawn")
+    results: queue.Queue = context.Queue()
+    processes = [
+        context.Process(
+            target=_spawned_rank,
+            args=(worker, rank, world_size, backend, store.port, timeout_s, kwargs, results),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+    try:
+        outcomes = _collect(processes, results, timeout_s)
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+            process.join()
+        del store
+    failures = {rank: outcome for rank, outcome in outcomes.items() if outcome[0] != "ok"}
+    if failures:
+        raise ReproError(_failure_sentence(failures, world_size))
+    return [outcomes[rank][1] for rank in range(world_size)]
+
+
+def join(worker: Callable[..., dict], *, backend: str = "gloo", timeout_s: float = 300.0, **kwargs) -> list[dict]:
+    """Run this process as one rank of a torchrun job; returns every rank's dict (rank order) on every rank."""
+    if not in_torchrun():
+        raise ConfigError(f"join() runs under torchrun, which sets {', '.join(TORCHRUN_ENV)}; use launch() instead.")
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    check_backend(backend, world_size)
+    _init(backend, rank, world_size, timeout_s, store=None)
+    try:
+        result = worker(rank, world_size, **kwargs)
+        return _all_gather_json(result, worker_device(backend, rank))
+    finally:
+        dist.destroy_process_group()
+
+
+# ---- inside a spawned rank -----------------------------------------------------------------------------------
+
+
+def _init(backend: str, rank: int, world_size: int, timeout_s: float, store) -> None:
+    if backend == "nccl":
+        torch.cuda.set_device(worker_device(backend, rank))
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    dist.init_process_group(
+        backend, rank=rank, world_size=world_size, store=store, timeout=dt.timedelta(seconds=timeout_s)
+    )
+
+
+def _spawned_rank(worker, rank, world_size, backend, port, timeout_s, kwargs, results) -> None:
+    try:
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=dt.timedelta(seconds=timeout_s))
+        _init(backend, rank, world_size, timeout_s, store)
+        result = worker(rank, world_size, **kwargs)
+        json.dumps(result)  # a result the driver cannot serialise is this rank's error, not the driver's
+        results.put((rank, "ok", result))
+    except BaseException as e:  # noqa: BLE001 - every failure must reach the driver as one sentence
+        results.put((rank, "error", _error_sentence(e), _lost_peer(e)))
+        traceback.print_exc()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# what a rank raises when another rank died or stalled: gloo reports a closed connection as a plain RuntimeError
+PEER_FAILURE_MARKERS = ("Connection closed by peer", "Connection reset by peer", "timed out", "Timed out", "NCCL")
+
+
+def _lost_peer(e: BaseException) -> bool:
+    """True for the errors a rank gets because a peer failed (secondary), not for its own failures."""
+    return isinstance(e, dist.DistError | TimeoutError) or (
+        isinstance(e, RuntimeError) and any(m in str(e) for m in PEER_FAILURE_MARKERS)
+    )
+
+
+def _error_sentence(e: BaseException) -> str:
+    first_line = (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}: {first_line}" if first_line else type(e).__name__
+
+
+# ---- in the driver -------------------------------------------------------------------------------------------
+
+
+def _collect(processes, results, timeout_s: float) -> dict:
+    """{rank: ("ok", dict) | ("error", sentence, is_comm_error, t) | ("died", sentence, False, t)}; returns when
+    every rank reported, or timeout_s after the first failure."""
+    outcomes: dict = {}
+    first_failure = None
+    while len(outcomes) < len(processes):
+        if first_failure is not None and time.monotonic() - first_failure > timeout_s:
+            break
+        try:
+            rank, status, *rest = results.get(timeout=0.05)
+            if status == "ok":
+                outcomes[rank] = ("ok", rest[0])
+            else:
+                outcomes[rank] = ("error", rest[0], rest[1], time.monotonic())
+        except queue.Empty:
+            pass
+        for rank, process in enumerate(processes):
+            if rank not in outcomes and not process.is_alive():
+                _drain(results, outcomes)  # a rank that exited cleanly may have reported meanwhile
+                if rank not in outcomes:
+                    outcomes[rank] = ("died", f"the process exited with code {process.exitcode} without a result",
+                                      False, time.monotonic())
+        if first_failure is None and any(o[0] != "ok" for o in outcomes.values()):
+            first_failure = time.monotonic()
+    for rank in range(len(processes)):
+        # a rank still busy long after its peers failed is the likeliest culprit of a stall: not marked secondary
+        outcomes.setdefault(rank, ("died", f"still running {timeout_s:g} s after another rank failed; stopped",
+                                   False, time.monotonic()))
+    return outcomes
+
+
+def _drain(results, outcomes) -> None:
+    while True:
+        try:
+            rank, status, *rest = results.get(timeout=0.2)
+        except queue.Empty:
+            return
+        outcomes[rank] = ("ok", rest[0]) if status == "ok" else ("error", rest[0], rest[1], time.monotonic())
+
+
+def _failure_sentence(failures: dict, world_size: int) -> str:
+    # the root cause is a rank that died or raised on its own (earliest first); peers that lost it come after
+    order = sorted(failures, key=lambda r: (failures[r][2], failures[r][3], r))
+    first = order[0]
+    tail = f" (ranks {order[1:]} then failed too)" if len(order) > 1 else ""
+    return f"exec rank {first} of {world_size} failed: {failures[first][1]}{tail}."
+
+
+def _all_gather_json(result: dict, device: torch.device) -> list[dict]:
+    """Every rank's JSON-serialisable dict, exchanged as UTF-8 bytes (variable length, padded to the longest)."""
+    payload = torch.tensor(list(json.dumps(result).encode()), dtype=torch.uint8, device=device)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, torch.tensor([len(payload)], dtype=torch.int64, device=device))
+    longest = int(max(s.item() for s in sizes))
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[: len(payload)] = payload
+    gathered = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(gathered, padded)
+    return [json.loads(bytes(g[: int(s.item())].cpu().tolist()).decode()) for g, s in zip(gathered, sizes, strict=True)]
