@@ -123,7 +123,8 @@ def _topk_sigmoid_grouped_kernel(
 
     flat = (BLOCK_T, BLOCK_G * BLOCK_S)
     avail = tl.reshape(real & kept[:, :, None], flat)
-    expert_flat = tl.reshape(tl.broadcast_to(expert, (BLOCK_T, BLOCK_G, BLOCK_S)), flat)
+    # padding members (s >= S) would alias the next group's ids: give them an id no pick can equal
+    expert_flat = tl.reshape(tl.where(real, expert, -1), flat)
     weights, ids = _top_k_of_rows(
         tl.reshape(choice, flat), tl.reshape(scores, flat), avail, expert_flat, BLOCK_T, BLOCK_K, K
     )
