@@ -12,7 +12,8 @@ Two ways to run the same worker:
   with a TCP store it hosts itself on a free loopback port (no port race), and collects their dicts.
 - `join(worker, ...)`: this process IS one rank of a job started by torchrun / SLURM (RANK, WORLD_SIZE,
   MASTER_ADDR, MASTER_PORT in the environment; `in_torchrun()`); every rank gets every rank's dict, exchanged
-  as JSON bytes over the group (nothing is unpickled).
+  as JSON bytes over the group (nothing is unpickled). `init_from_env` starts the group early when the ranks
+  must talk before the worker runs.
 
 Faults: every collective of the group times out after `timeout_s`. If a rank raises or dies (os._exit, a kill),
 its peers fail in their next collective (connection closed, or the timeout), `launch` waits for them at most
@@ -100,18 +101,30 @@ def launch(
     return [outcomes[rank][1] for rank in range(world_size)]
 
 
-def join(worker: Callable[..., dict], *, backend: str = "gloo", timeout_s: float = 300.0, **kwargs) -> list[dict]:
-    """Run this process as one rank of a torchrun job; returns every rank's dict (rank order) on every rank."""
+def init_from_env(backend: str = "gloo", timeout_s: float = 300.0) -> int:
+    """Initialise the default process group of a torchrun rank from its environment; returns this rank."""
     if not in_torchrun():
-        raise ConfigError(f"join() runs under torchrun, which sets {', '.join(TORCHRUN_ENV)}; use launch() instead.")
+        raise ConfigError(f"torchrun sets {', '.join(TORCHRUN_ENV)}; without them use launch() to spawn the ranks.")
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     check_backend(backend, world_size)
     _init(backend, rank, world_size, timeout_s, store=None)
+    return rank
+
+
+def join(worker: Callable[..., dict], *, backend: str = "gloo", timeout_s: float = 300.0, **kwargs) -> list[dict]:
+    """Run this process as one rank of a torchrun job; returns every rank's dict (rank order) on every rank.
+
+    Uses the default process group when one is initialised (init_from_env), else initialises and destroys it.
+    """
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        init_from_env(backend, timeout_s)
     try:
-        result = worker(rank, world_size, **kwargs)
-        return _all_gather_json(result, worker_device(backend, rank))
+        result = worker(dist.get_rank(), dist.get_world_size(), **kwargs)
+        return _all_gather_json(result, worker_device(backend, dist.get_rank()))
     finally:
-        dist.destroy_process_group()
+        if owns_group:
+            dist.destroy_process_group()
 
 
 # ---- inside a spawned rank -----------------------------------------------------------------------------------

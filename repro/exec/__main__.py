@@ -1,0 +1,83 @@
+"""`python -m repro.exec`: fit a plan and execute it on real ranks (repro.exec.trace_mode), as one Hydra job.
+
+    python -m repro.exec experiment=exec logger=none                          # spawns parallel.devices ranks here
+    torchrun --nproc-per-node 4 -m repro.exec experiment=exec logger=none      # this process is one rank
+    srun --ntasks 8 ... torchrun --nnodes 2 --nproc-per-node 4 ... -m repro.exec experiment=exec exec.backend=nccl
+
+Standalone, it is exactly `python -m repro.run` (whose exec hook spawns the ranks). Under torchrun (RANK,
+WORLD_SIZE, MASTER_ADDR, MASTER_PORT set), every rank composes the same config, reads or makes the same traces
+(rank 0 first, so the routing cache is written once; the others then read it) and fits the same seeded plan,
+runs its share, and rank 0 writes the job dir: metrics.json (evaluator summary + exec_* keys, and the config),
+per_layer.csv, exec_per_layer.csv and exec_per_rank.csv.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import sys
+from pathlib import Path
+
+import hydra
+import torch.distributed as dist
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from repro.errors import ConfigError, ReproError
+from repro.exec.launch import in_torchrun, init_from_env
+
+PREPARE_TIMEOUT_S = 3600  # rank 0 may train a routing model before the others read its cached trace
+
+
+def torchrun_job(config: dict, out_dir: Path) -> None:
+    """This process's part of a torchrun exec job; only rank 0 writes."""
+    from repro.atomic import atomic_write
+    from repro.exec.trace_mode import ExecConfig, run_exec_job
+    from repro.run import build_traces, fit_and_evaluate, make_job
+
+    make_job(config)
+    exec_cfg = ExecConfig.from_config(config["exec"])
+    rank = init_from_env(exec_cfg.backend, exec_cfg.timeout_s)
+    try:
+        # a gloo group with a long timeout only for this wait: the exec collectives keep exec.timeout_s
+        waiting = dist.new_group(backend="gloo", timeout=dt.timedelta(seconds=PREPARE_TIMEOUT_S))
+        if rank != 0:
+            dist.barrier(group=waiting)
+        profile, evaluation = build_traces(config)
+        if rank == 0:
+            dist.barrier(group=waiting)
+        summary, result, plan = fit_and_evaluate(config, profile, evaluation)
+        summary.update(run_exec_job(config, plan, evaluation, out_dir if rank == 0 else None))
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        atomic_write(out_dir / "per_layer.csv", lambda p: result.per_layer.to_csv(p, index=False))
+        atomic_write(out_dir / "metrics.json", lambda p: p.write_text(
+            json.dumps({"summary": summary, "config": config}, indent=1, default=_json_default)))
+
+
+def _json_default(x):
+    if hasattr(x, "item"):
+        return x.item()
+    raise TypeError(f"not JSON serialisable: {type(x)}")
+
+
+@hydra.main(version_base="1.3", config_path="../../conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    out_dir = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        if not cfg.get("exec"):
+            raise ConfigError("python -m repro.exec needs an exec config; add experiment=exec or +exec=default.")
+        if in_torchrun():
+            torchrun_job(OmegaConf.to_container(cfg, resolve=True), out_dir)
+        else:
+            from repro.run import run_job
+
+            run_job(cfg, out_dir)
+    except ReproError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()
