@@ -203,6 +203,10 @@ def make_job(config: dict):
             f"system.params.lookback={lookback} needs {lookback} layers of routing history but history="
             f"{config['history']}; set history>={lookback} or a smaller lookback."
         )
+    if config.get("exec"):  # real multi-process execution (repro.exec): its config errors surface here too
+        from repro.exec.trace_mode import check_exec_config
+
+        check_exec_config(config["exec"], parallel)
     return parallel, system
 
 
@@ -269,6 +273,10 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict | None:
             "layer; check the trace's num_experts (balance and placement count them as idle experts)."
         ]
         log.warning(summary["warnings"][0])
+    if config.get("exec"):  # run the plan on real ranks; writes exec_per_layer.csv / exec_per_rank.csv
+        from repro.exec.trace_mode import run_exec_job
+
+        summary.update(run_exec_job(config, plan, evaluation, out_dir))
     # W&B first: if tracking fails, no result file has been written yet
     _log_to_wandb(config, summary, result, out_dir)
     plan.save(out_dir / "plan")
