@@ -73,7 +73,7 @@ def test_prediction_equals_plan_on_every_layer_and_history(devices, lookback, mo
     monkeypatch.setattr(shuffle, "MAX_SORT_TOKENS", 0)
     plan = fitted_plan(devices, lookback)
     rng = np.random.default_rng(devices + 7 * lookback)
-    for num_tokens in (0, 1, 7, 64, 100):
+    for num_tokens in (0, 1, 7, 64, 100, 300):  # 300: two programs of kernel 1
         for layer in range(LAYERS):
             # None, shorter than the lookback (ignored), exactly h, one layer more than used
             for history in sorted({0, max(layer - 1, 0), layer, min(layer + 1, 3)}):
@@ -81,7 +81,7 @@ def test_prediction_equals_plan_on_every_layer_and_history(devices, lookback, mo
                 assert_same_as_plan(plan, tokens, layer, prev)
 
 
-@pytest.mark.parametrize(("devices", "lookback"), [(2, 0), (3, 1), (4, 2)])
+@pytest.mark.parametrize(("devices", "lookback"), [(1, 1), (2, 0), (3, 1), (4, 2)])
 def test_align_kernel_equals_plan(devices, lookback):
     plan = fitted_plan(devices, lookback)
     rng = np.random.default_rng(devices)

@@ -39,7 +39,6 @@ from repro.kernels import use_triton
 
 # one block of kernel 2 holds the whole step (the default TP step is 4096 tokens)
 MAX_SORT_TOKENS = 8192
-_INT64_MAX = 2**63 - 1
 
 
 @triton.jit
