@@ -9,7 +9,7 @@ CPU Triton runs only in its interpreter, which is not a performance path, so onl
 are listed under `skipped` with the reason. `bench.gpu_check` reuses these cases for its correctness and
 calibration sweep.
 
-Timing: median wall time of `repeats` calls after `warmup` calls; on CUDA each call ends with a synchronize.
+Timing: median of one call; on CUDA by triton.testing.do_bench (CUDA events), on CPU by wall time.
 Legend: T tokens, H hidden, I intermediate, E experts, k top-k, G groups, D ranks, M = T x k routed rows.
 """
 
@@ -45,17 +45,21 @@ class KernelCase:
 
 
 def median_ms(fn: Callable[[], object], cuda: bool, warmup: int, repeats: int) -> float:
-    """Median wall milliseconds of fn() over `repeats` calls after `warmup` calls (synchronised on CUDA)."""
+    """Median milliseconds of one fn() call.
+
+    CUDA: triton.testing.do_bench (CUDA events, L2 flushed between calls, ~100 ms of calls after ~25 ms of
+    warm-up; warmup/repeats are not used). CPU: wall time of `repeats` calls after `warmup` calls.
+    """
+    if cuda:
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, return_mode="median"))
     for _ in range(warmup):
         fn()
-    if cuda:
-        torch.cuda.synchronize()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
-        if cuda:
-            torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return float(np.median(times)) * 1e3
 
@@ -235,7 +239,7 @@ def run(quick: bool) -> dict:
         "tokens": num_tokens,
         "torch_threads": threads,
         "triton": "run on CUDA" if cuda else NO_CUDA,
-        "timing": f"median of {repeats} calls after {warmup} warm-up calls" + (", synchronised" if cuda else ""),
+        "timing": "triton.testing.do_bench median (CUDA events)" if cuda else f"median of {repeats} calls after {warmup} warm-up calls",
         "skipped": skipped or "none",
         "cases": rows,
     }
