@@ -123,7 +123,7 @@ def hand_worker(rank, world_size):
     weights = torch.tensor([[0.7, 0.3], [0.5, 0.5], [0.9, 0.1]])
     if rank == 1:
         x, ids, weights = x[:0], ids[:0], weights[:0]
-    record = CommRecord()
+    record = CommRecord(barrier=True)  # timing mode: bytes must not change
     local = build_local_experts(np.array([0, 1, 2, 3]), rank, world_size, w13, w2)
     y = ep_moe_forward(x, ids, weights, torch.tensor([0, 0, 1, 1]), local, 4, layer=0, record=record, backend="torch")
     error = float((y - moe_reference(x, ids, weights, w13, w2)).abs().max()) if len(x) else 0.0

@@ -113,8 +113,13 @@ def build_local_experts(physical_to_logical_P, rank: int, num_ranks: int, w13_E2
 
 @dataclass
 class CommRecord:
-    """Bytes this rank sent to other ranks and wall seconds, summed per (layer, collective name)."""
+    """Bytes this rank sent to other ranks and wall seconds, summed per (layer, collective name).
 
+    barrier=True puts an (untimed) barrier before each timed collective, so its seconds hold the transfer alone
+    rather than also the wait for the last rank to arrive (load imbalance); it changes timing, never bytes.
+    """
+
+    barrier: bool = False
     sent_bytes: dict = field(default_factory=dict)  # (layer, name) -> int
     seconds: dict = field(default_factory=dict)  # (layer, name) -> float
     calls: dict = field(default_factory=dict)  # (layer, name) -> int
@@ -161,13 +166,15 @@ class CommRecord:
 
 
 @contextlib.contextmanager
-def _timed(record: CommRecord | None, layer: int, name: str, nbytes: int, device: torch.device):
+def _timed(record: CommRecord | None, layer: int, name: str, nbytes: int, device: torch.device, group):
     """Time the enclosed collective into record (synchronising CUDA so the seconds are the transfer's)."""
     if record is None:
         yield
         return
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    if record.barrier:
+        dist.barrier(group=group)
     start = time.perf_counter()
     yield
     if device.type == "cuda":
@@ -213,7 +220,7 @@ def ep_moe_forward(
     layout = dispatch_layout(topk_ids_Tk, expert_rank_E, num_ranks, backend=backend)
     send_D = layout.tokens_per_rank_D.to(device=device, dtype=torch.int64)
     recv_D = torch.empty_like(send_D)
-    with _timed(record, layer, "counts", (num_ranks - 1) * send_D.element_size(), device):
+    with _timed(record, layer, "counts", (num_ranks - 1) * send_D.element_size(), device, group):
         dist.all_to_all_single(recv_D, send_D, group=group)
     send_splits, recv_splits = send_D.tolist(), recv_D.tolist()
     num_sent, num_received = sum(send_splits), sum(recv_splits)
@@ -233,10 +240,10 @@ def ep_moe_forward(
                                       .view(torch.int32)], dim=1)
 
     x_recv_RH = x_TH.new_empty((num_received, hidden))
-    with _timed(record, layer, "dispatch", remote_sent * hidden * x_TH.element_size(), device):
+    with _timed(record, layer, "dispatch", remote_sent * hidden * x_TH.element_size(), device, group):
         dist.all_to_all_single(x_recv_RH, x_send_CH, recv_splits, send_splits, group=group)
     meta_recv_R2k = meta_send_C2k.new_empty((num_received, 2 * top_k))
-    with _timed(record, layer, "dispatch_meta", remote_sent * 2 * top_k * meta_send_C2k.element_size(), device):
+    with _timed(record, layer, "dispatch_meta", remote_sent * 2 * top_k * meta_send_C2k.element_size(), device, group):
         dist.all_to_all_single(meta_recv_R2k, meta_send_C2k, recv_splits, send_splits, group=group)
 
     ids_Rk = meta_recv_R2k[:, :top_k].to(torch.int64)
@@ -254,7 +261,7 @@ def ep_moe_forward(
     partial_RH = unpermute(y_sorted_MH, position_Rk, weights_Rk, backend=backend)
 
     back_CH = x_TH.new_empty((num_sent, hidden))
-    with _timed(record, layer, "combine", remote_received * hidden * x_TH.element_size(), device):
+    with _timed(record, layer, "combine", remote_received * hidden * x_TH.element_size(), device, group):
         dist.all_to_all_single(back_CH, partial_RH.to(x_TH.dtype).contiguous(), send_splits, recv_splits, group=group)
     out_TH = torch.zeros(x_TH.shape, dtype=torch.float32, device=device)
     out_TH.index_add_(0, token_C, back_CH[row_C].float())
@@ -291,7 +298,7 @@ def shuffled_reduce_scatter(
     padded_DtH[rank_of_T, row_of_T] = partial_x_TH[permutation_T]
     out_tH = partial_x_TH.new_empty((largest, partial_x_TH.shape[1]))
     nbytes = (num_ranks - 1) * out_tH.numel() * out_tH.element_size()
-    with _timed(record, layer, "reduce_scatter", nbytes, device):
+    with _timed(record, layer, "reduce_scatter", nbytes, device, group):
         _reduce_scatter(out_tH, padded_DtH.view(-1, partial_x_TH.shape[1]), group=group)
     return out_tH[: counts[rank]]
 
@@ -312,7 +319,7 @@ def shuffled_all_gather(
     padded_tH[: len(y_slice_tH)] = y_slice_tH
     gathered_DtH = y_slice_tH.new_empty((num_ranks, largest, hidden))
     nbytes = (num_ranks - 1) * padded_tH.numel() * padded_tH.element_size()
-    with _timed(record, layer, "all_gather", nbytes, device):
+    with _timed(record, layer, "all_gather", nbytes, device, group):
         _all_gather(gathered_DtH.view(-1, hidden), padded_tH, group=group)
     y_TH = y_slice_tH.new_empty((len(permutation_T), hidden))
     y_TH[permutation_T] = gathered_DtH[rank_of_T, row_of_T]

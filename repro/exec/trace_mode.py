@@ -25,7 +25,8 @@ bytes_per_token = hidden x element size: source rank r's dispatch = traffic[l, r
 traffic[l, :, r].sum(). `bytes_match_evaluator` is True only when every (layer, rank) pair is equal.
 
 Summary keys: world_size, attention, backend, kernel_backend (resolved), dtype, hidden_size, intermediate_size,
-bytes_per_token, num_tokens, num_requests, tokens_per_rank, <collective>_bytes and <collective>_seconds for each
+bytes_per_token, num_tokens, num_requests, tokens_per_rank (DP: tokens owned; TP: tokens of its reduce-scatter
+slices per layer), <collective>_bytes and <collective>_seconds for each
 of repro.exec.moe.COLLECTIVES (bytes summed over ranks and layers; seconds of the slowest rank, summed over
 layers), evaluator_dispatch_bytes, evaluator_combine_bytes, bytes_match_evaluator, max_abs_error, atol,
 output_matches_reference, launch_wall_seconds (spawn included), rank_seconds_max (the layers alone).
@@ -80,6 +81,7 @@ class ExecConfig:
     max_tokens: int = 2048
     timeout_s: float = 300.0
     atol: float | None = None  # None: DEFAULT_ATOL of the dtype
+    barrier_timing: bool = False  # CommRecord.barrier: collective seconds without the wait for late ranks
 
     @classmethod
     def from_config(cls, config: dict) -> ExecConfig:
@@ -233,7 +235,7 @@ def execute_setup(rank: int, world_size: int, setup: dict) -> dict:
     weights_NLk = torch.as_tensor(setup["weights"], dtype=torch.float32, device=device)
     num_tokens, num_layers, _ = experts_NLk.shape
     x_NH = torch.randn(num_tokens, hidden, generator=_generator(seed, 0)).to(device, dtype)
-    record, worst = CommRecord(), 0.0
+    record, worst = CommRecord(barrier=setup["barrier_timing"]), 0.0
     if setup["attention"] == "dp":
         mine = np.flatnonzero(setup["token_rank"] == rank)
         batches = [mine[s * step:(s + 1) * step] for s in range(setup["num_steps"])]
@@ -270,7 +272,8 @@ def execute_setup(rank: int, world_size: int, setup: dict) -> dict:
             worst = max(worst, _max_error(y_TH, reference))
             x_NH[start:stop] = x_TH + y_TH
     seconds = time.perf_counter() - started
-    tokens = len(mine) if setup["attention"] == "dp" else num_tokens
+    # DP: the tokens this rank owns; TP: the tokens of its reduce-scatter slices (per layer, mean over layers)
+    tokens = len(mine) if setup["attention"] == "dp" else setup["counts"][:, :, rank].sum() // num_layers
     return {"comm": record.to_json(), "max_abs_error": worst, "tokens": int(tokens), "seconds": seconds}
 
 
@@ -306,6 +309,7 @@ def prepare(exec_cfg: ExecConfig, plan: Plan, trace: RoutingTrace, *, seed: int 
         "hidden_size": exec_cfg.hidden_size,
         "intermediate_size": exec_cfg.intermediate_size,
         "kernel_backend": exec_cfg.kernel_backend,
+        "barrier_timing": bool(exec_cfg.barrier_timing),
         "seed": int(seed),
         "num_experts": subset.meta.num_experts,
         "experts": np.asarray(subset.experts),
@@ -386,6 +390,7 @@ def summarise(exec_cfg: ExecConfig, prepared: Prepared, results: list[dict], wal
         "bytes_match_evaluator": bool(per_rank["bytes_match"].all()),
         "max_abs_error": worst,
         "atol": exec_cfg.tolerance,
+        "barrier_timing": bool(exec_cfg.barrier_timing),
         "output_matches_reference": bool(worst <= exec_cfg.tolerance),
         "launch_wall_seconds": wall,
         "rank_seconds_max": max(r["seconds"] for r in results),
