@@ -18,8 +18,8 @@ Two ways to run the same worker:
 Faults: every collective of the group times out after `timeout_s`. If a rank raises or dies (os._exit, a kill),
 its peers fail in their next collective (connection closed, or the timeout), `launch` waits for them at most
 `timeout_s` more, stops any still running, and raises ReproError naming the rank that failed first and its error.
-gloo workers get torch.set_num_threads(cpus // world_size) so ranks do not fight over cores; NCCL workers get
-cuda device rank % device_count (`worker_device(backend, rank)`).
+gloo workers get torch.set_num_threads(cpus // ranks on this node) so ranks do not fight over cores; NCCL workers
+get cuda device rank % device_count (`worker_device(backend, rank)`; `launch` needs one GPU per rank).
 """
 
 from __future__ import annotations
@@ -73,6 +73,11 @@ def launch(
     is left running and the call returns within about 2 x timeout_s of the failure.
     """
     check_backend(backend, world_size)
+    if backend == "nccl" and world_size > torch.cuda.device_count():
+        raise ConfigError(
+            f"exec backend nccl runs one rank per GPU: {world_size} ranks need {world_size} GPUs but "
+            f"{torch.cuda.device_count()} are visible; use fewer ranks or backend gloo."
+        )
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
                           timeout=dt.timedelta(seconds=timeout_s))
     context = mp.get_context("spawn")
@@ -134,7 +139,8 @@ def _init(backend: str, rank: int, world_size: int, timeout_s: float, store) -> 
     if backend == "nccl":
         torch.cuda.set_device(worker_device(backend, rank))
     else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # torchrun sets it per node
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_here))
     dist.init_process_group(
         backend, rank=rank, world_size=world_size, store=store, timeout=dt.timedelta(seconds=timeout_s)
     )
