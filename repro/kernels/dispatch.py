@@ -21,7 +21,9 @@ blocks (vLLM's moe_align_block_size in spirit): pass 1 writes each block's histo
 a prefix sum over blocks (torch.cumsum, one small launch) gives every block its first row per expert; pass
 2 recounts inside the block with tl.cumsum over tokens and writes positions. Rows are then moved by a
 separate copy kernel over (token block, hidden block) tiles. Index loads (`ptr + id` with a loaded id) are
-the only data-dependent addresses, which the Triton CPU interpreter supports.
+the only data-dependent addresses, which the Triton CPU interpreter supports. Host syncs, for the input
+checks and the output size: permute reads M and the count of ids >= E once between its passes,
+dispatch_layout that count and the range of expert_rank, unpermute max(slot_position).
 
 Legend: T tokens, k experts per token, E experts, D ranks, H hidden size, M = #{ids >= 0} activations,
 B token blocks.
@@ -219,9 +221,10 @@ def _check_layout_args(topk_ids_Tk: torch.Tensor, expert_rank_E: torch.Tensor, n
     _check_ids(topk_ids_Tk, expert_rank_E.numel())
     if num_ranks < 1:
         raise ConfigError(f"num_ranks must be >= 1, got {num_ranks}.")
-    if int(expert_rank_E.min()) < 0 or int(expert_rank_E.max()) >= num_ranks:
+    low, high = torch.stack([expert_rank_E.min(), expert_rank_E.max()]).tolist()  # one device sync
+    if low < 0 or high >= num_ranks:
         raise ConfigError(
-            f"expert_rank holds ranks in [{int(expert_rank_E.min())}, {int(expert_rank_E.max())}], outside "
+            f"expert_rank holds ranks in [{low}, {high}], outside "
             f"[0, num_ranks={num_ranks}); pass this source rank's row of Placement.dispatch_device()."
         )
 
