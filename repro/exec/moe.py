@@ -260,9 +260,10 @@ def ep_moe_forward(
     y_sorted_MH = fused_experts(x_sorted_MH, offsets_S1, local.w13_S2IH, local.w2_SHI, backend=backend)
     partial_RH = unpermute(y_sorted_MH, position_Rk, weights_Rk, backend=backend)
 
+    partial_RH = partial_RH.to(x_TH.dtype).contiguous()
     back_CH = x_TH.new_empty((num_sent, hidden))
     with _timed(record, layer, "combine", remote_received * hidden * x_TH.element_size(), device, group):
-        dist.all_to_all_single(back_CH, partial_RH.to(x_TH.dtype).contiguous(), send_splits, recv_splits, group=group)
+        dist.all_to_all_single(back_CH, partial_RH, send_splits, recv_splits, group=group)
     out_TH = torch.zeros(x_TH.shape, dtype=torch.float32, device=device)
     out_TH.index_add_(0, token_C, back_CH[row_C].float())
     return out_TH.to(x_TH.dtype)
