@@ -7,7 +7,7 @@
 Standalone, it is exactly `python -m repro.run` (whose exec hook spawns the ranks). Under torchrun (RANK,
 WORLD_SIZE, MASTER_ADDR, MASTER_PORT set), every rank composes the same config, reads or makes the same traces
 (rank 0 first, so the routing cache is written once; the others then read it) and fits the same seeded plan,
-runs its share, and rank 0 writes the job dir: metrics.json (evaluator summary + exec_* keys, and the config),
+runs its share, and rank 0 logs to W&B (run.py's helper) and writes the job dir: metrics.json (evaluator summary + exec_* keys, and the config),
 per_layer.csv, exec_per_layer.csv and exec_per_rank.csv.
 """
 
@@ -33,7 +33,7 @@ def torchrun_job(config: dict, out_dir: Path) -> None:
     """This process's part of a torchrun exec job; only rank 0 writes."""
     from repro.atomic import atomic_write
     from repro.exec.trace_mode import ExecConfig, run_exec_job
-    from repro.run import build_traces, fit_and_evaluate, make_job
+    from repro.run import _log_to_wandb, build_traces, fit_and_evaluate, make_job
 
     make_job(config)
     exec_cfg = ExecConfig.from_config(config["exec"])
@@ -51,6 +51,7 @@ def torchrun_job(config: dict, out_dir: Path) -> None:
     finally:
         dist.destroy_process_group()
     if rank == 0:
+        _log_to_wandb(config, summary, result, out_dir)  # first, as run_job does: no result files if tracking fails
         atomic_write(out_dir / "per_layer.csv", lambda p: result.per_layer.to_csv(p, index=False))
         atomic_write(out_dir / "metrics.json", lambda p: p.write_text(
             json.dumps({"summary": summary, "config": config}, indent=1, default=_json_default)))
