@@ -5,7 +5,7 @@ PIP := $(VENV)/bin/pip
 # torch 2.13.0 CPU build when no NVIDIA GPU is visible; with a GPU, the user's CUDA torch is kept
 HAVE_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: setup test reproduce figures bench lint clean
+.PHONY: setup test reproduce figures bench gpu-check lint clean
 
 setup:
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -41,6 +41,11 @@ figures:
 
 bench:
 	$(PY) -m bench --out bench/results
+
+# one CUDA GPU: bf16/fp16 correctness of every Triton kernel and kernel timings vs torch (never needed by tests or CI);
+# the results sit beside the bench results and are calibration input for repro/sim
+gpu-check:
+	$(PY) -m bench.gpu_check --out bench/results/gpu_check
 
 lint:
 	$(VENV)/bin/ruff check repro tests bench
