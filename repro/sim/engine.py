@@ -1,0 +1,354 @@
+"""The serving engine: continuous batching with chunked prefill, Attention-DP ranks in lockstep or one
+Attention-TP group, driven by the system's schedulers and the trace's routing.
+
+Attention-DP: `plan.assign_requests` picks a request's rank when it arrives (one request per call, streaming, as
+a router does). Every iteration, each rank forms its own batch under a token budget (`max_batched_tokens`) and a
+request cap (`max_running_requests`), admitting requests first-come-first-served when their whole KV cache
+(prompt + output tokens, no preemption) fits the rank's capacity:
+  mixed          decode tokens of running requests first, then prefill chunks (Sarathi / vLLM-style);
+  prefill_first  a rank with prefill work runs a prefill-only batch and its decodes wait (SGLang's default).
+All ranks then step through every MoE layer together: the slowest rank's attention sets when the dispatch
+starts, the slowest rank's experts when the combine starts; an idle rank runs an empty batch.
+Attention-TP: one batch over all tokens; before each MoE layer `plan.shuffle_tokens` splits the batch's tokens
+into equal reduce-scatter slices (its Algorithm 3 for Sem-MoE), which decides where each token's dispatch starts.
+
+An iteration's input tokens are stream positions: prefill chunks of the prompt, then one token per decode step
+(decode step j feeds stream position prompt_len + j - 1, whose routing is the captured generated token or a
+documented stand-in, see `simulate`). Iterations that only decode and during which no request arrives or
+finishes have the same batch composition; they are costed together in one vectorised block of up to
+`max_block_iterations` (exactly what stepping one by one gives: same costs, same sequential time sums).
+
+Legend: R requests, G attention groups (D ranks in DP, 1 in TP), K iterations in a block, B decode requests,
+N token rows of a block, L MoE layers, k experts per token, D devices.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from repro.errors import ConfigError, ReproError
+from repro.sim.costs import COMPONENTS, CostModel
+from repro.sim.events import ARRIVAL, STEP_END, EventQueue
+from repro.sim.traffic import batch_traffic
+from repro.systems.base import Plan
+
+SCHEDULES = ("mixed", "prefill_first")
+
+
+@dataclass(frozen=True)
+class Requests:
+    """Rate-independent inputs. Compact rows hold each request's trace tokens contiguously, prompt first.
+
+    prompt_len, output_len (>= 1): int64[R]; row_start int64[R] first compact row of request r;
+    stream_start int64[R] and stream int64[S]: stream position p of request r is compact row
+    stream[stream_start[r] + p] (p < prompt_len: the prompt; then the decode inputs); experts int16[N, L, k];
+    token_ids int32[N].
+    """
+
+    prompt_len: np.ndarray
+    output_len: np.ndarray
+    row_start: np.ndarray
+    stream_start: np.ndarray
+    stream: np.ndarray
+    experts: np.ndarray
+    token_ids: np.ndarray
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.prompt_len)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_batched_tokens: int  # per rank (DP) or for the TP group
+    max_running_requests: int  # per rank (DP) or for the TP group
+    schedule: str
+    kv_capacity_tokens: int  # per rank (DP) or for the TP group
+    max_block_iterations: int
+    iteration_overhead: float  # seconds added to every iteration (scheduler, launch)
+    history: int  # MoE layers of routing history the TP token scheduler sees
+
+
+@dataclass
+class RunResult:
+    """One simulated run: per-request times (float64[R], seconds) and summed per-layer costs."""
+
+    arrival: np.ndarray
+    first_token: np.ndarray
+    finish: np.ndarray
+    rank: np.ndarray  # int64[R] attention rank (0 in TP)
+    moe_seconds: np.ndarray  # float64[L, C] component seconds summed over iterations (COMPONENTS order)
+    iterations: int = 0
+    blocks: int = 0
+    events: int = 0
+    prefill_iterations: int = 0
+    busy_seconds: float = 0.0
+    dense_seconds: float = 0.0
+    head_seconds: float = 0.0
+    local_activations: int = 0
+    total_activations: int = 0
+    remote_copies: int = 0
+    tokens: int = 0
+
+
+class Engine:
+    """Simulate one arrival sequence (see the module docstring); `cost` prices blocks, `plan` schedules."""
+
+    def __init__(self, plan: Plan, requests: Requests, cost: CostModel | None, slot_table: np.ndarray,
+                 config: EngineConfig):
+        if config.schedule not in SCHEDULES:
+            raise ConfigError(f"sim.schedule must be one of {SCHEDULES}, got {config.schedule!r}.")
+        self.plan, self.req, self.cost, self.cfg = plan, requests, cost, config
+        self.slot_table = slot_table
+        self.devices = plan.parallel.devices
+        self.dp = plan.parallel.attention == "dp"
+        self.groups = self.devices if self.dp else 1
+        self.spd = plan.placement.slots_per_device
+        self.dpn = plan.parallel.devices_per_node
+        self.oracle = bool(getattr(plan, "uses_true_routing", False))
+        need = requests.prompt_len + requests.output_len
+        if need.max() > config.kv_capacity_tokens:
+            r = int(np.argmax(need))
+            raise ConfigError(
+                f"request {r} needs {int(need[r])} tokens of KV cache but a rank holds {config.kv_capacity_tokens}; "
+                "shorten prompts or outputs, or use hardware with more memory."
+            )
+
+    # ---- the event loop --------------------------------------------------------------------------------------
+
+    def run(self, arrivals: np.ndarray) -> RunResult:
+        """Serve every request arriving at arrivals float64[R] (seconds, any order) until all finish."""
+        num_requests = self.req.num_requests
+        self.plan.reset()
+        self.rank = np.full(num_requests, -1, dtype=np.int64)
+        self.pos = np.zeros(num_requests, dtype=np.int64)  # stream positions processed
+        self.gen = np.zeros(num_requests, dtype=np.int64)  # tokens generated
+        self.decoding = np.zeros(num_requests, dtype=bool)
+        self.waiting = [deque() for _ in range(self.groups)]
+        self.prefilling: list[list[int]] = [[] for _ in range(self.groups)]
+        self.running = np.zeros(self.groups, dtype=np.int64)
+        self.kv_used = np.zeros(self.groups, dtype=np.int64)
+        self.last_dt = float("inf")
+        num_layers = self.req.experts.shape[1]
+        self.result = RunResult(
+            arrival=np.asarray(arrivals, dtype=np.float64), first_token=np.full(num_requests, np.nan),
+            finish=np.full(num_requests, np.nan), rank=self.rank, moe_seconds=np.zeros((num_layers, len(COMPONENTS))),
+        )
+        queue = EventQueue()
+        for r in np.argsort(arrivals, kind="stable"):
+            queue.push(float(arrivals[r]), ARRIVAL, int(r))
+        busy = False
+        while len(queue):
+            now, priority, payload = queue.pop()
+            if priority == ARRIVAL:
+                self._arrive(payload)
+                if not busy:
+                    busy = self._start(now, queue)
+            else:
+                self._commit(payload, now)
+                busy = self._start(now, queue)
+        self.result.events = queue.popped
+        return self.result
+
+    def _arrive(self, r: int) -> None:
+        group = 0
+        if self.dp:
+            start, length = self.req.row_start[r], self.req.prompt_len[r]
+            prompt = self.req.token_ids[start : start + length]
+            ranks = np.asarray(self.plan.assign_requests(prompt, np.array([0, length]), np.array([length], np.int32)))
+            if ranks.shape != (1,) or not 0 <= int(ranks[0]) < self.devices:
+                raise ReproError(
+                    f"{type(self.plan).__name__}.assign_requests returned {ranks.tolist()} for one request; it must "
+                    f"return one rank in 0..{self.devices - 1}."
+                )
+            group = int(ranks[0])
+        self.rank[r] = group
+        self.waiting[group].append(r)
+
+    def _admissible(self, g: int) -> bool:
+        if not self.waiting[g] or self.running[g] >= self.cfg.max_running_requests:
+            return False
+        r = self.waiting[g][0]
+        return self.kv_used[g] + self.req.prompt_len[r] + self.req.output_len[r] <= self.cfg.kv_capacity_tokens
+
+    # ---- batch formation ----------------------------------------------------------------------------------------
+
+    def _form(self) -> tuple[np.ndarray, list[tuple[int, int]]]:
+        """(decode requests int64[B], prefill segments [(request, tokens)]) of the next iteration."""
+        dec = np.flatnonzero(self.decoding)
+        n_dec = np.bincount(self.rank[dec], minlength=self.groups)
+        stalled = np.zeros(self.groups, dtype=bool)
+        segments: list[tuple[int, int]] = []
+        budget_cap = self.cfg.max_batched_tokens
+        for g in range(self.groups):
+            if self.cfg.schedule == "prefill_first":
+                if not (self.prefilling[g] or self._admissible(g)):
+                    continue
+                stalled[g] = n_dec[g] > 0
+                budget = budget_cap
+            else:
+                budget = budget_cap - int(n_dec[g])
+            for r in self.prefilling[g]:
+                if budget <= 0:
+                    break
+                q = min(int(self.req.prompt_len[r] - self.pos[r]), budget)
+                segments.append((r, q))
+                budget -= q
+            while budget > 0 and self._admissible(g):
+                r = self.waiting[g].popleft()
+                self.prefilling[g].append(r)
+                self.running[g] += 1
+                self.kv_used[g] += self.req.prompt_len[r] + self.req.output_len[r]
+                q = min(int(self.req.prompt_len[r]), budget)
+                segments.append((r, q))
+                budget -= q
+        if stalled.any():
+            dec = dec[~stalled[self.rank[dec]]]
+        return dec, segments
+
+    def _start(self, now: float, queue: EventQueue) -> bool:
+        """Form and price the next block; schedule its end. False when there is nothing to run."""
+        dec, segments = self._form()
+        if not len(dec) and not segments:
+            return False
+        num_k = 1
+        if not segments:
+            room = int((self.req.output_len[dec] - self.gen[dec]).min())
+            num_k = min(room, self.cfg.max_block_iterations)
+            next_arrival = queue.peek_time()
+            if np.isfinite(next_arrival):
+                estimate = (next_arrival - now) / self.last_dt * 1.25 + 1
+                num_k = int(min(num_k, max(1, estimate)))
+        total, moe, stats = self._cost_block(dec, segments, num_k)
+        ends = np.cumsum(np.concatenate([[now], total]))[1:]
+        executed = num_k
+        if np.isfinite(queue.peek_time()):
+            executed = min(int(np.searchsorted(ends, queue.peek_time(), side="left")) + 1, num_k)
+        self.last_dt = float(total[executed - 1])
+        res = self.result
+        res.iterations += executed
+        res.blocks += 1
+        res.prefill_iterations += int(bool(segments))
+        res.busy_seconds += float(total[:executed].sum())
+        res.moe_seconds += moe[:executed].sum(axis=0)
+        for key, values in stats.items():
+            setattr(res, key, getattr(res, key) + int(values[:executed].sum()))
+        queue.push(float(ends[executed - 1]), STEP_END, (dec, segments, executed))
+        return True
+
+    def _commit(self, payload, now: float) -> None:
+        dec, segments, executed = payload
+        req, res = self.req, self.result
+        if len(dec):
+            self.pos[dec] += executed
+            self.gen[dec] += executed
+            self._finish(dec[self.gen[dec] == req.output_len[dec]], now)
+        for r, q in segments:
+            self.pos[r] += q
+            if self.pos[r] == req.prompt_len[r]:
+                self.prefilling[self.rank[r]].remove(r)
+                res.first_token[r] = now
+                self.gen[r] = 1
+                if req.output_len[r] == 1:
+                    self._finish(np.array([r]), now)
+                else:
+                    self.decoding[r] = True
+
+    def _finish(self, done: np.ndarray, now: float) -> None:
+        if not len(done):
+            return
+        self.result.finish[done] = now
+        self.decoding[done] = False
+        groups = self.rank[done]
+        np.subtract.at(self.running, groups, 1)
+        np.subtract.at(self.kv_used, groups, self.req.prompt_len[done] + self.req.output_len[done])
+
+    # ---- pricing ------------------------------------------------------------------------------------------------
+
+    def _cost_block(self, dec: np.ndarray, segments: list[tuple[int, int]], num_k: int):
+        """(total float64[K] seconds per iteration, moe float64[K, L, C], stats {name: int64[K]})."""
+        req, groups = self.req, self.groups
+        arange_k = np.arange(num_k)
+        # decode rows: request b's input at iteration i is stream position pos[b] + i
+        dec_group = self.rank[dec] if self.dp else np.zeros(len(dec), dtype=np.int64)
+        dec_pos = self.pos[dec]
+        rows = [req.stream[(req.stream_start[dec] + dec_pos)[None, :] + arange_k[:, None]].ravel()]
+        row_group = [np.repeat(arange_k, len(dec))]
+        row_home = [np.tile(dec_group, num_k)]
+        count = np.bincount(dec_group, minlength=groups).astype(np.float64)
+        base_pairs = np.bincount(dec_group, weights=dec_pos + 1, minlength=groups)
+        seg = {
+            "pairs_decode": base_pairs[None, :] + arange_k[:, None] * count[None, :],
+            "kv_read": (base_pairs - count)[None, :] + arange_k[:, None] * count[None, :],
+            "pairs_prefill": np.zeros((num_k, groups)),
+            "tokens": np.tile(count, (num_k, 1)),
+            "samples": np.tile(count, (num_k, 1)),
+        }
+        for r, q in segments:
+            g = int(self.rank[r]) if self.dp else 0
+            ctx = int(self.pos[r])
+            start = req.stream_start[r] + ctx
+            rows.append(req.stream[start : start + q])
+            row_group.append(np.zeros(q, dtype=np.int64))
+            row_home.append(np.full(q, g, dtype=np.int64))
+            seg["pairs_prefill"][0, g] += q * ctx + q * (q + 1) / 2
+            seg["kv_read"][0, g] += ctx
+            seg["tokens"][0, g] += q
+            seg["samples"][0, g] += ctx + q == req.prompt_len[r]
+        rows_N = np.concatenate(rows)
+        group_N = np.concatenate(row_group)
+        experts_NLk = req.experts[rows_N]
+        num_layers = experts_NLk.shape[1]
+        slices = None
+        if self.dp:
+            home_N = np.concatenate(row_home)
+            home_NL = np.broadcast_to(home_N[:, None], (len(home_N), num_layers))
+            tokens_KD = seg["tokens"]
+        else:
+            home_NL, slices = self._tp_homes(rows_N, group_N, experts_NLk, num_k)
+            tokens_KD = None
+        traffic = batch_traffic(group_N, home_NL, experts_NLk, self.slot_table, self.spd, num_k, self.dpn)
+        has_prefill = np.zeros(num_k, dtype=bool)
+        has_prefill[0] = bool(segments)
+        priced = self.cost.block(seg, traffic, tokens_KD, slices, has_prefill)
+        activations = traffic.activations
+        local = np.trace(activations, axis1=2, axis2=3).sum(axis=1)
+        copies = traffic.copies.sum(axis=(1, 2, 3)) - np.trace(traffic.copies, axis1=2, axis2=3).sum(axis=1)
+        stats = {
+            "local_activations": local,
+            "total_activations": activations.sum(axis=(1, 2, 3)),
+            "remote_copies": copies,
+            "tokens": np.bincount(group_N, minlength=num_k),
+        }
+        return priced["total"] + self.cfg.iteration_overhead, priced["moe"], stats
+
+    def _tp_homes(self, rows_N, group_N, experts_NLk, num_k):
+        """(home int64[N, L], slice sizes int64[K, L, D]) from plan.shuffle_tokens per iteration and layer."""
+        num_rows, num_layers, _ = experts_NLk.shape
+        home = np.empty((num_rows, num_layers), dtype=np.int64)
+        slices = np.zeros((num_k, num_layers, self.devices), dtype=np.int64)
+        ranks = np.arange(self.devices)
+        order = np.argsort(group_N, kind="stable")
+        bounds = np.searchsorted(group_N[order], np.arange(num_k + 1))
+        name = type(self.plan).__name__
+        for k in range(num_k):
+            idx = order[bounds[k] : bounds[k + 1]]
+            token_ids = self.req.token_ids[rows_N[idx]]
+            experts = experts_NLk[idx]
+            for layer in range(num_layers):
+                first = max(0, layer - self.cfg.history)
+                prev = experts[:, first:layer] if layer > first else None
+                extra = {"current_experts": experts[:, layer]} if self.oracle else {}
+                perm, counts = self.plan.shuffle_tokens(token_ids, layer, prev, **extra)
+                perm, counts = np.asarray(perm), np.asarray(counts)
+                if perm.shape != (len(idx),) or counts.shape != (self.devices,) or counts.sum() != len(idx):
+                    raise ReproError(
+                        f"{name}.shuffle_tokens returned a permutation of shape {perm.shape} and counts summing to "
+                        f"{counts.sum()} for {len(idx)} tokens and {self.devices} ranks; see Plan.shuffle_tokens."
+                    )
+                home[idx[perm], layer] = np.repeat(ranks, counts)
+                slices[k, layer] = counts
+        return home, slices

@@ -1,0 +1,164 @@
+"""Hardware profiles (conf/hardware/*.yaml) as validated numbers: GPU roofline, link levels, all-to-all backends.
+
+A profile describes a cluster of `nodes` x `devices_per_node` GPUs: peak dense BF16 FLOP/s and HBM bandwidth
+with efficiency factors (roofline), NVLink inside a node and RDMA across nodes, and per all-to-all backend
+(nccl, deepep_normal, deepep_low_latency) one parameter set per direction (dispatch, combine): a fixed latency,
+the effective bandwidth of each link level, and the per-message half-bandwidth size of the message-size ramp.
+`measured` tables (from repro/exec benchmarks or a GPU) override the formulas where given; `calibrated_parts`
+says which. Every number's source is a comment in the YAML file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from repro.errors import ConfigError
+
+BACKENDS = ("nccl", "deepep_normal", "deepep_low_latency")
+PHASE_FIELDS = ("latency_us", "peer_half_kb", "nvlink_gbps", "rdma_gbps")
+REQUIRED = (
+    "name", "nodes", "devices_per_node", "gpu.bf16_tflops", "gpu.hbm_gbps", "gpu.hbm_gb", "efficiency.gemm",
+    "efficiency.attention", "efficiency.memory", "gemm_tile_tokens", "kernel_floor_us", "memory_fraction", "collective.latency_us",
+    "collective.nvlink_gbps", "collective.rdma_gbps",
+) + tuple(
+    f"a2a.{b}.{key}" for b in BACKENDS for key in ("dispatch_bytes_per_element", "combine_bytes_per_element",
+                                                   "token_header_bytes")
+) + tuple(f"a2a.{b}.{phase}.{f}" for b in BACKENDS for phase in ("dispatch", "combine") for f in PHASE_FIELDS)
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One direction (dispatch or combine) of one backend, in SI units (seconds, bytes, bytes/s)."""
+
+    latency: float
+    peer_half_bytes: float
+    nvlink_bandwidth: float
+    rdma_bandwidth: float
+    measured: np.ndarray | None  # float64[n, 2] (busiest rank's remote bytes, seconds), sorted by bytes
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    dispatch: Phase
+    combine: Phase
+    dispatch_bytes_per_element: float
+    combine_bytes_per_element: float
+    token_header_bytes: int
+
+    def bytes_per_token(self, hidden_size: int) -> tuple[int, int]:
+        """(dispatch, combine) bytes of one token copy on the wire."""
+        return (int(np.ceil(hidden_size * self.dispatch_bytes_per_element)) + self.token_header_bytes,
+                int(np.ceil(hidden_size * self.combine_bytes_per_element)))
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Validated profile; flops and bandwidths are the achievable ones (peak x efficiency)."""
+
+    name: str
+    nodes: int
+    devices_per_node: int
+    gemm_flops: float  # FLOP/s a large GEMM reaches
+    attention_flops: float
+    memory_bandwidth: float  # bytes/s a streaming kernel reaches
+    hbm_bytes: float
+    memory_fraction: float
+    gemm_tile_tokens: int
+    kernel_floor: float  # seconds: the least any modelled kernel with work takes (launch + ramp + tail)
+    collective_latency: float
+    collective_nvlink: float
+    collective_rdma: float
+    backends: dict
+    measured_expert_gemm: dict  # shape name -> float64[n, 2] (tokens of one expert, seconds)
+    calibrated_parts: tuple[str, ...]
+
+    @property
+    def num_devices(self) -> int:
+        return self.nodes * self.devices_per_node
+
+
+def _get(profile: dict, dotted: str):
+    node = profile
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node or node[part] is None:
+            raise KeyError(dotted)
+        node = node[part]
+    return node
+
+
+def _table(rows, where: str) -> np.ndarray:
+    table = np.asarray(rows, dtype=np.float64)
+    if table.ndim != 2 or table.shape[1] != 2 or len(table) < 2 or np.any(table < 0):
+        raise ConfigError(f"{where} must be a list of at least two [size, seconds] pairs >= 0, got {rows!r}.")
+    return table[np.argsort(table[:, 0], kind="stable")]
+
+
+def load_hardware(profile: dict) -> Hardware:
+    """Validate a hardware profile dict; a missing or non-positive field is one ConfigError naming it."""
+    if not isinstance(profile, dict):
+        raise ConfigError(f"hardware must be a mapping (a conf/hardware/*.yaml profile), got {type(profile).__name__}.")
+    name = profile.get("name", "<unnamed>")
+    for dotted in REQUIRED:
+        try:
+            value = _get(profile, dotted)
+        except KeyError:
+            raise ConfigError(
+                f"hardware profile {name!r} misses field {dotted!r}; the simulator needs every field that "
+                "conf/hardware/h200.yaml lists."
+            ) from None
+        if dotted != "name" and (not isinstance(value, int | float) or value < 0 or (value == 0 and not dotted.endswith(
+                ("latency_us", "peer_half_kb", "token_header_bytes", "rdma_gbps", "kernel_floor_us")))):
+            raise ConfigError(f"hardware profile {name!r}: {dotted} must be a positive number, got {value!r}.")
+    measured = profile.get("measured") or {}
+    parts: list[str] = []
+    backends = {}
+    for b in BACKENDS:
+        cfg = profile["a2a"][b]
+        phases = {}
+        for phase in ("dispatch", "combine"):
+            p = cfg[phase]
+            rows = (measured.get("a2a") or {}).get(b, {}).get(phase)
+            table = _table(rows, f"hardware {name!r} measured.a2a.{b}.{phase}") if rows else None
+            if table is not None:
+                parts.append(f"a2a.{b}.{phase}")
+            phases[phase] = Phase(p["latency_us"] * 1e-6, p["peer_half_kb"] * 1e3, p["nvlink_gbps"] * 1e9,
+                                  p["rdma_gbps"] * 1e9, table)
+        backends[b] = Backend(b, phases["dispatch"], phases["combine"], float(cfg["dispatch_bytes_per_element"]),
+                              float(cfg["combine_bytes_per_element"]), int(cfg["token_header_bytes"]))
+    expert_tables = {
+        shape: _table(rows, f"hardware {name!r} measured.expert_gemm.{shape}")
+        for shape, rows in (measured.get("expert_gemm") or {}).items()
+    }
+    parts += [f"expert_gemm.{shape}" for shape in expert_tables]
+    if profile["nodes"] > 1 and profile["collective"]["rdma_gbps"] == 0:
+        raise ConfigError(f"hardware profile {name!r} has {profile['nodes']} nodes but collective.rdma_gbps is 0.")
+    gpu, eff = profile["gpu"], profile["efficiency"]
+    return Hardware(
+        name=str(name),
+        nodes=int(profile["nodes"]),
+        devices_per_node=int(profile["devices_per_node"]),
+        gemm_flops=gpu["bf16_tflops"] * 1e12 * eff["gemm"],
+        attention_flops=gpu["bf16_tflops"] * 1e12 * eff["attention"],
+        memory_bandwidth=gpu["hbm_gbps"] * 1e9 * eff["memory"],
+        hbm_bytes=gpu["hbm_gb"] * 1e9,
+        memory_fraction=float(profile["memory_fraction"]),
+        gemm_tile_tokens=int(profile["gemm_tile_tokens"]),
+        kernel_floor=profile["kernel_floor_us"] * 1e-6,
+        collective_latency=profile["collective"]["latency_us"] * 1e-6,
+        collective_nvlink=profile["collective"]["nvlink_gbps"] * 1e9,
+        collective_rdma=profile["collective"]["rdma_gbps"] * 1e9,
+        backends=backends,
+        measured_expert_gemm=expert_tables,
+        calibrated_parts=tuple(parts),
+    )
+
+
+def interpolate(table: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """Piecewise-linear table lookup; past the last row the last segment's slope continues."""
+    xs, ys = table[:, 0], table[:, 1]
+    y = np.interp(x, xs, ys)
+    slope = (ys[-1] - ys[-2]) / max(xs[-1] - xs[-2], 1e-30)
+    return np.where(x > xs[-1], ys[-1] + (x - xs[-1]) * slope, y)
