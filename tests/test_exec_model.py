@@ -23,6 +23,7 @@ from repro.routing.tiny_model import TINY_DEFAULTS, VocabMap, tiny_mixtral_confi
 from repro.systems.base import Placement, Plan, even_counts
 from repro.systems.ep import VanillaEP
 from repro.systems.semmoe import SemMoE
+from repro.traces.ops import select_requests
 from repro.workloads.request import Request
 
 MODEL_VOCAB = 97  # model id 96 is UNK: real ids not divisible by 3 map to it
@@ -55,6 +56,7 @@ def setup():
         model, requests, model_name="tiny", tokenizer="unit", vocab_size=3 * MODEL_VOCAB, dataset="unit",
         input_ids_of=vocab.to_model, real_ids_of=vocab.to_real,
     )
+    assert trace.num_tokens == 97  # the TP step size below relies on it
     return model, vocab, trace
 
 
@@ -97,14 +99,16 @@ def test_hand_written_forward_matches_transformers(setup):
 
 
 @pytest.mark.parametrize(
-    ("attention", "devices", "kind"),
-    [("dp", 2, "semmoe"), ("dp", 4, "ep"), ("tp", 2, "semmoe"), ("tp", 4, "replicated_history")],
+    ("attention", "devices", "kind", "num_requests"),
+    # DP at 4 ranks with 3 requests: one rank has no tokens yet joins every all-to-all
+    [("dp", 2, "semmoe", 8), ("dp", 4, "ep", 3), ("tp", 2, "semmoe", 8), ("tp", 4, "replicated_history", 8)],
 )
-def test_distributed_run_matches_model_trace_and_evaluator(setup, attention, devices, kind):
+def test_distributed_run_matches_model_trace_and_evaluator(setup, attention, devices, kind, num_requests):
     model, vocab, trace = setup
-    # 40-token TP steps cut requests in two, so steps and requests must be told apart
-    parallel = ParallelConfig(devices=devices, attention=attention, tokens_per_step=40, bytes_per_token=CFG["hidden_size"] * 4)
+    # 32-token TP steps cut requests in two, and the last step of 97 tokens holds one (3 ranks get empty slices)
+    parallel = ParallelConfig(devices=devices, attention=attention, tokens_per_step=32, bytes_per_token=CFG["hidden_size"] * 4)
     plan = make_plan(kind, trace, parallel)
+    trace = select_requests(trace, np.arange(num_requests))
     summary = run_model(plan, trace, model, vocab, backend="gloo", kernel_backend="torch", timeout_s=60)
 
     assert summary["max_logit_error"] < TOL and summary["max_logit"] > 0.1
@@ -121,7 +125,7 @@ def test_distributed_run_matches_model_trace_and_evaluator(setup, attention, dev
 
 def test_tp_needs_heads_divisible_by_world_size(setup):
     model, vocab, trace = setup
-    parallel = ParallelConfig(devices=3, attention="tp", tokens_per_step=40)
+    parallel = ParallelConfig(devices=3, attention="tp", tokens_per_step=32)
     rows = np.tile(np.r_[np.arange(8), 0], (trace.num_layers, 1))  # 9 slots: 3 per device
     plan = Plan(Placement(rows, 3, 8), parallel)
     with pytest.raises(ConfigError, match="4 attention heads .* over 3 ranks"):

@@ -482,6 +482,14 @@ def run_model(
     if attention == "tp":
         tp_heads(weights.num_heads, weights.num_kv_heads, 0, world_size)
     model_ids_N = _model_ids(trace, vocab, weights.embed_VH.shape[0])
+    # the evaluator's prediction first: it also checks that plan and trace fit, before any rank starts
+    expected_LDD = account(
+        home_devices(plan, trace, history=history),
+        trace.experts,
+        plan.placement.dispatch_device(),
+        weights.hidden_size * 4,  # fp32 hidden states, as the ranks send them
+        world_size,
+    ).traffic
     offsets = np.asarray(trace.offsets, dtype=np.int64)
     request_rank_R = None
     if attention == "dp":
@@ -520,25 +528,15 @@ def run_model(
         max_error, max_logit = max(max_error, float(error)), max(max_logit, float(np.abs(reference_SV).max()))
     routing_equal = experts_NLk == np.asarray(trace.experts, dtype=np.int64)
 
-    expected = account(
-        home_devices(plan, trace, history=history),
-        trace.experts,
-        plan.placement.dispatch_device(),
-        weights.hidden_size * 4,
-        world_size,
-    ).traffic
     measured = {name: np.zeros((world_size, trace.num_layers), dtype=np.int64) for name in ("dispatch", "combine")}
     records = [CommRecord.from_json(result["comm"]) for result in results]
     for rank, record in enumerate(records):
         for name in measured:
             measured[name][rank] = record.bytes_per_layer(name, trace.num_layers)
-    seconds = {
-        name: [record.total_seconds(name) for record in records]
-        for name in COLLECTIVES
-        if any((layer, name) in record.seconds for record in records for layer in range(trace.num_layers))
-    }
-    expected_dispatch = expected.sum(axis=2).T  # [D, L]: what source rank s sends
-    expected_combine = expected.sum(axis=1).T  # combine sends each copy back from its destination
+    ran = {name for record in records for _, name in record.seconds}
+    seconds = {name: [record.total_seconds(name) for record in records] for name in COLLECTIVES if name in ran}
+    expected_dispatch = expected_LDD.sum(axis=2).T  # [D, L]: what source rank s sends
+    expected_combine = expected_LDD.sum(axis=1).T  # combine sends each copy back from its destination
     return {
         "attention": attention,
         "world_size": world_size,
