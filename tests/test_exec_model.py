@@ -10,13 +10,15 @@ Each launch costs a few seconds, so the grid is small: DP and TP each at 2 and 4
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
 
 from repro.errors import ConfigError
 from repro.eval.accounting import account, home_devices
-from repro.exec.model import forward, reference_logits, run_model, weights_of
+from repro.exec.model import forward, load_tiny_model, reference_logits, run_model, weights_of
 from repro.parallel import ParallelConfig
 from repro.routing.hf_capture import capture_routing
 from repro.routing.tiny_model import TINY_DEFAULTS, VocabMap, tiny_mixtral_config
@@ -130,3 +132,29 @@ def test_tp_needs_heads_divisible_by_world_size(setup):
     plan = Plan(Placement(rows, 3, 8), parallel)
     with pytest.raises(ConfigError, match="4 attention heads .* over 3 ranks"):
         run_model(plan, trace, model, vocab)
+
+
+def test_load_tiny_model_finds_the_cached_model_by_the_traces_key(setup, tmp_path):
+    import safetensors.torch
+
+    from repro.traces.format import with_meta
+
+    model, vocab, trace = setup
+    key = "ab" * 32
+    entry = tmp_path / f"tiny_{key[:16]}"
+    entry.mkdir()
+    safetensors.torch.save_model(model, str(entry / "model.safetensors"))
+    np.save(entry / "vocab_map.npy", vocab.real_ids, allow_pickle=False)
+    train_config = {k: CFG[k] for k in ("num_layers", "hidden_size", "intermediate_size", "num_experts", "top_k", "num_attention_heads")}
+    (entry / "config.json").write_text(json.dumps({"cache_key": key, "vocab_size": vocab.real_vocab_size, "train_config": train_config}))
+    tiny_trace = with_meta(trace, source="tiny_model", extra={"cache_key": key})
+
+    loaded, loaded_vocab = load_tiny_model(tiny_trace, cache_dir=tmp_path)
+    np.testing.assert_array_equal(loaded_vocab.real_ids, vocab.real_ids)
+    ids = torch.as_tensor(vocab.to_model(trace.token_ids[:25]))[None]
+    with torch.inference_mode():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits, rtol=0, atol=0)
+    with pytest.raises(ConfigError, match="without a tiny-model cache key"):
+        load_tiny_model(trace, cache_dir=tmp_path)
+    with pytest.raises(ConfigError, match="not cached"):
+        load_tiny_model(with_meta(trace, source="tiny_model", extra={"cache_key": "cd" * 32}), cache_dir=tmp_path)
