@@ -145,10 +145,12 @@ class Engine:
             now, priority, payload = queue.pop()
             if priority == ARRIVAL:
                 self._arrive(payload)
-                if not busy:
-                    busy = self._start(now, queue)
+                if not busy:  # wake up after every arrival at this instant has been queued
+                    queue.push(now, STEP_END, None)
+                    busy = True
             else:
-                self._commit(payload, now)
+                if payload is not None:
+                    self._commit(payload, now)
                 busy = self._start(now, queue)
         self.result.events = queue.popped
         return self.result
