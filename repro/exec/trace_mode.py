@@ -65,6 +65,8 @@ from repro.systems.base import Plan
 from repro.traces import RoutingTrace, select_requests
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+EXEC_MODES = ("trace", "model")
+MODEL_LOGIT_ATOL = 1e-4  # fp32 logits of the distributed tiny model vs the single-process transformers model
 DEFAULT_ATOL = {"float32": 1e-5, "float16": 1e-2, "bfloat16": 1e-1}
 
 
@@ -72,6 +74,7 @@ DEFAULT_ATOL = {"float32": 1e-5, "float16": 1e-2, "bfloat16": 1e-1}
 class ExecConfig:
     """The `exec` config group (conf/exec/default.yaml documents each field)."""
 
+    mode: str = "trace"  # trace: random layers with the trace's routing replayed; model: the tiny model end to end
     world_size: int | None = None  # None: the plan's device count (any other value is an error)
     backend: str = "gloo"
     kernel_backend: str = "auto"
@@ -104,6 +107,8 @@ def check_exec_config(exec_cfg: ExecConfig | dict, parallel, world_size: int | N
     """
     if isinstance(exec_cfg, dict):
         exec_cfg = ExecConfig.from_config(exec_cfg)
+    if exec_cfg.mode not in EXEC_MODES:
+        raise ConfigError(f"exec.mode must be one of {EXEC_MODES}, got {exec_cfg.mode!r}.")
     if exec_cfg.backend not in DIST_BACKENDS:
         raise ConfigError(f"exec.backend must be one of {DIST_BACKENDS}, got {exec_cfg.backend!r}.")
     if exec_cfg.dtype not in DTYPES:
@@ -436,8 +441,34 @@ def run_exec_job(config: dict, plan: Plan, trace: RoutingTrace, out_dir: Path | 
     from repro.atomic import atomic_write
 
     exec_cfg = ExecConfig.from_config(config["exec"])
+    if exec_cfg.mode == "model":
+        return {f"exec_{key}": value for key, value in run_model_job(config, exec_cfg, plan, trace).items()}
     summary, per_layer, per_rank = run_exec(exec_cfg, plan, trace, seed=config["seed"], history=config["history"])
     if out_dir is not None:
         atomic_write(Path(out_dir) / "exec_per_layer.csv", lambda p: per_layer.to_csv(p, index=False))
         atomic_write(Path(out_dir) / "exec_per_rank.csv", lambda p: per_rank.to_csv(p, index=False))
     return {f"exec_{key}": value for key, value in summary.items()}
+
+
+def run_model_job(config: dict, exec_cfg: ExecConfig, plan: Plan, trace: RoutingTrace) -> dict:
+    """exec.mode=model: the tiny model that routed `trace` runs its first requests (up to exec.max_tokens) on real
+    ranks (repro.exec.model.run_model); returns its scalars plus the byte totals and the logit tolerance check."""
+    from repro.exec.model import load_tiny_model, run_model
+
+    model, vocab = load_tiny_model(trace, cache_dir=config["cache_dir"])
+    result = run_model(
+        plan, exec_subset(trace, exec_cfg.max_tokens), model, vocab, world_size=exec_cfg.world_size,
+        backend=exec_cfg.backend, kernel_backend=exec_cfg.kernel_backend, history=config["history"],
+        timeout_s=exec_cfg.timeout_s,
+    )
+    summary = {key: value for key, value in result.items() if isinstance(value, bool | int | float | str)}
+    # the trace mode's key names, so both modes read alike in metrics.json and the report
+    summary["bytes_match_evaluator"] = summary.pop("bytes_match")
+    for name in ("dispatch", "combine"):
+        summary[f"{name}_bytes"] = int(np.sum(result[f"{name}_bytes"]))
+        summary[f"evaluator_{name}_bytes"] = int(np.sum(result[f"expected_{name}_bytes"]))
+    for name, per_rank in result["collective_seconds"].items():
+        summary[f"{name}_seconds"] = float(max(per_rank))
+    summary["rank_seconds_max"] = float(max(result["forward_seconds"]))
+    summary["output_matches_reference"] = result["max_logit_error"] <= MODEL_LOGIT_ATOL
+    return summary
