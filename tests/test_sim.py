@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
-from repro.errors import ConfigError, TraceError
+from repro.errors import ConfigError, ReproError, TraceError
 from repro.eval.accounting import account
 from repro.parallel import ParallelConfig
 from repro.sim import ModelShape, load_hardware, simulate
@@ -105,6 +105,61 @@ def test_hand_computed_case():
     assert row["moe_dispatch_s"] == pytest.approx((a2a + ALPHA + a2a) / 3, rel=1e-12)
     assert result.summary["sim_decode_routing"] == "captured"
     assert result.summary["sim_output_len_source"] == "trace"
+
+
+class ExpertSlices(Plan):
+    """Attention-TP with hindsight: each token's slice is the device of its (single) current expert."""
+
+    uses_true_routing = True
+
+    def shuffle_tokens(self, token_ids, layer, prev_experts, current_experts=None):
+        device = self.placement.expert_device()[layer][current_experts[:, 0]]
+        return np.argsort(device, kind="stable"), np.bincount(device, minlength=self.parallel.devices)
+
+
+def test_attention_tp_uses_the_plans_slices():
+    """Two prompts of tokens routed to experts 1 then 0: slicing by expert device makes every activation local
+    (the dispatch costs its latency only); contiguous slices put each token on the other expert's device."""
+    experts = np.array([1, 0, 1, 0]).reshape(-1, 1, 1)
+    meta = TraceMeta(model="hand", num_experts=2, top_k=1, layer_ids=(0,), vocab_size=10, source="hand")
+    trace = make_trace(meta, [0, 2, 4], np.arange(4), experts, prefill_len=[2, 2])
+    parallel = ParallelConfig(devices=2, attention="tp", tokens_per_step=2, bytes_per_token=4, devices_per_node=2)
+    config = sim_config(rates=[1.0], output_len=1, backend="nccl", slo={"bisect_steps": 0})
+    rows = {}
+    for plan in (ExpertSlices(contiguous_placement(1, 2, 2), parallel), Plan(contiguous_placement(1, 2, 2), parallel)):
+        result = simulate(config, plan, trace, hand_hardware(), HAND_SHAPE, np.random.default_rng(0))
+        rows[type(plan).__name__] = result.per_rate.iloc[0]
+    assert rows["ExpertSlices"]["lar"] == 1.0 and rows["ExpertSlices"]["moe_dispatch_s"] == pytest.approx(ALPHA)
+    assert rows["Plan"]["lar"] == 0.0 and rows["Plan"]["moe_dispatch_s"] == pytest.approx(ALPHA + 4 / W)
+    assert rows["Plan"]["moe_tp_collectives_s"] > 0
+
+
+class BadSlices(Plan):
+    def shuffle_tokens(self, token_ids, layer, prev_experts):
+        return np.zeros(len(token_ids), dtype=np.int64), np.array([len(token_ids), 0])
+
+
+def test_attention_tp_rejects_a_bad_shuffle():
+    parallel = ParallelConfig(devices=2, attention="tp", tokens_per_step=2, bytes_per_token=4, devices_per_node=2)
+    with pytest.raises(ReproError, match="BadSlices.shuffle_tokens returned no permutation"):
+        simulate(sim_config(rates=[1.0], output_len=1, slo={"bisect_steps": 0}), BadSlices(contiguous_placement(1, 2, 2), parallel),
+                 hand_trace(), hand_hardware(), HAND_SHAPE, np.random.default_rng(0))
+
+
+def test_measured_tables_override_formulas():
+    """A measured all-to-all table replaces the formula (busiest rank's remote bytes -> seconds) and is named."""
+    hw = hand_hardware()
+    hw["measured"] = {"a2a": {"nccl": {"dispatch": [[0, 0.5], [8, 0.9]], "combine": [[0, 0.2], [4, 0.3]]}}}
+    plan = Plan(contiguous_placement(1, 2, 2), ParallelConfig(devices=2, attention="dp", bytes_per_token=4,
+                                                              devices_per_node=2))
+    config = sim_config(rates=[24.0], arrival="given", backend="nccl", decode_routing="captured",
+                        slo={"bisect_steps": 0})
+    result = simulate(config, plan, hand_trace(), hw, HAND_SHAPE, np.random.default_rng(0),
+                      arrival_times=np.array([0.0, 0.0, 0.125]))
+    # iterations move 4, 0 and 4 remote bytes (see the hand-computed case)
+    assert result.per_rate["moe_dispatch_s"].iloc[0] == pytest.approx((0.7 + 0.5 + 0.7) / 3)
+    assert result.per_rate["moe_combine_s"].iloc[0] == pytest.approx((0.3 + 0.2 + 0.3) / 3)
+    assert result.summary["sim_time_basis"] == "calibrated: a2a.nccl.dispatch, a2a.nccl.combine"
 
 
 # ---- queueing theory ---------------------------------------------------------------------------------------------

@@ -345,11 +345,14 @@ class Engine:
                 prev = experts[:, first:layer] if layer > first else None
                 extra = {"current_experts": experts[:, layer]} if self.oracle else {}
                 perm, counts = self.plan.shuffle_tokens(token_ids, layer, prev, **extra)
-                perm, counts = np.asarray(perm), np.asarray(counts)
-                if perm.shape != (len(idx),) or counts.shape != (self.devices,) or counts.sum() != len(idx):
+                perm, counts = np.asarray(perm, dtype=np.int64), np.asarray(counts, dtype=np.int64)
+                valid = (perm.shape == (len(idx),) and counts.shape == (self.devices,) and counts.sum() == len(idx)
+                         and counts.min() >= 0 and counts.max() - counts.min() <= 1
+                         and np.array_equal(np.sort(perm), np.arange(len(idx))))
+                if not valid:
                     raise ReproError(
-                        f"{name}.shuffle_tokens returned a permutation of shape {perm.shape} and counts summing to "
-                        f"{counts.sum()} for {len(idx)} tokens and {self.devices} ranks; see Plan.shuffle_tokens."
+                        f"{name}.shuffle_tokens returned no permutation of {len(idx)} tokens into {self.devices} "
+                        "reduce-scatter slices differing by at most one token; see Plan.shuffle_tokens."
                     )
                 home[idx[perm], layer] = np.repeat(ranks, counts)
                 slices[k, layer] = counts

@@ -1,0 +1,110 @@
+"""Throughput of the serving simulator (repro.sim): a rate sweep of 10 rates x 3 systems x 1,000 requests on the
+DeepSeek-V2-Lite shape, Attention-DP at EP 8 on the 8 x H200 profile.
+
+Target (issue 8): the whole sweep in <= 5 minutes on 2 cores (`target_met`, wall time of the simulations; the
+systems' fitting is reported apart). Reported: simulated requests and events (arrivals + engine iterations) per
+wall second, and per system the headline results the sweep produced: the all-to-all share of MoE-layer time
+(paper Fig. 1: 59.2 % for vanilla EP on DeepSeek-V2-Lite) and the throughput under the paper's TTFT / E2E SLO
+rule with one SLO for every system (5 x vanilla EP's mean latency at the lightest rate). Absolute times are
+uncalibrated; the ratios between systems are the result.
+
+Routing: the synthetic DeepSeek-V2-Lite router (conf/model/synthetic_deepseek_v2_lite.yaml) on MMLU prompts
+(offline), split as every job splits it (systems fitted on the profile split, the evaluate split served).
+Outputs: 128 tokens per request with prompt-resampled decode routing (the trace has no generated tokens).
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from repro.run import build_traces, make_job
+from repro.sim import simulate
+from repro.sim.metrics import throughput_under_slo
+from repro.traces import select_requests
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+SYSTEMS = ("ep", "eplb", "semmoe")
+TARGET_SECONDS = 300.0
+
+
+def job_config(system: str, quick: bool, cache_dir: str) -> dict:
+    requests = 300 if quick else 2000
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[
+            "model=synthetic_deepseek_v2_lite", "workload=mmlu", f"workload.num_requests={requests}", f"system={system}",
+            "parallel.devices=8", "parallel.attention=dp", "parallel.bytes_per_token=4096", "hardware=h200",
+            "logger=none", f"cache_dir={cache_dir}", "+sim=default",
+        ])
+    config = OmegaConf.to_container(cfg, resolve=True)
+    sim = config["sim"]
+    sim["rates"] = [10.0, 25.0] if quick else [10.0, 25.0, 40.0, 60.0, 80.0, 100.0, 120.0, 140.0, 160.0, 175.0]
+    sim["num_requests"] = 100 if quick else 1000
+    sim["slo"]["bisect_steps"] = 0  # the sweep only; DistServe bisection adds one simulation per step
+    return config
+
+
+def run(quick: bool) -> dict:
+    with tempfile.TemporaryDirectory(prefix="bench_sim_") as cache_dir:
+        cases, per_rate = {}, {}
+        total_wall = total_requests = total_events = 0.0
+        for system in SYSTEMS:
+            config = job_config(system, quick, cache_dir)
+            profile, evaluation = build_traces(config)
+            evaluation = select_requests(evaluation, np.arange(min(config["sim"]["num_requests"], evaluation.num_requests)))
+            parallel, fitter = make_job(config)
+            started = time.perf_counter()
+            plan = fitter.fit(profile, parallel, np.random.default_rng(config["seed"]))
+            fit_seconds = time.perf_counter() - started
+            started = time.perf_counter()
+            result = simulate(config, plan, evaluation, config["hardware"], config["sim"]["shape"],
+                              np.random.default_rng(config["seed"]))
+            wall = time.perf_counter() - started
+            rates = result.per_rate
+            events = float(rates["iterations"].sum() + rates["num_requests"].sum())
+            total_wall += wall
+            total_requests += float(rates["num_requests"].sum())
+            total_events += events
+            per_rate[system] = rates
+            s = result.summary
+            cases[system] = {
+                "fit_s": fit_seconds,
+                "simulate_s": wall,
+                "simulated_requests_per_s": float(rates["num_requests"].sum()) / wall,
+                "events_per_s": events / wall,
+                "iterations": int(rates["iterations"].sum()),
+                "lar": s["lar_sim"],
+                "a2a_share_lightest": s["a2a_share_lightest"],
+                "a2a_share_heaviest": s["a2a_share_heaviest"],
+                "moe_layer_us_lightest": s["moe_layer_s_lightest"] * 1e6,
+                "ttft_mean_ms_lightest": float(rates["ttft_mean_s"].iloc[0]) * 1e3,
+                "tpot_mean_ms_lightest": float(rates["tpot_mean_s"].iloc[0]) * 1e3,
+            }
+        # one SLO for every system: 5 x vanilla EP's mean latency at the lightest rate (the paper's rule)
+        base = per_rate["ep"]
+        for latency in ("ttft", "e2e"):
+            slo = 5 * float(base[f"{latency}_mean_s"].iloc[0])
+            ep_throughput = throughput_under_slo(base, latency, "mean", slo)
+            for system in SYSTEMS:
+                value = throughput_under_slo(per_rate[system], latency, "mean", slo)
+                cases[system][f"throughput_under_{latency}_slo_rps"] = value
+                cases[system][f"{latency}_slo_ratio_vs_ep"] = value / ep_throughput if ep_throughput else float("nan")
+        return {
+            "routing": "synthetic_deepseek_v2_lite on MMLU (decode: prompt_resample, 128 output tokens)",
+            "shape": "deepseek_v2_lite",
+            "hardware": "h200 (8 GPUs), Attention-DP, EP 8, backend deepep_auto, uncalibrated",
+            "rates": len(base),
+            "systems": len(SYSTEMS),
+            "requests_per_rate": int(base["num_requests"].iloc[0]),
+            "sweep_wall_s": total_wall,
+            "simulated_requests_per_s": total_requests / total_wall,
+            "events_per_s": total_events / total_wall,
+            "target_s": TARGET_SECONDS,
+            "target_met": total_wall <= TARGET_SECONDS if not quick else None,
+            "systems_detail": cases,
+        }
