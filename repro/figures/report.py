@@ -237,6 +237,36 @@ def tuned_section(runs_dir: Path) -> list[str]:
             markdown_table(pd.DataFrame(rows).sort_values(["system", "model", "attention", "devices"])), ""]
 
 
+def exec_section(runs: pd.DataFrame) -> list[str]:
+    """Real multi-process execution (repro.exec): bytes the ranks sent vs the evaluator's count, output error,
+    and measured all-to-all seconds, with both as ratios to vanilla EP of the same attention mode."""
+    if "exec_dispatch_bytes" not in runs or runs["exec_dispatch_bytes"].isna().all():
+        return []
+    runs = runs[runs["exec_dispatch_bytes"].notna()].copy()
+    error = runs["exec_max_logit_error"] if "exec_max_logit_error" in runs else runs["exec_max_abs_error"]
+    runs["exec_max_error"] = error.fillna(runs.get("exec_max_abs_error"))
+    runs["exec_a2a_seconds"] = runs["exec_dispatch_seconds"] + runs["exec_combine_seconds"]
+    ep = runs[runs["system"] == "ep"].set_index("attention")
+    for column, ratio in (("exec_dispatch_bytes", "bytes_vs_ep"), ("exec_a2a_seconds", "a2a_seconds_vs_ep"),
+                          ("exec_evaluator_dispatch_bytes", "evaluator_bytes_vs_ep")):
+        runs[ratio] = [v / ep[column].get(a, np.nan) for v, a in zip(runs[column], runs["attention"], strict=True)]
+    cols = ["attention", "system", "exec_world_size", "exec_num_tokens", "exec_dispatch_bytes",
+            "exec_evaluator_dispatch_bytes", "exec_bytes_match_evaluator", "bytes_vs_ep", "evaluator_bytes_vs_ep",
+            "exec_a2a_seconds", "a2a_seconds_vs_ep", "exec_max_error", "exec_output_matches_reference"]
+    if "exec_routing_match" in runs:
+        cols.append("exec_routing_match")
+    table = runs[[c for c in cols if c in runs]].sort_values(["attention", "system"])
+    for column in ("exec_world_size", "exec_num_tokens", "exec_dispatch_bytes", "exec_evaluator_dispatch_bytes"):
+        table[column] = table[column].astype(np.int64)
+    table["exec_max_error"] = table["exec_max_error"].map(lambda e: f"{e:.1e}")
+    return ["### Real execution on gloo ranks (`repro.exec`)", "",
+            "Bytes are what the ranks' dispatch all-to-alls sent to other ranks (hidden states only; routing "
+            "metadata is counted apart), next to the evaluator's count for the same plan and tokens; seconds are "
+            "wall time in the dispatch + combine collectives on this CPU machine (gloo), not a GPU estimate. "
+            "max_error: output vs the single-process model (logits for the tiny model).", "",
+            markdown_table(table), ""]
+
+
 def _config_block(run_dir: str) -> str:
     cfg = json.loads((Path(run_dir) / "metrics.json").read_text())["config"]
     keep = {k: cfg[k] for k in ("model", "workload", "system", "parallel", "seed", "profile_fraction", "validate_fraction")
@@ -276,6 +306,7 @@ def write_report(runs_dir: str | Path, out_dir: str | Path) -> Path:
         for title, path in figs:
             lines += [f"### {title}", "", f"![{title}]({path.relative_to(out_dir)})", ""]
         lines += routing_sources_section(runs) if experiment.startswith("routing_sources") else []
+        lines += exec_section(runs)
         lines += affinity_section(Path(runs["run_dir"].iloc[0]))
         lines += ["Config of the jobs (first job shown; swept keys vary):", "", _config_block(runs["run_dir"].iloc[0]), ""]
     report = out_dir / "REPORT.md"
