@@ -206,7 +206,12 @@ def make_job(config: dict):
     if config.get("exec"):  # real multi-process execution (repro.exec): its config errors surface here too
         from repro.exec.trace_mode import check_exec_config
 
-        check_exec_config(config["exec"], parallel)
+        exec_cfg = check_exec_config(config["exec"], parallel)
+        if exec_cfg.mode == "model" and (config.get("trace") or config["model"].get("kind") != "tiny"):
+            raise ConfigError(
+                "exec.mode=model runs the tiny model that routes the workload (model=tiny_mixtral, no trace=); "
+                "use exec.mode=trace to execute an imported trace or another routing model."
+            )
     return parallel, system
 
 

@@ -127,8 +127,9 @@ def synthetic_trace_dir(path: Path) -> Path:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "experiment",
-    # cross_dataset routes two workloads, which trace= cannot stand in for: test_honesty runs it for real
-    sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml") if p.stem != "cross_dataset"),
+    # cross_dataset routes two workloads and exec_model runs the tiny model that routed the workload, which trace=
+    # cannot stand in for: test_honesty and tests/test_exec_model.py run them for real
+    sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml") if p.stem not in ("cross_dataset", "exec_model")),
 )
 def test_every_experiment_sweep_runs(tmp_path, cache, experiment):
     """Each experiment's whole sweep (every system x mode x degree it names) runs, on a small imported trace."""
@@ -163,6 +164,8 @@ def compose(*overrides) -> dict:
         (["trace=/x", "profile_trace=/x"], "profile_trace is the evaluated trace itself"),
         (["profile_trace=/x"], "profile_trace needs trace="),
         (["evaluate_split=profile"], "evaluate_split must be one of"),
+        (["experiment=exec_model", "trace=/x"], "exec.mode=model runs the tiny model"),
+        (["experiment=exec_model", "model=synthetic_mixtral"], "exec.mode=model runs the tiny model"),
     ],
 )
 def test_trace_options_that_would_be_silently_ignored_are_errors(overrides, message):
