@@ -159,7 +159,8 @@ class Engine:
         group = 0
         if self.dp:
             start, length = self.req.row_start[r], self.req.prompt_len[r]
-            prompt = self.req.token_ids[start : start + length]
+            prompt = self.req.token_ids[start : start + length].view()
+            prompt.flags.writeable = False  # a scheduler reads the prompt; it must not be able to change it
             ranks = np.asarray(self.plan.assign_requests(prompt, np.array([0, length]), np.array([length], np.int32)))
             if ranks.shape != (1,) or not 0 <= int(ranks[0]) < self.devices:
                 raise ReproError(
