@@ -21,6 +21,7 @@ from pathlib import Path
 
 import hydra
 import numpy as np
+import pandas as pd
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
@@ -359,6 +360,9 @@ def _log_to_wandb(config: dict, summary: dict, result, out_dir: Path) -> None:
     ) as run:
         run.summary.update({k: v for k, v in summary.items() if isinstance(v, (int, float, str))})
         run.log({"per_layer": wandb.Table(dataframe=result.per_layer)})
+        for table in ("exec_per_layer", "exec_per_rank"):  # written by repro.exec when the job executed its plan
+            if (out_dir / f"{table}.csv").exists():
+                run.log({table: wandb.Table(dataframe=pd.read_csv(out_dir / f"{table}.csv"))})
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
