@@ -204,6 +204,10 @@ def make_job(config: dict):
             f"system.params.lookback={lookback} needs {lookback} layers of routing history but history="
             f"{config['history']}; set history>={lookback} or a smaller lookback."
         )
+    if config.get("sim"):  # the serving simulator's config errors, before any routing
+        from repro.sim import check_sim_config
+
+        check_sim_config(config["sim"])
     if config.get("exec"):  # real multi-process execution (repro.exec): its config errors surface here too
         from repro.exec.trace_mode import check_exec_config
 
@@ -283,8 +287,19 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict | None:
         from repro.exec.trace_mode import run_exec_job
 
         summary.update(run_exec_job(config, plan, evaluation, out_dir))
+    sim_tables = {}
+    if config.get("sim"):  # serve the plan on simulated hardware over a sweep of request rates
+        from repro.sim import simulate
+
+        sim = simulate(config, plan, evaluation, config["hardware"], config["sim"]["shape"],
+                       np.random.default_rng(config["seed"]), progress=True)
+        summary.update({k: v for k, v in sim.summary.items() if k != "warnings"})
+        summary["warnings"] = summary.get("warnings", []) + sim.summary["warnings"]
+        sim_tables = {"sim_per_rate": sim.per_rate, "sim_per_layer": sim.per_layer}
     # W&B first: if tracking fails, no result file has been written yet
-    _log_to_wandb(config, summary, result, out_dir)
+    _log_to_wandb(config, summary, result, out_dir, sim_tables)
+    for name, table in sim_tables.items():
+        atomic_write(out_dir / f"{name}.csv", lambda p, t=table: t.to_csv(p, index=False))
     plan.save(out_dir / "plan")
     atomic_write(out_dir / "per_layer.csv", lambda p: result.per_layer.to_csv(p, index=False))
     for name, array in (("traffic", result.traffic), ("expert_load", result.expert_load), ("token_load", result.token_load)):
@@ -341,7 +356,7 @@ def _json_default(x):
     raise TypeError(f"not JSON serialisable: {type(x)}")
 
 
-def _log_to_wandb(config: dict, summary: dict, result, out_dir: Path) -> None:
+def _log_to_wandb(config: dict, summary: dict, result, out_dir: Path, tables: dict | None = None) -> None:
     logger = config.get("logger") or {}
     if logger.get("name") != "wandb" or os.environ.get("WANDB_MODE") == "disabled":
         return
@@ -360,6 +375,8 @@ def _log_to_wandb(config: dict, summary: dict, result, out_dir: Path) -> None:
     ) as run:
         run.summary.update({k: v for k, v in summary.items() if isinstance(v, (int, float, str))})
         run.log({"per_layer": wandb.Table(dataframe=result.per_layer)})
+        for name, table in (tables or {}).items():
+            run.log({name: wandb.Table(dataframe=table)})
         for table in ("exec_per_layer", "exec_per_rank"):  # written by repro.exec when the job executed its plan
             if (out_dir / f"{table}.csv").exists():
                 run.log({table: wandb.Table(dataframe=pd.read_csv(out_dir / f"{table}.csv"))})
