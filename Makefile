@@ -25,7 +25,7 @@ test:
 
 # experiments that read ../shared/data (arena-hard prompts, measured routing tables) run only where it exists
 SHARED_DATA ?= $(or $(REPRO_SHARED_DATA),../shared/data)
-OFFLINE_EXPERIMENTS := default paper_dp paper_tp dp_lookahead routing_sources exec exec_model
+OFFLINE_EXPERIMENTS := default paper_dp paper_tp dp_lookahead routing_sources exec exec_model serve_dp serve_tp
 SHARED_EXPERIMENTS := $(if $(wildcard $(SHARED_DATA)/arena-hard),cross_dataset replay_olmoe_dp replay_olmoe_tp routing_sources_replay)
 
 reproduce:

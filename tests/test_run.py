@@ -135,9 +135,12 @@ def test_every_experiment_sweep_runs(tmp_path, cache, experiment):
     """Each experiment's whole sweep (every system x mode x degree it names) runs, on a small imported trace."""
     trace = synthetic_trace_dir(tmp_path / "trace")
     env = dict(os.environ, WANDB_MODE="disabled", REPRO_CACHE=str(cache))
+    # the small trace's 16 experts x 2 layers are mapped onto the simulated model shape (stated in the results)
+    serve = ["sim.routing_map=trace", "sim.num_requests=20", "sim.rates=[1,4]"]
     res = subprocess.run(
         [sys.executable, "-m", "repro.run", "-m", f"experiment={experiment}", "logger=none", f"trace={trace}",
-         "parallel.tokens_per_step=256", f"hydra.sweep.dir={tmp_path / 'runs'}"],
+         "parallel.tokens_per_step=256", f"hydra.sweep.dir={tmp_path / 'runs'}",
+         *(serve if compose(f"experiment={experiment}").get("sim") else [])],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )
     assert res.returncode == 0, res.stderr[-3000:]
