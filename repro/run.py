@@ -5,8 +5,9 @@
 
 Each job writes into its output dir (runs/<name>/<overrides>/): metrics.json (summary + resolved config; written
 last, so its presence means the job finished), per_layer.csv, traffic.npy, expert_load.npy, token_load.npy,
-activation_map.npz, affinity_stats.csv (the paper's Table 1 on the profile split), plan/ and config.yaml. A job whose metrics.json holds the same resolved config is skipped (resume). Routing
-traces and trained models are cached under cache_dir keyed by the config that made them.
+activation_map.npz, request_activations.npz (the paper's Fig. 6 a-c), affinity_stats.csv (the paper's Table 1 on
+the profile split), plan/ and config.yaml. A job whose metrics.json holds the same resolved config is skipped
+(resume). Routing traces and trained models are cached under cache_dir keyed by the config that made them.
 """
 
 from __future__ import annotations
@@ -305,6 +306,7 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict | None:
     for name, array in (("traffic", result.traffic), ("expert_load", result.expert_load), ("token_load", result.token_load)):
         atomic_write(out_dir / f"{name}.npy", lambda p, a=array: _save_npy(p, a))
     atomic_write(out_dir / "activation_map.npz", lambda p: _save_activation_map(p, evaluation))
+    atomic_write(out_dir / "request_activations.npz", lambda p: _save_request_activations(p, evaluation))
     # the paper's Table 1 on the profile split: how predictable each token's experts are from its id alone
     affinity = affinity_statistics(profile)
     atomic_write(out_dir / "affinity_stats.csv", lambda p: affinity.to_csv(p, index=False))
@@ -348,6 +350,14 @@ def _save_activation_map(path: Path, trace: RoutingTrace, num_tokens: int = 64) 
     np.add.at(counts, (layer.ravel(), np.repeat(row[keep], L * k), experts.ravel()), 1)
     with open(path, "wb") as f:
         np.savez(f, token_ids=vocab[top], counts=counts, layer_ids=np.asarray(trace.meta.layer_ids))
+
+
+def _save_request_activations(path: Path, trace: RoutingTrace) -> None:
+    """Per-request expert activations, adjacent-layer co-activation and per-token kurtosis (the paper's Fig. 6)."""
+    from repro.affinity.requests import request_activations
+
+    with open(path, "wb") as f:
+        np.savez_compressed(f, **request_activations(trace))
 
 
 def _json_default(x):
