@@ -1,0 +1,247 @@
+"""The served model's layer structure, and saved plans read back for serving.
+
+An engine indexes routing by *model* layer (SGLang's `--init-expert-location` has one row per hidden layer,
+dense ones included; both engines return routed experts as [tokens, num_hidden_layers, top_k]), while a plan
+has one row per MoE layer it was fitted on. `ModelLayout` says which model layers are MoE layers; a
+`SavedPlan` says which model layer each plan row is.
+
+Where a layout comes from, most direct first: the model's own HF `config.json` (what the engines read), a
+simulator shape (conf/sim/shape/<name>.yaml), or a finished job's config.yaml (its `sim.shape`, or a synthetic
+routing model's layer range).
+
+Legend: L plan rows (MoE layers the plan covers), E logical experts, P physical slots per layer, D EP ranks.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from repro.errors import ConfigError
+from repro.parallel import ParallelConfig
+from repro.systems.base import Placement, Plan
+
+CONF_SHAPES = Path(__file__).resolve().parents[2] / "conf" / "sim" / "shape"
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """num_hidden_layers model layers; moe_layer_ids the ones with a router (ascending); num_experts routed
+    experts per MoE layer; top_k experts per token (None when unknown)."""
+
+    name: str
+    num_hidden_layers: int
+    moe_layer_ids: tuple[int, ...]
+    num_experts: int
+    top_k: int | None = None
+
+    def __post_init__(self) -> None:
+        ids = np.asarray(self.moe_layer_ids, dtype=np.int64)
+        if self.num_hidden_layers < 1 or self.num_experts < 1 or len(ids) == 0:
+            raise ConfigError(
+                f"model {self.name!r} needs num_hidden_layers >= 1, num_experts >= 1 and at least one MoE layer, "
+                f"got {self.num_hidden_layers}, {self.num_experts} and {len(ids)}."
+            )
+        if ids.min() < 0 or ids.max() >= self.num_hidden_layers or np.any(np.diff(ids) <= 0):
+            raise ConfigError(
+                f"model {self.name!r}: MoE layer ids must be ascending and inside 0..{self.num_hidden_layers - 1}, "
+                f"got {list(self.moe_layer_ids)}."
+            )
+
+    @property
+    def dense_layer_ids(self) -> tuple[int, ...]:
+        return tuple(sorted(set(range(self.num_hidden_layers)) - set(self.moe_layer_ids)))
+
+    @classmethod
+    def from_hf_config(cls, path: str | Path) -> ModelLayout:
+        """Read a Hugging Face `config.json` (DeepSeek-V2/V3, Qwen2/3-MoE, Mixtral, OLMoE families)."""
+        path = Path(path)
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"cannot read the model config {path} ({e}); pass the model's config.json.") from e
+        if not isinstance(config, dict):
+            raise ConfigError(f"{path} is not a JSON object; pass the model's config.json.")
+        if "num_hidden_layers" not in config and isinstance(config.get("text_config"), dict):
+            config = config["text_config"]  # multimodal wrappers keep the language model's sizes here
+        num_layers = config.get("num_hidden_layers")
+        experts = next((config[k] for k in ("n_routed_experts", "num_local_experts", "num_experts") if config.get(k)), None)
+        if not isinstance(num_layers, int) or not isinstance(experts, int):
+            raise ConfigError(
+                f"{path} has no integer num_hidden_layers and n_routed_experts / num_local_experts / num_experts; "
+                "it is not the config of a supported MoE model."
+            )
+        layers = np.arange(num_layers)
+        if "n_routed_experts" in config:  # DeepSeek: dense first_k_dense_replace layers, then every moe_layer_freq-th
+            moe = (layers >= int(config.get("first_k_dense_replace", 0))) & (layers % int(config.get("moe_layer_freq", 1)) == 0)
+        elif "decoder_sparse_step" in config or "mlp_only_layers" in config:  # Qwen2-MoE / Qwen3-MoE
+            step = int(config.get("decoder_sparse_step", 1) or 1)
+            moe = ((layers + 1) % step == 0) & ~np.isin(layers, list(config.get("mlp_only_layers") or []))
+        else:  # Mixtral, OLMoE: every layer routes
+            moe = np.ones(num_layers, dtype=bool)
+        top_k = config.get("num_experts_per_tok")
+        return cls(
+            str(config.get("_name_or_path") or config.get("model_type") or path.parent.name),
+            num_layers, tuple(int(x) for x in layers[moe]), experts, int(top_k) if isinstance(top_k, int) else None,
+        )
+
+    @classmethod
+    def from_shape(cls, shape: dict | str) -> ModelLayout:
+        """A simulator shape (a dict, or the name of conf/sim/shape/<name>.yaml): dense layers first."""
+        if isinstance(shape, str):
+            path = CONF_SHAPES / f"{shape}.yaml"
+            if not path.is_file():
+                known = sorted(p.stem for p in CONF_SHAPES.glob("*.yaml"))
+                raise ConfigError(f"unknown model shape {shape!r}; choose one of {known} or pass --model-config.")
+            shape = yaml.safe_load(path.read_text())
+        try:
+            first, total = int(shape["first_dense_layers"]), int(shape["num_hidden_layers"])
+            return cls(str(shape.get("name", "")), total, tuple(range(first, total)), int(shape["num_experts"]),
+                       int(shape["top_k"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"model shape {shape.get('name', '?')!r} misses or garbles {e}; see conf/sim/shape/.") from e
+
+
+def layout_from_job(config: dict) -> ModelLayout | None:
+    """The layout a finished job's config implies: its sim shape, else a synthetic routing model's layers."""
+    if (config.get("sim") or {}).get("shape"):
+        return ModelLayout.from_shape(config["sim"]["shape"])
+    model = config.get("model") or {}
+    if model.get("kind") == "synthetic":
+        first, count = int(model.get("first_layer", 0)), int(model["num_layers"])
+        return ModelLayout(str(model.get("name", "synthetic")), first + count, tuple(range(first, first + count)),
+                           int(model["num_experts"]), int(model["top_k"]))
+    return None
+
+
+def parse_layer_ids(text: str) -> tuple[int, ...]:
+    """'1-26' or '0,7,15' or '1-3,9' -> ascending model layer ids."""
+    ids: list[int] = []
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.strip().partition("-")
+            ids.extend(range(int(lo), int(hi) + 1) if hi else [int(lo)])
+    except ValueError as e:
+        raise ConfigError(f"layer ids {text!r} are not a list like '0,7,15' or a range like '1-26'.") from e
+    return tuple(ids)
+
+
+@dataclass
+class SavedPlan:
+    """A plan read back from disk: the plan, the model layer of each plan row, the served model's layout."""
+
+    plan: Plan
+    layer_ids: tuple[int, ...]
+    layout: ModelLayout
+    source: Path
+    job_config: dict | None = None
+
+    @property
+    def placement(self) -> Placement:
+        return self.plan.placement
+
+
+def _find_plan_dir(path: Path) -> tuple[Path, dict | None]:
+    """(plan directory, job config or None) of a job directory or a plan directory."""
+    if (path / "plan" / "physical_to_logical.npy").is_file():
+        plan_dir = path / "plan"
+    elif (path / "physical_to_logical.npy").is_file():
+        plan_dir = path
+    else:
+        raise ConfigError(
+            f"{path} holds no saved plan (plan/physical_to_logical.npy or physical_to_logical.npy); pass a job "
+            "directory under runs/ or its plan/ folder."
+        )
+    config_file = plan_dir.parent / "config.yaml"
+    config = None
+    if config_file.is_file():
+        try:
+            config = yaml.safe_load(config_file.read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{config_file} is not valid YAML ({e}); re-run the job or pass the plan/ folder.") from e
+    return plan_dir, config if isinstance(config, dict) else None
+
+
+def load_plan(
+    path: str | Path,
+    *,
+    ep_size: int | None = None,
+    layout: ModelLayout | None = None,
+    layer_ids: tuple[int, ...] | None = None,
+) -> SavedPlan:
+    """Read the plan saved under `path` (a job directory or its plan/ folder) and check it fits the model.
+
+    ep_size: EP degree, needed when no job config.yaml sits beside the plan (else it must agree with it).
+    layout: the served model (default: the job config's, see `layout_from_job`).
+    layer_ids: model layer of each plan row (default: the job's synthetic layers, else the layout's MoE layers
+    when their count matches). A Sem-MoE plan comes back as a SemMoEPlan with its online tables.
+    """
+    from repro.systems.semmoe.system import SemMoEPlan
+
+    path = Path(path)
+    plan_dir, config = _find_plan_dir(path)
+    try:
+        p2l = np.load(plan_dir / "physical_to_logical.npy", allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{plan_dir / 'physical_to_logical.npy'} is unreadable ({e}); re-run the job.") from e
+    if p2l.ndim != 2 or not np.issubdtype(p2l.dtype, np.integer) or p2l.size == 0 or p2l.min() < 0:
+        raise ConfigError(f"{plan_dir / 'physical_to_logical.npy'} is not a non-negative int[layers, slots] array.")
+    num_experts = int(p2l.max()) + 1  # every expert holds a slot in every layer, so the largest id is E - 1
+    parallel = None
+    if config and isinstance(config.get("parallel"), dict):
+        parallel = ParallelConfig.from_config(config["parallel"])
+        if ep_size is not None and ep_size != parallel.devices:
+            raise ConfigError(f"--ep-size {ep_size} disagrees with the job's parallel.devices={parallel.devices}.")
+    elif ep_size is None:
+        raise ConfigError(f"{plan_dir} has no job config.yaml beside it; pass the EP degree with --ep-size.")
+    else:
+        parallel = ParallelConfig(devices=int(ep_size), tokens_per_step=max(4096, int(ep_size)))
+    model_experts = ((config or {}).get("model") or {}).get("num_experts")
+    if model_experts is not None and int(model_experts) != num_experts:
+        raise ConfigError(f"{plan_dir} places {num_experts} experts but its job's model has {model_experts}.")
+    if (plan_dir / "semmoe.json").is_file():
+        plan: Plan = SemMoEPlan.load(plan_dir, parallel, num_experts)
+    else:
+        info = {}
+        if (plan_dir / "plan_info.json").is_file():
+            info = json.loads((plan_dir / "plan_info.json").read_text())
+        plan = Plan(Placement(p2l, parallel.devices, num_experts), parallel, info)
+    layout = layout or (layout_from_job(config) if config else None)
+    if layout is None:
+        raise ConfigError(
+            f"cannot tell which model {plan_dir} is served on; pass --model-config <config.json> or --shape <name>."
+        )
+    if layout.num_experts != num_experts:
+        raise ConfigError(
+            f"the plan places {num_experts} experts per layer but model {layout.name!r} has {layout.num_experts}; "
+            "the plan was fitted for another model."
+        )
+    if layer_ids is None:
+        job_layout = layout_from_job(config) if config else None
+        if job_layout is not None and len(job_layout.moe_layer_ids) == p2l.shape[0]:
+            layer_ids = job_layout.moe_layer_ids
+        elif len(layout.moe_layer_ids) == p2l.shape[0]:
+            layer_ids = layout.moe_layer_ids
+        else:
+            raise ConfigError(
+                f"the plan has {p2l.shape[0]} layers and model {layout.name!r} {len(layout.moe_layer_ids)} MoE layers; "
+                "say which model layer each plan row is with --layer-ids (e.g. 0,7,15)."
+            )
+    if len(layer_ids) != p2l.shape[0]:
+        raise ConfigError(f"--layer-ids names {len(layer_ids)} layers but the plan has {p2l.shape[0]}.")
+    dense = sorted(set(layer_ids) - set(layout.moe_layer_ids))
+    if dense:
+        raise ConfigError(
+            f"plan rows map to model layer(s) {dense}, which are not MoE layers of {layout.name!r} "
+            f"(MoE layers: {_span(layout.moe_layer_ids)}); the plan was fitted for another model."
+        )
+    return SavedPlan(plan, tuple(int(x) for x in layer_ids), layout, plan_dir, config)
+
+
+def _span(ids) -> str:
+    ids = list(ids)
+    return f"{ids[0]}-{ids[-1]}" if ids == list(range(ids[0], ids[-1] + 1)) else ",".join(map(str, ids))
