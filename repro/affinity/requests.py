@@ -44,7 +44,8 @@ def request_activations(
       labels <U[R'], datasets <U[R'] (the trace's request table)
       activations float32[R', l, E]: share of each request's prompt activations (all k slots) on each expert;
         rows sum to 1 (all zeros for a request without prompt tokens)
-      pair_layers int64[P]: layer index a of each adjacent pair (a, a + 1), at most max_pairs evenly spaced
+      pair_layers int64[P]: MoE layer index a of each adjacent pair (a, a + 1), at most max_pairs evenly spaced
+      pair_layer_ids int64[P, 2]: model layer ids of each pair (a trace may store non-adjacent model layers)
       coactivation float32[P, E, E]: share of (token, expert i at layer a, expert j at layer a + 1) triples over
         all prompt tokens; each [E, E] sums to 1
       kurtosis_layer int64 (scalar: layer_index[0]); token_kurtosis float32[t']: Pearson kurtosis of the
@@ -99,6 +100,7 @@ def request_activations(
         "datasets": np.asarray(trace.request_datasets[:kept], dtype=str),
         "activations": activations,
         "pair_layers": pair_layers,
+        "pair_layer_ids": np.asarray(trace.meta.layer_ids, dtype=np.int64)[np.stack([pair_layers, pair_layers + 1], axis=1)],
         "coactivation": coactivation,
         "kurtosis_layer": np.int64(layer_index[0]),
         "token_kurtosis": kurtosis.astype(np.float32),
