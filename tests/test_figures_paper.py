@@ -111,6 +111,7 @@ def per_rate_table(rates, ttft, e2e, throughput, lar, dispatch_us=20.0, experts_
     layer = 3 + 2 * dispatch_us + experts_us
     table["a2a_share"] = [2 * dispatch_us / layer] * n
     table["lar"] = [lar] * n
+    table["remote_token_copies"] = [round(1000 * (1 - lar))] * n
     return pd.DataFrame(table)
 
 
@@ -228,7 +229,7 @@ def test_every_figure_renders_its_png_and_lines(runs, tmp_path):
         paper.fig6a_request_pca: ("fig6a_request_pca.png", ["class share of variance"]),
         paper.fig6b_heatmap_kurtosis: ("fig6b_heatmap_kurtosis.png", ["kurtosis > 8"]),
         paper.fig6c_interlayer: ("fig6c_interlayer.png", ["lift"]),
-        paper.fig6d_a2a_vs_local: ("fig6d_a2a_vs_local.png", ["gloo"]),
+        paper.fig6d_a2a_vs_local: ("fig6d_a2a_vs_local.png", ["gloo", "| 0.857 | 0.857 | 0.750 |"]),
     }
     assert set(expected) == set(paper.FIGURES)
     for figure, (png, phrases) in expected.items():
