@@ -1,12 +1,18 @@
 """The paper's figures and tables (repro.figures.paper) on fabricated runs/ dirs, the one-SLO-for-all rule on a
 hand-made per-rate table, and the per-request activation artifact (repro.affinity.requests) on a hand-made trace."""
 
+import json
+from pathlib import Path
+
 import numpy as np
+import pandas as pd
 import pytest
 import scipy.stats
 
 from repro.affinity.requests import request_activations, spikes_kurtosis
 from repro.errors import ConfigError
+from repro.figures import paper
+from repro.figures.report import load_runs, write_report
 from repro.traces import TraceMeta, make_trace
 
 # ---- repro.affinity.requests ---------------------------------------------------------------------------------
@@ -85,14 +91,6 @@ def test_request_activations_bad_input():
 
 
 # ---- repro.figures.paper -------------------------------------------------------------------------------------
-
-import json  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import pandas as pd  # noqa: E402
-
-from repro.figures import paper  # noqa: E402
-from repro.figures.report import load_runs, write_report  # noqa: E402
 
 SHAPE = "deepseek_v2_lite"
 

@@ -8,7 +8,7 @@ each returns [] when the jobs it needs are absent, so a partial runs/ dir render
 (Fig. 1, 4, 5a, 6d, Tables 2, 5-6) come from jobs with a `sim` group (sim_per_rate.csv); exact accounting
 (Fig. 5b) from metrics.json; Fig. 6 a-c from request_activations.npz and activation_map.npz.
 
-Legend: R requests, l stored layers, E experts per layer, P adjacent layer pairs, C classes.
+Legend: R requests, F features of a request vector (its experts), E experts per layer (x_EE: expert x expert).
 """
 
 from __future__ import annotations
