@@ -166,24 +166,15 @@ def _find_plan_dir(path: Path) -> tuple[Path, dict | None]:
     return plan_dir, config if isinstance(config, dict) else None
 
 
-def load_plan(
-    path: str | Path,
-    *,
-    ep_size: int | None = None,
-    layout: ModelLayout | None = None,
-    layer_ids: tuple[int, ...] | None = None,
-) -> SavedPlan:
-    """Read the plan saved under `path` (a job directory or its plan/ folder) and check it fits the model.
+def read_plan(path: str | Path, ep_size: int | None = None) -> tuple[Plan, dict | None, Path]:
+    """(plan, job config or None, plan directory) saved under `path` (a job directory or its plan/ folder).
 
-    ep_size: EP degree, needed when no job config.yaml sits beside the plan (else it must agree with it).
-    layout: the served model (default: the job config's, see `layout_from_job`).
-    layer_ids: model layer of each plan row (default: the job's synthetic layers, else the layout's MoE layers
-    when their count matches). A Sem-MoE plan comes back as a SemMoEPlan with its online tables.
+    ep_size: EP degree, needed when no job config.yaml sits beside the plan (else it must agree with it). A
+    Sem-MoE plan comes back as a SemMoEPlan with its online tables.
     """
     from repro.systems.semmoe.system import SemMoEPlan
 
-    path = Path(path)
-    plan_dir, config = _find_plan_dir(path)
+    plan_dir, config = _find_plan_dir(Path(path))
     try:
         p2l = np.load(plan_dir / "physical_to_logical.npy", allow_pickle=False)
     except (OSError, ValueError) as e:
@@ -191,7 +182,6 @@ def load_plan(
     if p2l.ndim != 2 or not np.issubdtype(p2l.dtype, np.integer) or p2l.size == 0 or p2l.min() < 0:
         raise ConfigError(f"{plan_dir / 'physical_to_logical.npy'} is not a non-negative int[layers, slots] array.")
     num_experts = int(p2l.max()) + 1  # every expert holds a slot in every layer, so the largest id is E - 1
-    parallel = None
     if config and isinstance(config.get("parallel"), dict):
         parallel = ParallelConfig.from_config(config["parallel"])
         if ep_size is not None and ep_size != parallel.devices:
@@ -204,12 +194,26 @@ def load_plan(
     if model_experts is not None and int(model_experts) != num_experts:
         raise ConfigError(f"{plan_dir} places {num_experts} experts but its job's model has {model_experts}.")
     if (plan_dir / "semmoe.json").is_file():
-        plan: Plan = SemMoEPlan.load(plan_dir, parallel, num_experts)
-    else:
-        info = {}
-        if (plan_dir / "plan_info.json").is_file():
-            info = json.loads((plan_dir / "plan_info.json").read_text())
-        plan = Plan(Placement(p2l, parallel.devices, num_experts), parallel, info)
+        return SemMoEPlan.load(plan_dir, parallel, num_experts), config, plan_dir
+    info = json.loads((plan_dir / "plan_info.json").read_text()) if (plan_dir / "plan_info.json").is_file() else {}
+    return Plan(Placement(p2l, parallel.devices, num_experts), parallel, info), config, plan_dir
+
+
+def load_plan(
+    path: str | Path,
+    *,
+    ep_size: int | None = None,
+    layout: ModelLayout | None = None,
+    layer_ids: tuple[int, ...] | None = None,
+) -> SavedPlan:
+    """`read_plan`, then the model it is served on, checked against the plan.
+
+    layout: the served model (default: the job config's, see `layout_from_job`). layer_ids: model layer of each
+    plan row (default: the job's synthetic layers, else the layout's MoE layers when their count matches).
+    """
+    plan, config, plan_dir = read_plan(path, ep_size)
+    p2l = plan.placement.physical_to_logical
+    num_experts = plan.placement.num_experts
     layout = layout or (layout_from_job(config) if config else None)
     if layout is None:
         raise ConfigError(

@@ -1,0 +1,358 @@
+"""Semantic DP-rank router: an async HTTP proxy in front of an SGLang or vLLM server with Attention-DP.
+
+    python -m repro.engines.router --plan runs/paper_dp/<job> --upstream http://127.0.0.1:30000 --port 8080
+    python -m repro.engines.router --plan <job> --engine vllm --upstream http://127.0.0.1:8000
+    python -m repro.engines.router --plan <job> --engine vllm --upstream http://h:8000 http://h:8001 ...  # external LB
+
+For POST /v1/completions, /v1/chat/completions and SGLang's /generate it tokenizes the prompt with the model's
+tokenizer (text prompts, chat message texts without the chat template, or the token ids the client sent),
+scores the DP ranks with the plan's tables and sets the rank: one request at a time through
+`plan.assign_requests` (Sem-MoE Algorithm 2, round-robin mask included, its streaming state kept across
+requests; a non-Sem-MoE plan gives its own online behaviour, e.g. round robin). With one upstream the rank goes
+in the header SGLang (`X-Data-Parallel-Rank`, entrypoints/openai/serving_base.py) or vLLM
+(`X-data-parallel-rank`, `_get_data_parallel_rank`) reads; HTTP header names are case-insensitive, each engine
+gets its own spelling anyway. With D upstreams (vLLM external load balancing, one server per rank) rank r's
+request goes to upstream r, without a header. A request that already carries the header keeps it, unscored.
+
+Everything is passed through unchanged: method, path, query, headers (hop-by-hop ones excepted), body bytes,
+status, response headers and body, streamed chunk by chunk (SSE included, compressed bodies untouched).
+An unreachable upstream gives 502 and an upstream timeout 504, each with a JSON body saying so; an upstream
+error status is returned as is. Every other path (/v1/models, /health, ...) is proxied without a rank.
+GET /metrics (Prometheus): requests per rank, predicted local activation rate per rank, routing seconds
+(tokenize + score), upstream errors by kind, requests in flight.
+
+Predicted local activation rate of a request on its rank r: the mean over its prompt tokens and the plan's
+layers of T_p[l, token] where T[l, token] == r (the share of a token's routed experts the plan expects on its
+top device, counted only when that device is r): a lower bound on the plan's expected LAR, from its tables.
+
+Concurrency: scoring runs on the event loop with no await between reading and updating the plan's state, and
+under a lock, so concurrent requests (coroutines or threads) see a consistent mask; prompts longer than
+INLINE_CHARS characters are tokenized on a worker thread so they do not stall other requests.
+
+Legend: L plan layers, D DP ranks, t profiled token rows (+1 OOV row), n prompt tokens of one request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from repro.errors import ConfigError, ReproError
+from repro.systems.base import Plan
+
+ENGINES = ("sglang", "vllm")
+RANK_HEADERS = {"sglang": "X-Data-Parallel-Rank", "vllm": "X-data-parallel-rank"}
+ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions", "/generate")
+# RFC 9110 7.6.1 hop-by-hop headers, plus those the proxy recomputes for its own connection
+HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+              "transfer-encoding", "upgrade", "host", "content-length"}
+INLINE_CHARS = 16384
+
+
+# ---- prompts -------------------------------------------------------------------------------------------------
+
+
+def extract_prompt(path: str, body) -> str | list[int] | None:
+    """The prompt of a request body: text, token ids, or None when there is none to score.
+
+    /v1/completions "prompt": a string, token ids, or a batch of either (joined); /v1/chat/completions:
+    the text of every message (string contents and "text" parts) joined by newlines; /generate: "input_ids"
+    (ids or a batch) or "text" (a string or a batch).
+    """
+    if not isinstance(body, dict):
+        return None
+    if path == "/v1/chat/completions":
+        parts = []
+        for message in body.get("messages") or []:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, str):
+                parts.append(content)
+            elif isinstance(content, list):
+                parts.extend(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+        return "\n".join(parts) if parts else None
+    value = body.get("prompt") if path == "/v1/completions" else body.get("input_ids", body.get("text"))
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value:
+        if all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+            return value
+        if all(isinstance(x, str) for x in value):
+            return "\n".join(value)
+        if all(isinstance(x, list) and all(isinstance(y, int) for y in x) for x in value):
+            return [y for x in value for y in x]
+    return None
+
+
+# ---- scoring -------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Decision:
+    rank: int
+    predicted_lar: float | None  # None: the plan has no token tables (or the prompt had no token)
+
+
+class SemanticRouter:
+    """Request -> DP rank with a plan's online scheduler; safe to call from several threads or coroutines."""
+
+    def __init__(self, plan: Plan, tokenizer=None):
+        from repro.systems.semmoe.system import SemMoEPlan
+
+        if plan.parallel.attention != "dp":
+            raise ConfigError(
+                f"the plan was fitted for parallel.attention={plan.parallel.attention}; request routing needs an "
+                "Attention-DP plan (parallel.attention=dp)."
+            )
+        self.plan = plan
+        self.tokenizer = tokenizer
+        self.num_ranks = plan.parallel.devices
+        self._lock = threading.Lock()
+        self._vocab = None
+        self._lar_table = None
+        if isinstance(plan, SemMoEPlan):
+            if plan.dp_assign != "online":
+                raise ConfigError(
+                    f"the plan assigns requests with dp_assign={plan.dp_assign}, which waits for later requests; "
+                    "a router decides at arrival: fit it with system.params.dp_assign=online."
+                )
+            self._vocab = len(plan.row_of_token)
+            if tokenizer is not None and tokenizer.vocab_size > self._vocab:
+                raise ConfigError(
+                    f"tokenizer {tokenizer.name!r} emits {tokenizer.vocab_size} ids but the plan knows {self._vocab}; "
+                    "the plan was profiled with another tokenizer (pass the model's with --tokenizer)."
+                )
+            on_device = plan.token_device[:, :, None] == np.arange(self.num_ranks)[None, None, :]  # [L, t+1, D]
+            self._lar_table = (plan.token_confidence[:, :, None] * on_device).mean(axis=0).astype(np.float32)
+        plan.reset()
+
+    def token_ids(self, prompt: str | list[int]) -> np.ndarray:
+        """int64[n] ids of a prompt (text through the tokenizer; ids outside the plan's vocabulary dropped)."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ConfigError("a text prompt needs the model's tokenizer; start the router with --tokenizer.")
+            ids = np.asarray(self.tokenizer.encode(prompt), dtype=np.int64)
+        else:
+            ids = np.asarray(prompt, dtype=np.int64)
+        if self._vocab is not None:
+            ids = ids[(ids >= 0) & (ids < self._vocab)]
+        return ids
+
+    def route(self, token_ids: np.ndarray) -> Decision:
+        """The rank of the next request, whose prompt tokens are token_ids int[n] (state advances by one)."""
+        n = len(token_ids)
+        with self._lock:
+            rank = int(self.plan.assign_requests(token_ids, np.array([0, n]), np.array([n]))[0])
+        lar = None
+        if self._lar_table is not None and n:
+            lar = float(self._lar_table[self.plan.row_of_token[token_ids], rank].mean())
+        return Decision(rank, lar)
+
+
+class RouterMetrics:
+    """Prometheus metrics of one router, in their own registry (several routers may live in one process)."""
+
+    def __init__(self, num_ranks: int):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = CollectorRegistry()
+        self.requests = Counter("semmoe_router_requests", "Requests routed, by DP rank", ["rank"], registry=self.registry)
+        self.unscored = Counter("semmoe_router_unscored_requests", "Requests forwarded without scoring, by reason",
+                                ["reason"], registry=self.registry)
+        self.lar = Histogram("semmoe_router_predicted_local_activation_rate",
+                             "Predicted local activation rate of a request on its rank (lower bound from T/T_p)",
+                             ["rank"], buckets=[i / 20 for i in range(1, 21)], registry=self.registry)
+        self.routing = Histogram("semmoe_router_routing_seconds", "Seconds to tokenize and score one request",
+                                 buckets=[1e-5, 3e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2, 0.25],
+                                 registry=self.registry)
+        self.errors = Counter("semmoe_router_upstream_errors", "Upstream failures, by kind (connect, timeout, "
+                              "midstream, status_4xx, status_5xx)", ["kind"], registry=self.registry)
+        self.in_flight = Gauge("semmoe_router_in_flight", "Requests being proxied", registry=self.registry)
+        for rank in range(num_ranks):  # every rank shows up from the first scrape, at 0
+            self.requests.labels(rank=str(rank))
+            self.lar.labels(rank=str(rank))
+
+    def render(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
+
+
+# ---- the proxy -----------------------------------------------------------------------------------------------
+
+
+def _error_response(status: int, kind: str, message: str):
+    from aiohttp import web
+
+    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+
+
+def build_app(
+    router: SemanticRouter, upstreams: Sequence[str], engine: str = "sglang", *, connect_timeout: float = 5.0,
+    timeout: float = 600.0, max_connections: int = 1024,
+):
+    """The aiohttp application proxying to `upstreams` (one URL, or one per DP rank)."""
+    import aiohttp
+    from aiohttp import web
+
+    if engine not in ENGINES:
+        raise ConfigError(f"engine must be one of {ENGINES}, got {engine!r}.")
+    upstreams = [u.rstrip("/") for u in upstreams]
+    if len(upstreams) not in (1, router.num_ranks):
+        raise ConfigError(
+            f"give one upstream (rank in a header) or one per DP rank ({router.num_ranks}), got {len(upstreams)}."
+        )
+    header = RANK_HEADERS[engine]
+    metrics = RouterMetrics(router.num_ranks)
+    session_key = web.AppKey("session", aiohttp.ClientSession)
+
+    async def start(app: web.Application) -> None:
+        app[session_key] = aiohttp.ClientSession(
+            auto_decompress=False,  # bodies go through byte for byte, compressed or not
+            connector=aiohttp.TCPConnector(limit=max_connections),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout, sock_read=timeout),
+        )
+
+    async def stop(app: web.Application) -> None:
+        await app[session_key].close()
+
+    async def decide(request: web.Request, raw: bytes) -> int | None:
+        if request.method != "POST" or request.path not in ROUTED_PATHS:
+            return None
+        if any(name.lower() == header.lower() for name in request.headers):
+            metrics.unscored.labels(reason="client_rank").inc()
+            return None
+        try:
+            body = json.loads(raw) if raw else None
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            body = None
+        prompt = extract_prompt(request.path, body)
+        if prompt is None:
+            metrics.unscored.labels(reason="no_prompt").inc()
+            return None
+        started = time.perf_counter()
+        if isinstance(prompt, str) and len(prompt) > INLINE_CHARS:
+            ids = await asyncio.get_running_loop().run_in_executor(None, router.token_ids, prompt)
+            started = time.perf_counter()  # the thread-pool wait is not routing work
+        else:
+            ids = router.token_ids(prompt)
+        decision = router.route(ids)
+        metrics.routing.observe(time.perf_counter() - started)
+        metrics.requests.labels(rank=str(decision.rank)).inc()
+        if decision.predicted_lar is not None:
+            metrics.lar.labels(rank=str(decision.rank)).observe(decision.predicted_lar)
+        return decision.rank
+
+    async def proxy(request: web.Request) -> web.StreamResponse:
+        if request.method == "GET" and request.path == "/metrics":
+            return web.Response(body=metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+        raw = await request.read()
+        rank = await decide(request, raw)
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        base = upstreams[0]
+        if rank is not None and len(upstreams) == 1:
+            headers[header] = str(rank)
+        elif rank is not None:
+            base = upstreams[rank]
+        url = base + request.rel_url.raw_path_qs
+        metrics.in_flight.inc()
+        try:
+            async with request.app[session_key].request(
+                request.method, url, headers=headers, data=raw if raw else None, allow_redirects=False,
+            ) as upstream:
+                response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+                for name, value in upstream.headers.items():
+                    if name.lower() not in HOP_BY_HOP:
+                        response.headers.add(name, value)
+                if upstream.content_length is not None:
+                    response.content_length = upstream.content_length
+                if upstream.status >= 400:
+                    metrics.errors.labels(kind=f"status_{upstream.status // 100}xx").inc()
+                await response.prepare(request)
+                try:
+                    async for chunk in upstream.content.iter_any():
+                        await response.write(chunk)
+                except (aiohttp.ClientError, TimeoutError) as e:
+                    # headers are out: the status cannot change any more; cut the connection so the client sees it
+                    metrics.errors.labels(kind="midstream").inc()
+                    if request.transport is not None:
+                        request.transport.close()
+                    raise ConnectionResetError(f"upstream {base} failed mid-response: {e}") from e
+                await response.write_eof()
+                return response
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
+            metrics.errors.labels(kind="connect").inc()
+            return _error_response(502, "upstream_unavailable", f"upstream {base} is unreachable ({type(e).__name__}: {e}).")
+        except TimeoutError:
+            metrics.errors.labels(kind="timeout").inc()
+            return _error_response(504, "upstream_timeout", f"upstream {base} did not answer within {timeout:g} s.")
+        except aiohttp.ClientError as e:
+            metrics.errors.labels(kind="connect").inc()
+            return _error_response(502, "upstream_unavailable", f"upstream {base} failed before answering ({type(e).__name__}: {e}).")
+        finally:
+            metrics.in_flight.dec()
+
+    app = web.Application(client_max_size=1 << 30)
+    app.on_startup.append(start)
+    app.on_cleanup.append(stop)
+    app.router.add_route("*", "/{tail:.*}", proxy)
+    return app
+
+
+# ---- CLI -----------------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m repro.engines.router", description=__doc__.splitlines()[0])
+    p.add_argument("--plan", type=Path, required=True, help="job directory under runs/ or its plan/ folder")
+    p.add_argument("--upstream", nargs="+", required=True, help="server URL, or one URL per DP rank")
+    p.add_argument("--engine", choices=ENGINES, default="sglang")
+    p.add_argument("--tokenizer", help="the model's tokenizer (mixtral, qwen, olmoe, hf:<repo or folder>); default: the job's")
+    p.add_argument("--ep-size", type=int, help="DP ranks = EP degree (default: the job's parallel.devices)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to connect to the upstream")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds the upstream may stay silent")
+    return p
+
+
+def make_router(args) -> tuple[SemanticRouter, object]:
+    from repro.engines.layout import read_plan
+    from repro.workloads import load_tokenizer
+
+    plan, config, _ = read_plan(args.plan, args.ep_size)
+    name = args.tokenizer or ((config or {}).get("model") or {}).get("tokenizer")
+    if not name:
+        raise ConfigError("the job config names no tokenizer; pass the model's with --tokenizer.")
+    tokenizer = load_tokenizer(name)
+    return SemanticRouter(plan, tokenizer), tokenizer
+
+
+def main(argv: list[str] | None = None) -> int:
+    from aiohttp import web
+
+    args = build_parser().parse_args(argv)
+    try:
+        if args.connect_timeout <= 0 or args.timeout <= 0:
+            raise ConfigError("--connect-timeout and --timeout must be > 0 seconds.")
+        router, tokenizer = make_router(args)
+        app = build_app(router, args.upstream, args.engine, connect_timeout=args.connect_timeout, timeout=args.timeout)
+    except ReproError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"routing {router.num_ranks} DP ranks of {args.upstream} ({args.engine}, tokenizer {tokenizer.name}) "
+          f"on http://{args.host}:{args.port}; metrics at /metrics", file=sys.stderr)
+    web.run_app(app, host=args.host, port=args.port, access_log=None, print=None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,310 @@
+"""repro.engines.router: the semantic DP-rank proxy against a fake upstream on loopback (real HTTP).
+
+The fake upstream echoes what it received (path, query, headers with their raw spelling, body digest and the
+request's "id") and can stream SSE, fail with a chosen status, stall, or return opaque (gzip-labelled) bytes.
+Ranks are checked against Sem-MoE Algorithm 2 run offline on the same prompts in the same order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import threading
+import time
+from collections import Counter
+
+import aiohttp
+import numpy as np
+import pytest
+from aiohttp import web
+from test_engines_capture import serve_in_thread
+from test_engines_sglang import DEVICES, NUM_EXPERTS, toy_placement, write_job
+
+from repro.engines import router as router_mod
+from repro.engines.router import SemanticRouter, build_app, extract_prompt
+from repro.errors import ConfigError
+from repro.parallel import ParallelConfig
+from repro.systems.semmoe.system import SemMoEPlan
+from repro.workloads import load_tokenizer
+
+VOCAB = 32000  # the mixtral tokenizer's
+PROMPTS = [
+    "What is the capital of France?", "Integrate x squared from zero to one.", "def fib(n): return n",
+    "The mitochondria is the powerhouse of the cell.", "Translate 'good morning' into German.",
+    "Which amendment abolished slavery?", "SELECT * FROM users WHERE id = 1;", "Solve 3x + 5 = 11 for x.",
+]
+
+
+def semmoe_plan(seed: int = 0, dp_assign: str = "online", vocab: int = VOCAB) -> SemMoEPlan:
+    """A Sem-MoE plan with random but fixed tables (3 layers, EP 4, 97 token rows + the OOV row)."""
+    rng = np.random.default_rng(seed)
+    rows, layers = 97, 3
+    placement = toy_placement(seed)
+    dp_score = rng.dirichlet(np.full(DEVICES, 0.3), size=rows + 1).astype(np.float32)
+    dp_score[rows] = 0.0
+    return SemMoEPlan(
+        placement, ParallelConfig(devices=DEVICES, tokens_per_step=64), np.arange(rows, dtype=np.int32),
+        (np.arange(vocab) % (rows + 1)).astype(np.int32), rng.integers(0, DEVICES, (layers, rows + 1)).astype(np.int16),
+        rng.uniform(0.3, 1.0, (layers, rows + 1)).astype(np.float32), dp_score, lookback=0,
+        token_frequency=rng.integers(1, 50, rows + 1).astype(np.float32), dp_assign=dp_assign,
+    )
+
+
+def fake_upstream(log: list) -> web.Application:
+    async def handle(request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        body = json.loads(raw) if raw and request.content_type == "application/json" else {}
+        log.append(body.get("id"))
+        echo = {"path": request.path, "raw_path": request.raw_path, "method": request.method,
+                "raw_headers": [[k.decode(), v.decode()] for k, v in request.raw_headers],
+                "body_sha": hashlib.sha256(raw).hexdigest(), "id": body.get("id")}
+        if body.get("sleep"):
+            await asyncio.sleep(body["sleep"])
+        if body.get("status"):
+            return web.Response(status=body["status"], text=f"upstream says {body['status']}", headers={"X-Why": "test"})
+        if body.get("opaque"):
+            return web.Response(body=b"\x1f\x8b\x08\x00opaque", headers={"Content-Encoding": "gzip", "X-Upstream": "yes"})
+        if body.get("stream"):
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "X-Upstream": "yes"})
+            await response.prepare(request)
+            for i in range(5):
+                await response.write(f"data: {json.dumps({'i': i, 'echo': echo if i == 0 else None})}\n\n".encode())
+                await asyncio.sleep(0.002)
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+            return response
+        return web.json_response(echo, headers={"X-Upstream": "yes"})
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handle)
+    return app
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer("mixtral")
+
+
+@pytest.fixture
+def stack(tokenizer):
+    """(router URL, upstream URL, upstream log, SemanticRouter) for engine sglang, torn down after the test."""
+    started = []
+
+    def start(engine: str = "sglang", plan=None, **kwargs):
+        log: list = []
+        upstream_url, stop_upstream = serve_in_thread(fake_upstream(log))
+        router = SemanticRouter(plan or semmoe_plan(), tokenizer)
+        router_url, stop_router = serve_in_thread(build_app(router, [upstream_url], engine, **kwargs))
+        started.extend([stop_router, stop_upstream])
+        return router_url, upstream_url, log, router
+
+    yield start
+    for stop in started:
+        stop()
+
+
+async def _call(url: str, path: str, body=None, method: str = "POST", headers=None) -> tuple[int, dict, bytes]:
+    async with aiohttp.ClientSession(auto_decompress=False) as session:
+        async with session.request(method, url + path, json=body, headers=headers) as response:
+            return response.status, dict(response.headers), await response.read()
+
+
+def call(*args, **kwargs):
+    return asyncio.run(_call(*args, **kwargs))
+
+
+def offline_ranks(prompts_ids: list[np.ndarray]) -> list[int]:
+    """Algorithm 2 on a fresh copy of the plan, all requests in one batch call."""
+    plan = semmoe_plan()
+    ids = np.concatenate(prompts_ids)
+    lengths = np.array([len(p) for p in prompts_ids])
+    return plan.assign_requests(ids, np.concatenate([[0], np.cumsum(lengths)]), lengths).tolist()
+
+
+def rank_header(echo: dict, name: str = "X-Data-Parallel-Rank") -> str | None:
+    return next((v for k, v in echo["raw_headers"] if k == name), None)
+
+
+def test_ranks_follow_algorithm_2_across_formats(stack, tokenizer):
+    url, _, _, _ = stack()
+    requests = []
+    for i, text in enumerate(PROMPTS * 2):  # 16 requests = 4 mask windows of D = 4
+        kind = i % 4
+        if kind == 0:
+            requests.append(("/v1/completions", {"prompt": text, "id": i}, tokenizer.encode(text)))
+        elif kind == 1:
+            messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": text}]}]
+            requests.append(("/v1/chat/completions", {"messages": messages, "id": i}, tokenizer.encode("Be brief.\n" + text)))
+        elif kind == 2:
+            requests.append(("/generate", {"text": text, "id": i}, tokenizer.encode(text)))
+        else:
+            ids = tokenizer.encode(text)
+            requests.append(("/generate", {"input_ids": ids, "id": i}, ids))
+    got = []
+    for path, body, _ in requests:
+        status, _, raw = call(url, path, body)
+        assert status == 200
+        got.append(int(rank_header(json.loads(raw))))
+    expected = offline_ranks([np.asarray(ids) for _, _, ids in requests])
+    assert got == expected
+    assert sorted(Counter(got).values()) == [4] * DEVICES  # the round-robin mask: every window covers every rank
+
+
+def test_headers_bodies_and_query_pass_through(stack):
+    url, upstream, _, _ = stack()
+    body = {"prompt": "hello there", "id": "q1", "opaque": True}
+    status, headers, raw = call(url, "/v1/completions?x=1&y=%20z", body, headers={"X-Client": "c1", "Accept-Encoding": "gzip"})
+    direct = call(upstream, "/v1/completions?x=1&y=%20z", body, headers={"X-Client": "c1", "Accept-Encoding": "gzip"})
+    assert (status, raw) == (direct[0], direct[2]) == (200, b"\x1f\x8b\x08\x00opaque")  # bytes untouched
+    assert headers["Content-Encoding"] == "gzip" and headers["X-Upstream"] == "yes"
+    status, _, raw = call(url, "/v1/completions?x=1&y=%20z", {"prompt": "hello there", "id": "q2"}, headers={"X-Client": "c1"})
+    echo = json.loads(raw)
+    assert echo["raw_path"] == "/v1/completions?x=1&y=%20z" and ["X-Client", "c1"] in echo["raw_headers"]
+    sent = json.dumps({"prompt": "hello there", "id": "q2"}).encode()
+    assert echo["body_sha"] == hashlib.sha256(sent).hexdigest()
+    status, _, raw = call(url, "/v1/models", method="GET")  # not a routed path: no rank
+    assert status == 200 and rank_header(json.loads(raw)) is None
+    status, _, raw = call(url, "/generate", {"text": "x", "id": 3}, headers={"x-data-parallel-rank": "2"})
+    assert ["x-data-parallel-rank", "2"] in json.loads(raw)["raw_headers"]  # a client's own rank wins, unscored
+
+
+def test_stream_passes_through_intact(stack):
+    url, upstream, _, _ = stack()
+    body = {"prompt": "stream me", "stream": True, "id": 7}
+    status, headers, raw = call(url, "/v1/completions", body)
+    assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
+    events = raw.decode().strip().split("\n\n")
+    assert len(events) == 6 and events[-1] == "data: [DONE]"
+    assert [json.loads(e[6:])["i"] for e in events[:-1]] == list(range(5))
+    first = json.loads(events[0][6:])["echo"]
+    assert rank_header(first) is not None
+    direct = call(upstream, "/v1/completions", body)[2].decode().split("\n\n")
+    assert [json.loads(e[6:])["i"] for e in direct[:5]] == list(range(5))
+
+
+def test_errors_are_returned_unchanged_and_outages_are_clear(stack):
+    url, upstream, _, _ = stack(timeout=0.5)
+    for code in (400, 422, 503):
+        status, headers, raw = call(url, "/v1/completions", {"prompt": "x", "status": code})
+        assert (status, raw, headers["X-Why"]) == (code, f"upstream says {code}".encode(), "test")
+    started = time.perf_counter()
+    status, _, raw = call(url, "/v1/completions", {"prompt": "x", "sleep": 2})
+    assert status == 504 and "did not answer" in json.loads(raw)["error"]["message"]
+    assert time.perf_counter() - started < 1.9
+    down_url, stop = serve_in_thread(web.Application())
+    stop()
+    router = SemanticRouter(semmoe_plan(), None)
+    router_url, stop_router = serve_in_thread(build_app(router, [down_url], connect_timeout=1.0))
+    try:
+        status, _, raw = call(router_url, "/generate", {"input_ids": [1, 2, 3]})
+        assert status == 502 and "unreachable" in json.loads(raw)["error"]["message"]
+        metrics = call(router_url, "/metrics", method="GET")[2].decode()
+        assert 'semmoe_router_upstream_errors_total{kind="connect"} 1.0' in metrics
+    finally:
+        stop_router()
+
+
+def test_vllm_spelling_and_per_rank_upstreams(stack, tokenizer):
+    url, _, _, _ = stack("vllm")
+    _, _, raw = call(url, "/v1/completions", {"prompt": "hello"})
+    assert rank_header(json.loads(raw), "X-data-parallel-rank") is not None
+    logs = [[] for _ in range(DEVICES)]
+    servers = [serve_in_thread(fake_upstream(log)) for log in logs]
+    router = SemanticRouter(semmoe_plan(), tokenizer)
+    router_url, stop_router = serve_in_thread(build_app(router, [u for u, _ in servers], "vllm"))
+    try:
+        for i, text in enumerate(PROMPTS):
+            _, _, raw = call(router_url, "/v1/completions", {"prompt": text, "id": i})
+            assert rank_header(json.loads(raw), "X-data-parallel-rank") is None  # the URL carries the rank
+        expected = offline_ranks([np.asarray(tokenizer.encode(t)) for t in PROMPTS])
+        assert [next(r for r in range(DEVICES) if i in logs[r]) for i in range(len(PROMPTS))] == expected
+    finally:
+        stop_router()
+        for _, stop in servers:
+            stop()
+    with pytest.raises(ConfigError, match="one per DP rank"):
+        build_app(router, ["http://a", "http://b"])
+
+
+def test_metrics_count_every_request(stack):
+    url, _, _, _ = stack()
+    for text in PROMPTS:
+        call(url, "/v1/completions", {"prompt": text})
+    call(url, "/v1/completions", {"no": "prompt"})
+    text = call(url, "/metrics", method="GET")[2].decode()
+    per_rank = {r: float(line.split()[-1]) for r in range(DEVICES) for line in text.splitlines()
+                if line.startswith(f'semmoe_router_requests_total{{rank="{r}"}}')}
+    assert sum(per_rank.values()) == len(PROMPTS) and set(per_rank.values()) == {2.0}
+    assert f"semmoe_router_routing_seconds_count {float(len(PROMPTS))}" in text
+    assert 'semmoe_router_unscored_requests_total{reason="no_prompt"} 1.0' in text
+    lar = sum(float(line.split()[-1]) for line in text.splitlines()
+              if line.startswith("semmoe_router_predicted_local_activation_rate_count"))
+    assert lar == len(PROMPTS)
+
+
+def test_load_no_request_lost_or_duplicated(stack):
+    """600 requests, 64 concurrent (bench/bench_router.py runs the full 2,000 in separate processes)."""
+    url, _, log, router = stack()
+    total, concurrency = 600, 64
+
+    async def run() -> list[tuple[int, int]]:
+        limit = asyncio.Semaphore(concurrency)
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            async def one(i: int):
+                async with limit:
+                    body = {"prompt": PROMPTS[i % len(PROMPTS)] + f" #{i}", "id": i, "stream": i % 5 == 0}
+                    async with session.post(url + "/v1/completions", json=body) as response:
+                        raw = await response.read()
+                        if body["stream"]:
+                            echo = json.loads(raw.decode().split("\n\n")[0][6:])["echo"]
+                        else:
+                            echo = json.loads(raw)
+                        return echo["id"], int(rank_header(echo))
+
+            return await asyncio.gather(*(one(i) for i in range(total)))
+
+    results = asyncio.run(run())
+    assert sorted(i for i, _ in results) == list(range(total))  # every client got its own answer once
+    assert sorted(i for i in log if i is not None) == list(range(total))  # and the upstream saw each once
+    assert sorted(Counter(rank for _, rank in results).values()) == [total // DEVICES] * DEVICES
+
+
+def test_router_is_thread_safe():
+    router = SemanticRouter(semmoe_plan(), None)
+    ranks: list[int] = []
+    guard = threading.Lock()
+
+    def work(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        for _ in range(100):
+            rank = router.route(rng.integers(0, VOCAB, rng.integers(1, 60))).rank
+            with guard:
+                ranks.append(rank)
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(Counter(ranks).values()) == [200] * DEVICES
+
+
+def test_refusals(tokenizer, tmp_path, capsys):
+    with pytest.raises(ConfigError, match="dp_assign=online"):
+        SemanticRouter(semmoe_plan(dp_assign="batch_window"), tokenizer)
+    with pytest.raises(ConfigError, match="another tokenizer"):
+        SemanticRouter(semmoe_plan(vocab=1000), tokenizer)
+    tp = semmoe_plan()
+    tp.parallel = ParallelConfig(devices=DEVICES, attention="tp", tokens_per_step=64)
+    with pytest.raises(ConfigError, match="Attention-DP"):
+        SemanticRouter(tp, tokenizer)
+    with pytest.raises(ConfigError, match="--tokenizer"):
+        SemanticRouter(semmoe_plan(), None).token_ids("text")
+    job = write_job(tmp_path / "job", semmoe_plan(), model={"name": "toy", "num_experts": NUM_EXPERTS})
+    assert router_mod.main(["--plan", str(job), "--upstream", "http://127.0.0.1:9"]) == 2
+    assert "--tokenizer" in capsys.readouterr().err
+    assert extract_prompt("/v1/completions", {"prompt": [[1, 2], [3]]}) == [1, 2, 3]
+    assert extract_prompt("/v1/completions", {"prompt": ["a", "b"]}) == "a\nb"
+    assert extract_prompt("/generate", {"sampling_params": {}}) is None
+    assert extract_prompt("/v1/chat/completions", "not a dict") is None
