@@ -4,9 +4,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+import numpy as np
+
 from repro.errors import ConfigError
 
 ATTENTION_MODES = ("dp", "tp")
+
+
+def check_devices_per_node(devices: int, devices_per_node: int) -> None:
+    """Raise unless devices_per_node >= 1 and, when the devices span several nodes, divides them evenly."""
+    if devices_per_node < 1:
+        raise ConfigError(f"parallel.devices_per_node must be >= 1, got {devices_per_node}.")
+    if devices > devices_per_node and devices % devices_per_node:
+        raise ConfigError(
+            f"parallel.devices_per_node={devices_per_node} does not divide the {devices} devices, so the nodes "
+            f"would differ in size; choose a divisor of {devices}."
+        )
 
 
 @dataclass(frozen=True)
@@ -42,8 +55,16 @@ class ParallelConfig:
             )
         if self.bytes_per_token < 1:
             raise ConfigError(f"parallel.bytes_per_token must be >= 1, got {self.bytes_per_token}.")
-        if self.devices_per_node < 1:
-            raise ConfigError(f"parallel.devices_per_node must be >= 1, got {self.devices_per_node}.")
+        check_devices_per_node(self.devices, self.devices_per_node)
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes the D devices span (one when D <= devices_per_node)."""
+        return -(-self.devices // self.devices_per_node)
+
+    def node_of_device(self) -> np.ndarray:
+        """int[D] node of each device: devices_per_node consecutive devices per node."""
+        return np.arange(self.devices) // self.devices_per_node
 
     @classmethod
     def from_config(cls, config: dict) -> ParallelConfig:

@@ -12,7 +12,10 @@ Two steps:
    so dispatch bytes count distinct (token, layer, remote dest) triples; combine is the mirror image.
 
 `evaluate(plan, trace)` runs both and summarises per layer and overall (LAR, bytes, traffic matrix, loads,
-imbalance). Everything is counted exactly with integer histograms (np.bincount over flattened keys), in token
+imbalance). With replicated experts the serving replica is the placement's static dispatch rule
+(`Placement.dispatch_device`: local, then nearest, then least loaded), so expert load splits across replicas
+exactly as that rule sends it, and `served_activations` counts what every replica served (unused replicas are
+reported as waste). Everything is counted exactly with integer histograms (np.bincount over flattened keys), in token
 chunks small enough to stay in cache: no Python loop per token.
 """
 
@@ -176,6 +179,52 @@ def account(
     )
 
 
+def served_activations(
+    home: np.ndarray, experts: np.ndarray, dispatch_device: np.ndarray, num_devices: int
+) -> np.ndarray:
+    """int64[L, D, E] activations of expert e served on device d (inputs as in `account`).
+
+    Counts (layer, home device, expert) triples in token chunks, then routes each through dispatch_device, so
+    the per-replica load sums to the expert's activations and follows the dispatch rule.
+    """
+    home, experts, dispatch_device = _check_account_inputs(home, experts, dispatch_device, 1, num_devices)
+    num_tokens, num_layers, top_k = experts.shape
+    num_experts = dispatch_device.shape[2]
+    layer_row = np.arange(num_layers, dtype=np.int64) * num_devices * num_experts  # [L]
+    by_source = np.zeros(num_layers * num_devices * num_experts, dtype=np.int64)
+    chunk = max(16, CHUNK_EVENTS // num_layers)
+    for start in range(0, num_tokens, chunk):
+        experts_nLk = np.asarray(experts[start : start + chunk], dtype=np.int64)
+        _check_expert_range(experts_nLk, num_experts, start)
+        row_nL = home[start : start + chunk].astype(np.int64) * num_experts + layer_row
+        by_source += np.bincount((experts_nLk + row_nL[:, :, None]).ravel(), minlength=len(by_source))
+    by_source = by_source.reshape(num_layers, num_devices, num_experts)
+    served = np.zeros((num_layers, num_devices, num_experts), dtype=np.int64)
+    layer = np.arange(num_layers)[:, None, None]
+    expert = np.arange(num_experts)[None, None, :]
+    np.add.at(served, (np.broadcast_to(layer, by_source.shape), dispatch_device, np.broadcast_to(expert, by_source.shape)),
+              by_source)
+    return served
+
+
+def replica_waste(placement, served: np.ndarray) -> dict:
+    """Redundant slots and how many of them served nothing, summed over layers.
+
+    placement: a `Placement`; served int[L, D, E] from `served_activations`. An expert with c copies in a layer
+    has c - 1 redundant slots; of those, c - max(1, devices that served it) are unused (a second copy on one
+    device never serves: dispatch picks a device, and that device's first slot holding the expert).
+    """
+    copies = placement.replicas().sum(axis=2)  # [L, E]
+    serving = (served > 0).sum(axis=1)  # [L, E]
+    redundant = int((copies - 1).sum())
+    unused = int((copies - np.maximum(serving, 1)).sum())
+    return {
+        "replica_slots": redundant,
+        "replica_slots_unused": unused,
+        "replica_slots_unused_share": unused / redundant if redundant else 0.0,
+    }
+
+
 def _check_account_inputs(home, experts, dispatch_device, bytes_per_token, num_devices):
     if not isinstance(num_devices, int | np.integer) or num_devices < 1:
         raise ConfigError(f"account needs num_devices >= 1, got {num_devices!r}.")
@@ -288,6 +337,12 @@ def _check_plan_fits_trace(plan: Plan, trace: RoutingTrace) -> None:
             f"{type(plan).__name__} places experts on {placement.num_devices} devices but its parallel config "
             f"says {plan.parallel.devices}; build the plan with one ParallelConfig."
         )
+    if placement.is_replicated and not np.array_equal(placement.node_of_device(), plan.parallel.node_of_device()):
+        raise ConfigError(
+            f"{type(plan).__name__}'s replicated placement was built for devices_per_node="
+            f"{placement.devices_per_node} but parallel.devices_per_node={plan.parallel.devices_per_node}; the "
+            "replica each token uses depends on the nodes, so build the placement with the parallel config's value."
+        )
     if trace.num_tokens == 0:
         raise TraceError("the trace has no tokens; there is nothing to evaluate.")
 
@@ -350,33 +405,44 @@ class EvalResult:
     expert_load: np.ndarray  # int64[L, D] activations served by each device
     token_load: np.ndarray  # int64[L, D] tokens whose home (attention) device is d at layer l
     activations: np.ndarray  # int64[L, D, D] activations from home device to serving device
+    served: np.ndarray | None = None  # int64[L, D, E] activations of expert e served on d (replicated plans only)
 
 
 def evaluate(plan: Plan, trace: RoutingTrace, *, history: int = 2, progress: bool = False) -> EvalResult:
     """Exact accounting of `plan` on `trace` in the plan's attention mode.
 
     summary: lar, local_activations, remote_activations, total_activations, dispatch_bytes, combine_bytes,
-    a2a_bytes (dispatch + combine), dispatch_bytes_inter_node (crossing parallel.devices_per_node),
-    remote_token_copies, expert_load_imbalance_max_mean / _max_median and token_imbalance_max_mean (mean over
+    a2a_bytes (dispatch + combine), dispatch_bytes_inter_node (crossing parallel.devices_per_node) and
+    dispatch_bytes_intra_node (the rest), remote_token_copies, replica_slots / replica_slots_unused /
+    replica_slots_unused_share (redundant slots summed over layers, and those that served no activation:
+    `replica_waste`; all 0 without replication), expert_load_imbalance_max_mean / _max_median and token_imbalance_max_mean (mean over
     layers of the per-layer max/mean or max/median over devices; a max/median is inf when more than half the
     devices get nothing) and the same with suffix _worst (max over layers), num_tokens, num_requests, num_layers,
     devices, top_k, num_experts, num_slots, bytes_per_token, attention, history, and every scalar of plan.info
     prefixed "plan_".
     """
     home_NL = home_devices(plan, trace, history=history, progress=progress)
+    dispatch_LDE = plan.placement.dispatch_device()
     counts = account(
         home_NL,
         trace.experts,
-        plan.placement.dispatch_device(),
+        dispatch_LDE,
         plan.parallel.bytes_per_token,
         plan.parallel.devices,
         progress=progress,
     )
-    return summarise(plan, trace, counts, history=history)
+    served = None
+    if plan.placement.is_replicated:  # only replicas can sit idle; skip the extra pass otherwise
+        served = served_activations(home_NL, trace.experts, dispatch_LDE, plan.parallel.devices)
+    return summarise(plan, trace, counts, history=history, served=served)
 
 
-def summarise(plan: Plan, trace: RoutingTrace, counts: LayerCounts, *, history: int = 2) -> EvalResult:
-    """Turn exact LayerCounts into per-layer rows and overall scalars (pure bookkeeping, no routing)."""
+def summarise(
+    plan: Plan, trace: RoutingTrace, counts: LayerCounts, *, history: int = 2, served: np.ndarray | None = None
+) -> EvalResult:
+    """Turn exact LayerCounts into per-layer rows and overall scalars (pure bookkeeping, no routing).
+
+    served int[L, D, E] (`served_activations`) gives the replica waste; None means no replicated expert."""
     local = counts.local_activations
     total = counts.total_activations
     traffic = counts.traffic
@@ -414,6 +480,7 @@ def summarise(plan: Plan, trace: RoutingTrace, counts: LayerCounts, *, history: 
         "combine_bytes": dispatch_bytes,
         "a2a_bytes": 2 * dispatch_bytes,
         "dispatch_bytes_inter_node": int(traffic[:, inter_node].sum()),
+        "dispatch_bytes_intra_node": dispatch_bytes - int(traffic[:, inter_node].sum()),
         "remote_token_copies": int(counts.remote_token_copies.sum()),
         "token_imbalance_max_mean": float(token_max_mean.mean()),
         "token_imbalance_max_mean_worst": float(token_max_mean.max()),
@@ -432,6 +499,10 @@ def summarise(plan: Plan, trace: RoutingTrace, counts: LayerCounts, *, history: 
         "attention": plan.parallel.attention,
         "history": int(history),
     }
+    if served is None:
+        summary.update(replica_slots=0, replica_slots_unused=0, replica_slots_unused_share=0.0)
+    else:
+        summary.update(replica_waste(plan.placement, served))
     for key, value in plan.info.items():
         if isinstance(value, np.generic):
             value = value.item()
@@ -444,6 +515,7 @@ def summarise(plan: Plan, trace: RoutingTrace, counts: LayerCounts, *, history: 
         expert_load=expert_load,
         token_load=token_load,
         activations=counts.activations,
+        served=served,
     )
 
 

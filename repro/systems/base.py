@@ -19,17 +19,25 @@ from typing import Protocol
 import numpy as np
 
 from repro.errors import ConfigError
-from repro.parallel import ParallelConfig
+from repro.parallel import ParallelConfig, check_devices_per_node
 from repro.traces import RoutingTrace
 
 
 @dataclass(frozen=True)
 class Placement:
-    """physical_to_logical int[L, P]: the logical expert held in physical slot p of MoE layer l."""
+    """physical_to_logical int[L, P]: the logical expert held in physical slot p of MoE layer l.
+
+    P = E + r x D with r >= 0 redundant slots per device (SGLang's `--ep-num-redundant-experts`); an expert may
+    have several replicas. Two optional fields decide which replica serves a remote token (`dispatch_device`):
+    devices_per_node (None: every device in one node) and expert_load float[L, E] (expected activations per
+    expert, from the profile; None: every expert equally loaded). Neither matters without replication.
+    """
 
     physical_to_logical: np.ndarray
     num_devices: int
     num_experts: int
+    devices_per_node: int | None = None
+    expert_load: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         p2l = np.asarray(self.physical_to_logical)
@@ -53,6 +61,16 @@ class Placement:
         if num_slots == self.num_experts and np.any(counts > 1):
             layer, expert = np.argwhere(counts > 1)[0]
             raise ConfigError(f"placement lists expert {expert} twice in layer {layer} and has no redundant slots.")
+        if self.devices_per_node is not None:
+            check_devices_per_node(self.num_devices, self.devices_per_node)
+        if self.expert_load is not None:
+            load = np.asarray(self.expert_load, dtype=np.float64)
+            if load.shape != (num_layers, self.num_experts) or not np.all(np.isfinite(load)) or np.any(load < 0):
+                raise ConfigError(
+                    f"placement expert_load must be finite activation counts >= 0 of shape "
+                    f"{(num_layers, self.num_experts)}, got shape {load.shape}; pass the profile's expert loads."
+                )
+            object.__setattr__(self, "expert_load", load)
 
     @property
     def num_layers(self) -> int:
@@ -81,22 +99,55 @@ class Placement:
         """int[L, E] the device of each expert (its first replica; exact when there is no replication)."""
         return np.argmax(self.replicas() > 0, axis=2)
 
-    def dispatch_device(self, seed: int = 0) -> np.ndarray:
-        """int[L, D, E] the device that source device d sends expert e's tokens to.
+    @property
+    def is_replicated(self) -> bool:
+        """True when some expert has more than one physical slot (P > E)."""
+        return self.num_slots > self.num_experts
 
-        SGLang's `static` dispatch: a local replica when there is one, otherwise a fixed, seeded, fair pick
-        among the expert's replicas. Without replication this is expert_device broadcast over d.
+    def node_of_device(self) -> np.ndarray:
+        """int[D] node of each device (devices_per_node consecutive devices per node; one node when None)."""
+        return np.arange(self.num_devices) // (self.devices_per_node or self.num_devices)
+
+    def dispatch_device(self, seed: int = 0) -> np.ndarray:
+        """int[L, D, E] the device that source device s sends expert e's tokens to: a static table (SGLang's
+        `static` dispatch, fixed per layer, source device and expert).
+
+        The rule, the only place it lives (the evaluator, the simulator and real execution all read this table):
+        1. local: a replica on s itself serves s's tokens;
+        2. nearest: otherwise only replicas on s's node are candidates when there is one, else all replicas;
+        3. least loaded: among the candidates, the device with the least expected load so far, where load is
+           filled like water over sources s = 0, 1, ..., D-1 in turn. Each source sends an equal share
+           expert_load[l, e] / D of expert e (uniform when expert_load is None); every device starts with the
+           shares of the sources it serves locally (its own, for each expert it holds), and each remote choice
+           adds the source's share to the chosen device before the next source picks. Within one source all
+           experts choose against the same loads;
+        4. ties (equal load) go to the first candidate in device order seed, seed + 1, ... (mod D), so seed 0
+           picks the lowest device id.
+        The expected loads assume each source sends an equal share of every expert; the evaluator counts the
+        activations each replica really serves. Without replication every expert has one device and the table is
+        expert_device broadcast over sources.
         """
         present = self.replicas() > 0  # [L, E, D]
-        rng = np.random.default_rng(seed)
-        src = np.arange(self.num_devices)[:, None]
-        out = np.empty((self.num_layers, self.num_devices, self.num_experts), dtype=np.int64)
-        for layer in range(self.num_layers):  # per layer keeps the D x E x D priorities small at DeepSeek scale
-            # random priority per (source, expert, candidate device); the highest present candidate wins
-            priority = rng.random((self.num_devices, self.num_experts, self.num_devices), dtype=np.float32)
-            priority[:, ~present[layer]] = -1.0
-            local = present[layer].T  # [D(source), E]
-            out[layer] = np.where(local, src, np.argmax(priority, axis=2))
+        num_layers, num_devices = self.num_layers, self.num_devices
+        if not self.is_replicated:
+            return np.ascontiguousarray(np.broadcast_to(self.expert_device()[:, None, :], (num_layers, num_devices, self.num_experts)))
+        load = np.ones((num_layers, self.num_experts)) if self.expert_load is None else self.expert_load
+        share = load / num_devices  # [L, E]
+        device_load = np.einsum("le,led->ld", share, present.astype(np.float64))  # [L, D]
+        node = self.node_of_device()
+        tie_rank = (np.arange(num_devices) - seed) % num_devices  # [D] lower wins
+        layer = np.repeat(np.arange(num_layers), self.num_experts).reshape(num_layers, self.num_experts)
+        out = np.empty((num_layers, num_devices, self.num_experts), dtype=np.int64)
+        for source in range(num_devices):  # D vectorised steps over all layers and experts
+            near = present & (node == node[source])[None, None, :]
+            candidate = np.where(near.any(axis=2, keepdims=True), near, present)  # [L, E, D]
+            candidate_load = np.where(candidate, device_load[:, None, :], np.inf)
+            least = candidate & (candidate_load <= candidate_load.min(axis=2, keepdims=True))
+            choice = np.argmin(np.where(least, tie_rank, num_devices), axis=2)  # [L, E]
+            local = present[:, :, source]
+            out[:, source] = np.where(local, source, choice)
+            remote = ~local
+            np.add.at(device_load, (layer[remote], choice[remote]), share[remote])
         return out
 
     @classmethod
@@ -113,6 +164,34 @@ class Placement:
             )
         # stable sort by device keeps experts in id order inside a device
         return cls(np.argsort(expert_device, axis=1, kind="stable"), num_devices, num_experts)
+
+    def save(self, directory: str | Path) -> None:
+        """Write physical_to_logical.npy, expert_load.npy (when set) and placement.json (no pickle)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        np.save(directory / "physical_to_logical.npy", self.physical_to_logical, allow_pickle=False)
+        if self.expert_load is not None:
+            np.save(directory / "expert_load.npy", self.expert_load, allow_pickle=False)
+        meta = {"num_devices": self.num_devices, "num_experts": self.num_experts, "devices_per_node": self.devices_per_node}
+        (directory / "placement.json").write_text(json.dumps(meta))
+
+    @classmethod
+    def load(cls, directory: str | Path, num_devices: int, num_experts: int) -> Placement:
+        """Read what `save` wrote (directories without placement.json or expert_load.npy: those fields None)."""
+        directory = Path(directory)
+        try:
+            p2l = np.load(directory / "physical_to_logical.npy", allow_pickle=False)
+        except OSError as e:
+            raise ConfigError(f"{directory} holds no physical_to_logical.npy ({e}); write the plan with plan.save().") from e
+        meta_path, load_path = directory / "placement.json", directory / "expert_load.npy"
+        meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+        if meta and (meta["num_devices"], meta["num_experts"]) != (num_devices, num_experts):
+            raise ConfigError(
+                f"the placement in {directory} is for {meta['num_devices']} devices and {meta['num_experts']} experts, "
+                f"not {num_devices} and {num_experts}; load it with the parallel config and model it was fitted for."
+            )
+        expert_load = np.load(load_path, allow_pickle=False) if load_path.exists() else None
+        return cls(p2l, num_devices, num_experts, meta.get("devices_per_node"), expert_load)
 
     def to_sglang(self, layer_ids: tuple[int, ...], num_hidden_layers: int) -> dict:
         """SGLang `--init-expert-location` format A: rows for all model layers, dense ones trivial."""
@@ -166,10 +245,9 @@ class Plan:
         return np.arange(len(token_ids)), even_counts(len(token_ids), self.parallel.devices)
 
     def save(self, directory: str | Path) -> None:
-        """Write physical_to_logical.npy and plan_info.json for inspection (`to_sglang` gives the engine format)."""
+        """Write the placement (`Placement.save`) and plan_info.json (`to_sglang` gives the engine format)."""
         directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        np.save(directory / "physical_to_logical.npy", self.placement.physical_to_logical, allow_pickle=False)
+        self.placement.save(directory)
         (directory / "plan_info.json").write_text(json.dumps(self.info, indent=1, default=float))
 
 

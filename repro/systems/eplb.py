@@ -7,9 +7,9 @@ outputs match upstream's on inputs without ties. Only the loops differ: ours run
 vectorised instead of a Python loop per layer and item.
 
 The system fits EPLB on the profile's per-layer expert activation counts with `num_redundant` extra physical
-slots (P = E + num_redundant, P divisible by D). Redundant replicas are served with SGLang's `static`
-dispatch (a token uses a replica on its own device when there is one), which Placement.dispatch_device()
-implements for the evaluator. Online: round-robin requests (DP), contiguous token slices (TP).
+slots (P = E + num_redundant, P divisible by D; or `replicas_per_device` r, i.e. num_redundant = r x D).
+Redundant replicas are served by Placement.dispatch_device()'s static rule (a replica on the token's own
+device, else the nearest, least loaded one; loads from the same profile counts). Online: round-robin requests (DP), contiguous token slices (TP).
 
 Legend: X rows solved independently (layers, or layers × nodes), n items per row, m packs, L MoE layers,
 E logical experts per layer, P physical slots per layer, G expert groups, Nn nodes, D devices (GPUs),
@@ -203,25 +203,37 @@ class EPLB:
 
     name = "eplb"
 
-    def __init__(self, num_redundant: int = 0, num_groups: int = 1, num_nodes: int | None = None):
+    def __init__(
+        self, num_redundant: int = 0, num_groups: int = 1, num_nodes: int | None = None, replicas_per_device: int = 0
+    ):
         if num_redundant < 0:
             raise ConfigError(f"system.params.num_redundant must be >= 0, got {num_redundant}.")
+        if replicas_per_device < 0:
+            raise ConfigError(f"system.params.replicas_per_device must be >= 0, got {replicas_per_device}.")
+        if num_redundant and replicas_per_device:
+            raise ConfigError(
+                f"system.params.num_redundant={num_redundant} and replicas_per_device={replicas_per_device} both size "
+                "the redundant slots; set only one (num_redundant = replicas_per_device x parallel.devices)."
+            )
         self.num_redundant = int(num_redundant)
+        self.replicas_per_device = int(replicas_per_device)
         self.num_groups = int(num_groups)
         self.num_nodes = num_nodes
 
     def fit(self, profile: RoutingTrace, parallel: ParallelConfig, rng: np.random.Generator) -> Plan:
         num_experts = profile.meta.num_experts
-        num_slots = num_experts + self.num_redundant
+        num_redundant = self.num_redundant + self.replicas_per_device * parallel.devices
+        num_slots = num_experts + num_redundant
         parallel.check_experts(num_experts, num_slots)
         num_nodes = self.num_nodes or -(-parallel.devices // parallel.devices_per_node)
         load = expert_activation_counts(profile).astype(np.float64)
         phy2log, _, logical_count = rebalance_experts(load, num_slots, self.num_groups, num_nodes, parallel.devices)
-        placement = Placement(phy2log, parallel.devices, num_experts)
+        placement = Placement(phy2log, parallel.devices, num_experts, parallel.devices_per_node, load)
         per_device = device_load(load, placement)
         contiguous = load.reshape(profile.num_layers, parallel.devices, -1).sum(-1) if num_experts % parallel.devices == 0 else None
         info = {
-            "num_redundant": self.num_redundant,
+            "num_redundant": num_redundant,
+            "replicas_per_device": num_redundant / parallel.devices,
             "num_nodes": num_nodes,
             "policy": "hierarchical" if self.num_groups % num_nodes == 0 else "global",
             "profile_load_imbalance_max_mean": mean_max_over_mean(per_device),

@@ -247,7 +247,7 @@ class SemMoEPlan(Plan):
             info = json.loads((directory / "plan_info.json").read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise ConfigError(f"{directory} does not hold a saved Sem-MoE plan ({e}); write one with plan.save().") from e
-        placement = Placement(read("physical_to_logical"), parallel.devices, num_experts)
+        placement = Placement.load(directory, parallel.devices, num_experts)
         return cls(
             placement, parallel, read("token_vocab"), read("row_of_token"), read("token_device"),
             read("token_confidence"), read("dp_score"), read("markov_device"), read("markov_confidence"),
