@@ -12,6 +12,9 @@ from repro.systems.base import Placement, Plan, System, even_counts
 REGISTRY: dict[str, str] = {
     "ep": "repro.systems.ep:VanillaEP",
     "semmoe": "repro.systems.semmoe:SemMoE",
+    # beyond the paper: r extra slots per device filled by co-clustering, or with the hottest experts (baseline)
+    "semmoe_replicated": "repro.systems.semmoe.replicate:SemMoEReplicated",
+    "semmoe_hottest": "repro.systems.semmoe.replicate:SemMoEHottest",
     "semmoe_exact": "repro.systems.milp:SemMoEExact",
     "moetuner": "repro.systems.moetuner:MoETuner",
     "eplb": "repro.systems.eplb:EPLB",

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import scipy.sparse as sp
 
 from repro.affinity.tables import (
     check_markov_size,
@@ -36,7 +38,7 @@ from repro.affinity.tables import (
 from repro.errors import ConfigError, TraceError
 from repro.parallel import ParallelConfig
 from repro.systems.base import Placement, Plan
-from repro.systems.semmoe.cocluster import SparseAffinity, balanced_cocluster
+from repro.systems.semmoe.cocluster import CoclusterResult, SparseAffinity, balanced_cocluster
 from repro.systems.semmoe.dp import (
     DP_ASSIGNS,
     DP_SCORINGS,
@@ -53,6 +55,17 @@ from repro.systems.semmoe.tp import align_to_slices, predict_devices
 from repro.traces import RoutingTrace
 
 CLUSTER_UNITS = ("auto", "tokens", "requests")
+
+
+@dataclass(frozen=True)
+class UnitGroup:
+    """One co-clustering instance: the MoE layers it covers, its affinity float[L', u, E] (`SparseAffinity`),
+    unit_load float[u] and the solution's unit_cluster int64[u] (device of each unit)."""
+
+    layers: tuple[int, ...]
+    affinity: SparseAffinity
+    unit_load: np.ndarray
+    unit_cluster: np.ndarray
 
 
 class SemMoEPlan(Plan):
@@ -387,9 +400,21 @@ class SemMoE:
         self, profile: RoutingTrace, parallel: ParallelConfig, rng: np.random.Generator
     ) -> tuple[np.ndarray, dict]:
         """(expert_device int64[L, E] with exactly E/D experts per device per layer, solver info)."""
+        expert_device, info, _ = self.cocluster(profile, parallel, rng)
+        return expert_device, info
+
+    def cocluster(
+        self, profile: RoutingTrace, parallel: ParallelConfig, rng: np.random.Generator
+    ) -> tuple[np.ndarray, dict, list[UnitGroup]]:
+        """Algorithm 1 on the profile: (expert_device int64[L, E], solver info, the solved unit groups).
+
+        One group of all layers under request units (DP), one group per layer under token units (TP); each
+        group keeps its affinity, unit loads and unit clusters, for solvers that build on the clustering
+        (repro.systems.semmoe.replicate).
+        """
         started = time.perf_counter()
         meta = profile.meta
-        num_experts, top_k, num_devices, num_layers = meta.num_experts, meta.top_k, parallel.devices, profile.num_layers
+        num_experts, top_k, num_layers = meta.num_experts, meta.top_k, profile.num_layers
         parallel.check_experts(num_experts)  # theta, n_steps, ft_steps were checked in __init__
         keep, token_vocab, token_row = self._profile_rows(profile)
         units = self.cluster_units
@@ -426,15 +451,16 @@ class SemMoE:
                 len(layers), len(solver_units), num_experts,
             )
 
-        if units == "requests":  # one clustering shared by every layer
-            result = balanced_cocluster(sparse(list(range(num_layers))), unit_load[solver_units], num_devices, rng, **self._solver_args())
-            expert_device[:] = result.expert_device
+        groups: list[UnitGroup] = []
+        layer_groups = [list(range(num_layers))] if units == "requests" else [[layer] for layer in range(num_layers)]
+        # one clustering shared by every layer (requests), or one per layer (tokens: memory stays at one layer's
+        # nonzeros)
+        for layers in layer_groups:
+            affinity = sparse(layers)
+            result = self._solve_group(affinity, unit_load[solver_units], parallel, rng)
+            expert_device[layers] = result.expert_device
             objectives.append(result.objective)
-        else:  # one clustering per layer keeps memory at one layer's nonzeros
-            for layer in range(num_layers):
-                result = balanced_cocluster(sparse([layer]), unit_load[solver_units], num_devices, rng, **self._solver_args())
-                expert_device[layer] = result.expert_device[0]
-                objectives.append(result.objective)
+            groups.append(UnitGroup(tuple(layers), affinity, unit_load[solver_units], result.unit_cluster))
         info = {
             "cluster_units": units,
             "objective": float(np.sum(objectives)),
@@ -444,7 +470,13 @@ class SemMoE:
             "solver_load_share": float(unit_load[solver_units].sum() / unit_load.sum()),
             "solver_seconds": time.perf_counter() - started,
         }
-        return expert_device, info
+        return expert_device, info, groups
+
+    def _solve_group(
+        self, affinity: SparseAffinity, unit_load: np.ndarray, parallel: ParallelConfig, rng: np.random.Generator
+    ) -> CoclusterResult:
+        """Algorithm 1 on one unit group: flat over the D devices."""
+        return balanced_cocluster(affinity, unit_load, parallel.devices, rng, **self._solver_args())
 
     def plan_for_placement(
         self, profile: RoutingTrace, parallel: ParallelConfig, expert_device: np.ndarray, info: dict | None = None
@@ -454,14 +486,31 @@ class SemMoE:
         Also used by system=semmoe_exact, whose placement comes from the exact MILP.
         """
         meta = profile.meta
-        num_experts, num_devices, num_layers = meta.num_experts, parallel.devices, profile.num_layers
         expert_device = np.asarray(expert_device, dtype=np.int64)
-        if expert_device.shape != (num_layers, num_experts):
+        if expert_device.shape != (profile.num_layers, meta.num_experts):
             raise ConfigError(
-                f"expert_device has shape {expert_device.shape}; the profile needs ({num_layers}, {num_experts})."
+                f"expert_device has shape {expert_device.shape}; the profile needs ({profile.num_layers}, {meta.num_experts})."
+            )
+        return self.plan_for(profile, parallel, Placement.from_expert_device(expert_device, parallel.devices), info)
+
+    def plan_for(
+        self, profile: RoutingTrace, parallel: ParallelConfig, placement: Placement, info: dict | None = None
+    ) -> SemMoEPlan:
+        """The online plan for any placement, replicated ones included: a device's score for a token counts
+        every expert present there (`present_device_mass`), so rows of a replicated placement's T_p / dp_score
+        can sum to more than one. The Markov table's device histories use placement.expert_device() (an
+        expert's first device), as the run-time shuffle kernel does."""
+        meta = profile.meta
+        num_devices, num_layers = parallel.devices, profile.num_layers
+        if (placement.num_layers, placement.num_experts, placement.num_devices) != (num_layers, meta.num_experts, num_devices):
+            raise ConfigError(
+                f"the placement covers {placement.num_layers} layers, {placement.num_experts} experts and "
+                f"{placement.num_devices} devices; the profile and parallel config need {num_layers}, "
+                f"{meta.num_experts} and {num_devices}."
             )
         check_markov_size(num_devices, self.lookback)
-        placement = Placement.from_expert_device(expert_device, num_devices)
+        expert_device = placement.expert_device()
+        present = placement.replicas() > 0 if placement.is_replicated else None  # [L, E, D]
         keep, token_vocab, token_row = self._profile_rows(profile)
         num_rows = len(token_vocab)
         token_device = np.empty((num_layers, num_rows + 1), dtype=np.int16)
@@ -470,10 +519,15 @@ class SemMoE:
         for layer in range(num_layers):
             experts = np.asarray(profile.experts[keep, layer])
             mass = np.empty((num_rows + 1, num_devices), dtype=np.float32)
-            mass[:num_rows] = routed_device_mass(token_row, experts, num_rows, expert_device[layer], num_devices)
-            # row t, the OOV fallback: the layer's expert popularity, folded onto devices
-            device_load = np.bincount(expert_device[layer][experts.ravel()], minlength=num_devices)
-            mass[num_rows] = device_load / device_load.sum()
+            if present is None:
+                mass[:num_rows] = routed_device_mass(token_row, experts, num_rows, expert_device[layer], num_devices)
+                # row t, the OOV fallback: the layer's expert popularity, folded onto devices
+                device_load = np.bincount(expert_device[layer][experts.ravel()], minlength=num_devices)
+                mass[num_rows] = device_load / device_load.sum()
+            else:
+                mass[:num_rows] = present_device_mass(token_row, experts, num_rows, present[layer])
+                popularity = np.bincount(experts.ravel(), minlength=meta.num_experts).astype(np.float64)
+                mass[num_rows] = popularity @ present[layer] / popularity.sum()
             token_device[layer] = np.argmax(mass, axis=1)
             token_confidence[layer] = mass.max(axis=1)
             dp_score += fold_dp_scores(mass, self.dp_scoring)
@@ -493,3 +547,20 @@ class SemMoE:
             markov_device, markov_confidence, self.lookback, self.load_aware_lambda, self.dp_window, self.dp_scoring,
             token_frequency, info, self.dp_assign, self.dp_token_price,
         )
+
+
+def present_device_mass(token_row: np.ndarray, experts: np.ndarray, num_rows: int, present: np.ndarray) -> np.ndarray:
+    """float32[t, D] share of each token row's activations whose expert is present on device d (replicas counted).
+
+    token_row int64[N]; experts int[N, k] one layer's routing; present bool[E, D]. Without replication it equals
+    `routed_device_mass`; with it a row sums to more than one. Sparse [t, E] counts, so O(N x k + t x D).
+    """
+    experts = np.asarray(experts, dtype=np.int64)
+    num_tokens, top_k = experts.shape
+    counts = sp.csr_matrix(
+        (np.ones(num_tokens * top_k, dtype=np.float32), (np.repeat(token_row, top_k), experts.ravel())),
+        shape=(num_rows, present.shape[0]),
+    )
+    mass = np.asarray(counts @ present.astype(np.float32))
+    activations = np.bincount(token_row, minlength=num_rows).astype(np.float32) * top_k
+    return mass / np.maximum(activations, 1e-30)[:, None]
