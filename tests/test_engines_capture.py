@@ -293,6 +293,7 @@ def _record(rank, pass_id, ids, positions, seq_lens, rows_topk):
             "topk_ids_of_layer": torch.as_tensor(rows_topk, dtype=torch.int32), "misc_objects": []}
 
 
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")  # torch's note on the junk file below
 def test_recorder_dump_import_rebuilds_sequences(tmp_path, model_config):
     from repro.engines.layout import load_plan
     from repro.engines.sglang import location_rows
