@@ -196,7 +196,7 @@ def read_plan(path: str | Path, ep_size: int | None = None) -> tuple[Plan, dict 
     if (plan_dir / "semmoe.json").is_file():
         return SemMoEPlan.load(plan_dir, parallel, num_experts), config, plan_dir
     info = json.loads((plan_dir / "plan_info.json").read_text()) if (plan_dir / "plan_info.json").is_file() else {}
-    return Plan(Placement(p2l, parallel.devices, num_experts), parallel, info), config, plan_dir
+    return Plan(Placement.load(plan_dir, parallel.devices, num_experts), parallel, info), config, plan_dir
 
 
 def load_plan(
