@@ -15,6 +15,8 @@ REGISTRY: dict[str, str] = {
     # beyond the paper: r extra slots per device filled by co-clustering, or with the hottest experts (baseline)
     "semmoe_replicated": "repro.systems.semmoe.replicate:SemMoEReplicated",
     "semmoe_hottest": "repro.systems.semmoe.replicate:SemMoEHottest",
+    # beyond the paper: multi-node co-clustering, by node first, then by device inside each node
+    "semmoe_hierarchical": "repro.systems.semmoe.system:SemMoEHierarchical",
     "semmoe_exact": "repro.systems.milp:SemMoEExact",
     "moetuner": "repro.systems.moetuner:MoETuner",
     "eplb": "repro.systems.eplb:EPLB",

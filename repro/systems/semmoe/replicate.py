@@ -20,7 +20,6 @@ schedulers but fills each device's r slots with the layer's hottest experts not 
 
 from __future__ import annotations
 
-import inspect
 import time
 from dataclasses import dataclass
 
@@ -32,7 +31,7 @@ from repro.parallel import ParallelConfig
 from repro.systems.base import Placement
 from repro.systems.eplb import expert_activation_counts
 from repro.systems.semmoe.cocluster import SparseAffinity, _objective, assign_units, polish_units
-from repro.systems.semmoe.system import SemMoE, SemMoEPlan
+from repro.systems.semmoe.system import SemMoE, SemMoEPlan, check_semmoe_params
 from repro.traces import RoutingTrace
 
 REPLICA_CHOICES = ("affinity", "hottest")
@@ -179,12 +178,7 @@ class SemMoEReplicated(SemMoE):
     name = "semmoe_replicated"
 
     def __init__(self, replicas_per_device: int = 0, replica_rounds: int = 4, replica_choice: str = "affinity", **params):
-        unknown = sorted(set(params) - set(inspect.signature(SemMoE).parameters))
-        if unknown:
-            raise ConfigError(
-                f"system {self.name!r} has no parameter(s) {unknown}; its parameters are replicas_per_device, "
-                f"replica_rounds, replica_choice and Sem-MoE's {sorted(inspect.signature(SemMoE).parameters)}."
-            )
+        check_semmoe_params(self.name, params, ("replicas_per_device", "replica_rounds", "replica_choice"))
         super().__init__(**params)
         if int(replicas_per_device) < 0:
             raise ConfigError(f"system.params.replicas_per_device must be >= 0, got {replicas_per_device}.")

@@ -18,6 +18,7 @@ A / A_p over device histories (repro.affinity.tables.device_markov_table).
 
 from __future__ import annotations
 
+import inspect
 import json
 import time
 from dataclasses import dataclass
@@ -51,6 +52,7 @@ from repro.systems.semmoe.dp import (
     window_exact_assign,
     window_lookahead,
 )
+from repro.systems.semmoe.topology import hierarchical_cocluster
 from repro.systems.semmoe.tp import align_to_slices, predict_devices
 from repro.traces import RoutingTrace
 
@@ -291,6 +293,8 @@ class SemMoE:
     "online" (default: the paper's Algorithm 2, each request decided at arrival; load_aware_lambda is its
     queued-token price) or "batch_window" (each mask window assigned jointly, looking ahead up to
     dp_window x D - 1 requests; dp_token_price is its queued-token price). A price of the other mode is refused.
+    hierarchical: on several nodes (parallel.devices_per_node < D), co-cluster by node first, then by device
+    inside each node (repro.systems.semmoe.topology); no effect on one node.
     """
 
     name = "semmoe"
@@ -318,6 +322,7 @@ class SemMoE:
         cluster_units: str = "auto",
         prompt_only: bool = False,
         embeddings_path: str | None = None,
+        hierarchical: bool = False,
     ):
         if not 0.0 < float(theta) < 1.0:
             raise ConfigError(f"system.params.theta must be strictly between 0 and 1, got {theta}.")
@@ -368,6 +373,7 @@ class SemMoE:
         self.dp_scoring, self.load_aware_lambda, self.dp_window = dp_scoring, float(load_aware_lambda), int(dp_window)
         self.dp_assign, self.dp_token_price = dp_assign, float(dp_token_price)
         self.cluster_units, self.prompt_only, self.embeddings_path = cluster_units, bool(prompt_only), embeddings_path
+        self.hierarchical = bool(hierarchical)
 
     def _solver_args(self) -> dict:
         return dict(
@@ -463,6 +469,7 @@ class SemMoE:
             groups.append(UnitGroup(tuple(layers), affinity, unit_load[solver_units], result.unit_cluster))
         info = {
             "cluster_units": units,
+            "hierarchical": self.hierarchical and parallel.num_nodes > 1,
             "objective": float(np.sum(objectives)),
             "objective_per_layer": [float(x) for x in objectives] if units == "tokens" else [],
             "profile_token_rows": len(token_vocab),
@@ -475,7 +482,12 @@ class SemMoE:
     def _solve_group(
         self, affinity: SparseAffinity, unit_load: np.ndarray, parallel: ParallelConfig, rng: np.random.Generator
     ) -> CoclusterResult:
-        """Algorithm 1 on one unit group: flat over the D devices."""
+        """Algorithm 1 on one unit group: flat over the D devices, or with `hierarchical` on several nodes, by
+        node first and by device inside each node (repro.systems.semmoe.topology)."""
+        if self.hierarchical and parallel.num_nodes > 1:
+            return hierarchical_cocluster(
+                affinity, unit_load, parallel.devices, parallel.devices_per_node, rng, **self._solver_args()
+            )
         return balanced_cocluster(affinity, unit_load, parallel.devices, rng, **self._solver_args())
 
     def plan_for_placement(
@@ -564,3 +576,24 @@ def present_device_mass(token_row: np.ndarray, experts: np.ndarray, num_rows: in
     mass = np.asarray(counts @ present.astype(np.float32))
     activations = np.bincount(token_row, minlength=num_rows).astype(np.float32) * top_k
     return mass / np.maximum(activations, 1e-30)[:, None]
+
+
+class SemMoEHierarchical(SemMoE):
+    """`system=semmoe_hierarchical`: Sem-MoE with `hierarchical=True` (co-clustering by node, then by device inside
+    each node, on parallel.devices_per_node); identical to Sem-MoE on one node."""
+
+    name = "semmoe_hierarchical"
+
+    def __init__(self, **params):
+        check_semmoe_params(self.name, params)
+        super().__init__(**{**params, "hierarchical": True})
+
+
+def check_semmoe_params(name: str, params: dict, own: tuple[str, ...] = ()) -> None:
+    """Raise a ConfigError naming the known parameters when a system built on SemMoE gets an unknown one."""
+    known = set(inspect.signature(SemMoE).parameters)
+    unknown = sorted(set(params) - known)
+    if unknown:
+        raise ConfigError(
+            f"system {name!r} has no parameter(s) {unknown}; its parameters are {sorted(known | set(own))}."
+        )
