@@ -179,9 +179,25 @@ def a2a_seconds_estimate(traffic: np.ndarray, hardware: dict) -> float:
     """Dispatch + combine time if every layer's all-to-all is bound by its busiest device's send or receive.
 
     traffic int[L, D, D] dispatch bytes; combine mirrors it, so the total is twice the dispatch time.
+    One node (hardware nodes <= 1): bytes / a2a_bandwidth_gbps + a2a_latency_us per layer. Several nodes
+    (a multi-node profile such as h100_2x8_ib): per link level, with the profile's NCCL all-to-all
+    bandwidths (a2a.nccl.dispatch nvlink_gbps / rdma_gbps / latency_us) and devices_per_node: a device's
+    intra-node bytes go over NVLink and its inter-node bytes over its NIC at the same time, so a layer takes
+    the slowest device's max(intra / NVLink, inter / RDMA) + latency.
     """
-    busiest = np.maximum(traffic.sum(axis=2), traffic.sum(axis=1)).max(axis=1)  # [L]
-    per_layer = busiest / (hardware["a2a_bandwidth_gbps"] * 1e9) + hardware["a2a_latency_us"] * 1e-6
+    if hardware.get("nodes", 1) <= 1:
+        busiest = np.maximum(traffic.sum(axis=2), traffic.sum(axis=1)).max(axis=1)  # [L]
+        per_layer = busiest / (hardware["a2a_bandwidth_gbps"] * 1e9) + hardware["a2a_latency_us"] * 1e-6
+        return float(2 * per_layer.sum())
+    link = hardware["a2a"]["nccl"]["dispatch"]
+    node = np.arange(traffic.shape[1]) // int(hardware["devices_per_node"])
+    inter = node[:, None] != node[None, :]  # [D, D]
+    seconds = []
+    for mask, gbps in ((~inter, link["nvlink_gbps"]), (inter, link["rdma_gbps"])):
+        level = traffic * mask
+        busiest = np.maximum(level.sum(axis=2), level.sum(axis=1))  # [L, D] send or receive per device
+        seconds.append(busiest / (gbps * 1e9))
+    per_layer = np.maximum(*seconds).max(axis=1) + link["latency_us"] * 1e-6
     return float(2 * per_layer.sum())
 
 
