@@ -174,12 +174,11 @@ def _check_rebalance(weight, num_replicas, num_groups, num_nodes, num_gpus) -> N
 
 def expert_activation_counts(trace: RoutingTrace) -> np.ndarray:
     """int64[L, E] how many token activations each expert receives per MoE layer (EPLB's load)."""
-    num_layers, num_experts = trace.num_layers, trace.meta.num_experts
-    experts = np.asarray(trace.experts, dtype=np.int64)  # [N, L, k]
-    layer = np.broadcast_to(np.arange(num_layers)[None, :, None], experts.shape)
-    return np.bincount((layer * num_experts + experts).ravel(), minlength=num_layers * num_experts).reshape(
-        num_layers, num_experts
-    )
+    num_experts = trace.meta.num_experts
+    # one layer at a time: an int64 copy of the whole [N, L, k] array is gigabytes at DeepSeek-V3 scale
+    return np.stack(
+        [np.bincount(np.asarray(trace.experts[:, layer]).ravel(), minlength=num_experts) for layer in range(trace.num_layers)]
+    ).astype(np.int64)
 
 
 def device_load(weight: np.ndarray, placement: Placement) -> np.ndarray:

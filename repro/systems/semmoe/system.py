@@ -21,6 +21,7 @@ from __future__ import annotations
 import inspect
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -406,17 +407,21 @@ class SemMoE:
         self, profile: RoutingTrace, parallel: ParallelConfig, rng: np.random.Generator
     ) -> tuple[np.ndarray, dict]:
         """(expert_device int64[L, E] with exactly E/D experts per device per layer, solver info)."""
-        expert_device, info, _ = self.cocluster(profile, parallel, rng)
-        return expert_device, info
+        return self.cocluster(profile, parallel, rng)
 
     def cocluster(
-        self, profile: RoutingTrace, parallel: ParallelConfig, rng: np.random.Generator
-    ) -> tuple[np.ndarray, dict, list[UnitGroup]]:
-        """Algorithm 1 on the profile: (expert_device int64[L, E], solver info, the solved unit groups).
+        self,
+        profile: RoutingTrace,
+        parallel: ParallelConfig,
+        rng: np.random.Generator,
+        on_group: Callable[[UnitGroup, np.ndarray], None] | None = None,
+    ) -> tuple[np.ndarray, dict]:
+        """Algorithm 1 on the profile: (expert_device int64[L, E], solver info).
 
-        One group of all layers under request units (DP), one group per layer under token units (TP); each
-        group keeps its affinity, unit loads and unit clusters, for solvers that build on the clustering
-        (repro.systems.semmoe.replicate).
+        One unit group of all layers under request units (DP), one group per layer under token units (TP).
+        on_group(group, expert_device int64[L', E] of the group's layers) is called as each group is solved,
+        for solvers that build on the clustering (repro.systems.semmoe.replicate); the group is dropped after
+        it, so memory stays at one group's affinity.
         """
         started = time.perf_counter()
         meta = profile.meta
@@ -457,7 +462,6 @@ class SemMoE:
                 len(layers), len(solver_units), num_experts,
             )
 
-        groups: list[UnitGroup] = []
         layer_groups = [list(range(num_layers))] if units == "requests" else [[layer] for layer in range(num_layers)]
         # one clustering shared by every layer (requests), or one per layer (tokens: memory stays at one layer's
         # nonzeros)
@@ -466,7 +470,8 @@ class SemMoE:
             result = self._solve_group(affinity, unit_load[solver_units], parallel, rng)
             expert_device[layers] = result.expert_device
             objectives.append(result.objective)
-            groups.append(UnitGroup(tuple(layers), affinity, unit_load[solver_units], result.unit_cluster))
+            if on_group is not None:
+                on_group(UnitGroup(tuple(layers), affinity, unit_load[solver_units], result.unit_cluster), result.expert_device)
         info = {
             "cluster_units": units,
             "hierarchical": self.hierarchical and parallel.num_nodes > 1,
@@ -477,7 +482,7 @@ class SemMoE:
             "solver_load_share": float(unit_load[solver_units].sum() / unit_load.sum()),
             "solver_seconds": time.perf_counter() - started,
         }
-        return expert_device, info, groups
+        return expert_device, info
 
     def _solve_group(
         self, affinity: SparseAffinity, unit_load: np.ndarray, parallel: ParallelConfig, rng: np.random.Generator
