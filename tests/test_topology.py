@@ -7,6 +7,8 @@ Legend: N tokens, L MoE layers, k experts per token, D devices, E experts, u uni
 import numpy as np
 import pytest
 
+from repro.engines.layout import ModelLayout
+from repro.engines.sglang import check_location
 from repro.eval import evaluate
 from repro.parallel import ParallelConfig
 from repro.run import a2a_seconds_estimate
@@ -61,6 +63,9 @@ def test_hierarchical_keeps_sibling_communities_on_one_node(attention):
             node = plan.placement.expert_device() // 2  # [L, E]: sibling blocks {0,1,2,3} and {4,5,6,7} per node
             assert np.all(node[:, :4] == node[:, [0]]) and np.all(node[:, 4:] == node[:, [4]])
             assert np.all(node[:, 0] != node[:, 4])
+        if name == "semmoe_hierarchical":  # engine-ready: SGLang's map checks out like any other plan's
+            layout = ModelLayout("nested", num_hidden_layers=3, moe_layer_ids=(1, 2), num_experts=8)
+            check_location(plan.placement.to_sglang((1, 2), 3), layout, 4, num_redundant_experts=0)
     hier, flat, ep = summaries["semmoe_hierarchical"], summaries["semmoe"], summaries["ep"]
     assert hier["dispatch_bytes_inter_node"] <= flat["dispatch_bytes_inter_node"]
     assert hier["dispatch_bytes_inter_node"] <= 0.1 * ep["dispatch_bytes_inter_node"]
