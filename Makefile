@@ -5,7 +5,7 @@ PIP := $(VENV)/bin/pip
 # torch 2.13.0 CPU build when no NVIDIA GPU is visible; with a GPU, the user's CUDA torch is kept
 HAVE_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: setup test reproduce figures bench gpu-check lint clean
+.PHONY: setup test reproduce figures bench gpu-check serve-sglang serve-vllm bench-serving setup-engines-cpu lint clean
 
 setup:
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -25,7 +25,8 @@ test:
 
 # experiments that read ../shared/data (arena-hard prompts, measured routing tables) run only where it exists
 SHARED_DATA ?= $(or $(REPRO_SHARED_DATA),../shared/data)
-OFFLINE_EXPERIMENTS := default paper_dp paper_tp dp_lookahead routing_sources exec exec_model serve_dp serve_tp
+OFFLINE_EXPERIMENTS := default paper_dp paper_tp dp_lookahead routing_sources exec exec_model serve_dp serve_tp \
+  replication_dp replication_tp multinode
 SHARED_EXPERIMENTS := $(if $(wildcard $(SHARED_DATA)/arena-hard),cross_dataset replay_olmoe_dp replay_olmoe_tp routing_sources_replay)
 
 reproduce:
@@ -46,6 +47,23 @@ bench:
 # the results sit beside the bench results and are calibration input for repro/sim
 gpu-check:
 	$(PY) -m bench.gpu_check --out bench/results/gpu_check
+
+# Real engines on a GPU server (never in CI): serve a fitted plan behind the semantic DP router, then sweep rates.
+# PLAN is a job dir under runs/ (its plan/ folder), MODEL a local checkpoint or hub id the engine can load.
+PLAN ?= runs/paper_dp/parallel.devices=8,system=semmoe,workload=mmlu
+MODEL ?= deepseek-ai/DeepSeek-V2-Lite
+TOKENIZER ?= hf:$(MODEL)
+RATES ?= 2,4,8,16,32
+serve-sglang:
+	$(PY) -m repro.engines.bench_serving serve --engine sglang --plan $(PLAN) --model-path $(MODEL)
+serve-vllm:
+	$(PY) -m repro.engines.bench_serving serve --engine vllm --plan $(PLAN) --model-path $(MODEL)
+bench-serving:
+	$(PY) -m repro.engines.bench_serving sweep --url http://127.0.0.1:8080 --router-metrics http://127.0.0.1:8080/metrics \
+	  --rates $(RATES) --out runs/serve_real/$(notdir $(PLAN)) workload=mmlu tokenizer=$(TOKENIZER) num_requests=500 output_len=128
+# SGLang's pure-Python EPLB / expert-location modules on a CPU for tests/test_engines_crosscheck.py (engines.md §3)
+setup-engines-cpu:
+	$(PIP) install -q -e ".[engines-cpu]" && $(PIP) install -q --no-deps sglang==0.5.23
 
 lint:
 	$(VENV)/bin/ruff check repro tests bench

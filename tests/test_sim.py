@@ -362,7 +362,7 @@ def test_sim_group_composes_with_hydra():
     from hydra import compose, initialize_config_dir
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=["+sim=default", "sim/shape=qwen3_30b_a3b", "logger=none"])
+        cfg = compose(config_name="config", overrides=["sim=default", "sim/shape=qwen3_30b_a3b", "logger=none"])
     sim = OmegaConf.to_container(cfg.sim, resolve=True)
     assert sim["shape"]["name"] == "qwen3_30b_a3b" and sim["rates"][0] == 10
 

@@ -284,9 +284,12 @@ def write_report(runs_dir: str | Path, out_dir: str | Path) -> Path:
              "Systems are fitted on the profile split (20 % of requests), defaults tuned on the validate split "
              "(10 %), and numbers reported on the evaluate split (70 %) unless the evaluate_split column says otherwise.", ""]
     lines += tuned_section(Path(runs_dir))
-    from repro.figures.paper import paper_section  # imported here: paper.py builds on this module's helpers
+    # imported here: paper.py and replication.py build on this module's helpers
+    from repro.figures.paper import paper_section
+    from repro.figures.replication import replication_section
 
     lines += paper_section(summary, out_dir)
+    lines += replication_section(summary, out_dir)
     for experiment, runs in summary.groupby("experiment", sort=True):
         layers = per_layer[per_layer["experiment"] == experiment] if len(per_layer) else per_layer
         lines += [f"## Experiment `{experiment}`", ""]
