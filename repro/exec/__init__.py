@@ -7,4 +7,6 @@
 - `repro.exec.trace_mode`: a fitted plan executed on a routing trace's tokens, its bytes checked against the
   evaluator's and its outputs against the single-process MoE (`python -m repro.exec`, or
   `python -m repro.run experiment=exec`).
+- `repro.exec.model`: the suite's trained tiny Mixtral end to end on real ranks, Attention-DP or -TP, its logits
+  checked against the single-process transformers model (`experiment=exec_model`).
 """
