@@ -5,7 +5,7 @@ PIP := $(VENV)/bin/pip
 # torch 2.13.0 CPU build when no NVIDIA GPU is visible; with a GPU, the user's CUDA torch is kept
 HAVE_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: setup test reproduce figures bench gpu-check serve-sglang serve-vllm bench-serving setup-engines-cpu lint clean
+.PHONY: setup test reproduce reproduce-beyond figures bench gpu-check serve-sglang serve-vllm bench-serving setup-engines-cpu lint clean
 
 setup:
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -25,8 +25,9 @@ test:
 
 # experiments that read ../shared/data (arena-hard prompts, measured routing tables) run only where it exists
 SHARED_DATA ?= $(or $(REPRO_SHARED_DATA),../shared/data)
-OFFLINE_EXPERIMENTS := default paper_dp paper_tp dp_lookahead routing_sources exec exec_model serve_dp serve_tp \
-  replication_dp replication_tp multinode
+OFFLINE_EXPERIMENTS := default paper_dp paper_tp dp_lookahead routing_sources exec exec_model serve_dp serve_tp
+# beyond the paper (replicated and multi-node placement): ~5 more minutes, so a separate target
+BEYOND_EXPERIMENTS := replication_dp replication_tp multinode
 SHARED_EXPERIMENTS := $(if $(wildcard $(SHARED_DATA)/arena-hard),cross_dataset replay_olmoe_dp replay_olmoe_tp routing_sources_replay)
 
 reproduce:
@@ -35,6 +36,12 @@ reproduce:
 	done
 	# Sem-MoE's tunable defaults: chosen on the validate split, reported on evaluate (runs/tune_semmoe/*/tuned.json)
 	$(PY) -m repro.tune -m logger=none
+	$(MAKE) figures
+
+reproduce-beyond:
+	for e in $(BEYOND_EXPERIMENTS); do \
+	  WANDB_MODE=$${WANDB_MODE:-offline} $(PY) -m repro.run -m experiment=$$e || exit 1; \
+	done
 	$(MAKE) figures
 
 figures:
