@@ -27,3 +27,10 @@ class DataUnavailableError(ReproError):
 
 class SolverError(ReproError):
     """An optimisation solver failed or timed out without a feasible answer."""
+
+
+def check_known_keys(group: str, config: dict, known) -> None:
+    """Raise ConfigError naming the keys of config group `group` that are not in `known` (a typo is never ignored)."""
+    unknown = sorted(set(config) - set(known))
+    if unknown:
+        raise ConfigError(f"{group} has no key(s) {unknown}; its keys are {sorted(known)}.")

@@ -6,7 +6,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from repro.errors import ConfigError
+from repro.errors import ConfigError, check_known_keys
 
 ATTENTION_MODES = ("dp", "tp")
 
@@ -69,10 +69,7 @@ class ParallelConfig:
     @classmethod
     def from_config(cls, config: dict) -> ParallelConfig:
         """Build from the `parallel` config group; an unknown key is a ConfigError naming the known ones."""
-        known = [f.name for f in fields(cls)]
-        unknown = sorted(set(config) - set(known))
-        if unknown:
-            raise ConfigError(f"parallel has no key(s) {unknown}; its keys are {known}.")
+        check_known_keys("parallel", config, [f.name for f in fields(cls)])
         return cls(**config)
 
     def check_experts(self, num_experts: int, num_slots: int | None = None) -> None:

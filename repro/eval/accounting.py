@@ -282,7 +282,7 @@ def home_devices(plan: Plan, trace: RoutingTrace, *, history: int = 2, progress:
     plan.reset()
     if plan.parallel.attention == "dp":
         ranks = plan.assign_requests(
-            _read_only(trace.token_ids), _read_only(trace.offsets), _read_only(trace.prefill_len)
+            read_only(trace.token_ids), read_only(trace.offsets), read_only(trace.prefill_len)
         )
         ranks = _check_ranks(plan, ranks, trace.num_requests, num_devices)
         per_token = np.repeat(ranks.astype(np.int16), trace.lengths())
@@ -301,8 +301,8 @@ def home_devices(plan: Plan, trace: RoutingTrace, *, history: int = 2, progress:
     for start in starts:
         stop = min(start + step, trace.num_tokens)
         # copies, read-only: a plan must not be able to change the routing the accounting then reads
-        token_ids = _read_only(np.array(trace.token_ids[start:stop]))
-        experts_tLk = _read_only(np.array(trace.experts[start:stop]))
+        token_ids = read_only(np.array(trace.token_ids[start:stop]))
+        experts_tLk = read_only(np.array(trace.experts[start:stop]))
         for layer in range(trace.num_layers):
             first = max(0, layer - history)
             prev = experts_tLk[:, first:layer, :] if layer > first else None
@@ -314,7 +314,8 @@ def home_devices(plan: Plan, trace: RoutingTrace, *, history: int = 2, progress:
     return home
 
 
-def _read_only(a: np.ndarray) -> np.ndarray:
+def read_only(a: np.ndarray) -> np.ndarray:
+    """A read-only view: schedulers may read the routing they are given, never change what is accounted."""
     view = np.asarray(a).view()
     view.flags.writeable = False
     return view

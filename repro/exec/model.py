@@ -460,7 +460,7 @@ def run_model(
     {collective: [seconds per rank]} and forward_seconds [per rank]; plus the run's shape.
     """
     # the evaluator (and pandas behind it) is the driver's alone: spawned ranks import this module
-    from repro.eval.accounting import account, home_devices
+    from repro.eval.accounting import account, home_devices, read_only
 
     world_size = plan.parallel.devices if world_size is None else int(world_size)
     attention = plan.parallel.attention if attention is None else attention
@@ -495,7 +495,7 @@ def run_model(
     if attention == "dp":
         plan.reset()
         request_rank_R = np.asarray(
-            plan.assign_requests(_read_only(trace.token_ids), _read_only(offsets), _read_only(trace.prefill_len)),
+            plan.assign_requests(read_only(trace.token_ids), read_only(offsets), read_only(trace.prefill_len)),
             dtype=np.int64,
         )
 
@@ -611,12 +611,6 @@ def _model_ids(trace: RoutingTrace, vocab: VocabMap | None, model_vocab: int) ->
             "VocabMap (tiny_model.load_or_train returns it) or a trace captured from this model."
         )
     return ids
-
-
-def _read_only(a: np.ndarray) -> np.ndarray:
-    view = np.asarray(a).view()
-    view.flags.writeable = False
-    return view
 
 
 def _save_weights(weights: MixtralWeights, directory: Path) -> str:

@@ -50,7 +50,7 @@ import pandas as pd
 import torch
 import torch.distributed as dist
 
-from repro.errors import ConfigError, TraceError
+from repro.errors import ConfigError, TraceError, check_known_keys
 from repro.exec.launch import DIST_BACKENDS, in_torchrun, join, launch, worker_device
 from repro.exec.moe import (
     COLLECTIVES,
@@ -88,10 +88,7 @@ class ExecConfig:
 
     @classmethod
     def from_config(cls, config: dict) -> ExecConfig:
-        known = [f.name for f in fields(cls)]
-        unknown = sorted(set(config) - set(known))
-        if unknown:
-            raise ConfigError(f"exec has no key(s) {unknown}; its keys are {known}.")
+        check_known_keys("exec", config, [f.name for f in fields(cls)])
         return cls(**config)
 
     @property

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from repro.errors import ConfigError, TraceError
+from repro.errors import ConfigError, TraceError, check_known_keys
 from repro.sim.costs import A2A_BACKENDS, CostModel
 from repro.sim.engine import SCHEDULES, Engine, EngineConfig, Requests
 from repro.sim.hardware import Hardware, load_hardware
@@ -63,9 +63,7 @@ class SimResult:
 
 def check_sim_config(sim: dict) -> dict:
     """Validate the `sim` config group; one ConfigError sentence per problem."""
-    unknown = sorted(set(sim) - SIM_KEYS)
-    if unknown:
-        raise ConfigError(f"sim has no key(s) {unknown}; its keys are {sorted(SIM_KEYS)}.")
+    check_known_keys("sim", sim, SIM_KEYS)
     missing = sorted(SIM_KEYS - {"kv_capacity_tokens", "shape"} - set(sim))
     if missing:
         raise ConfigError(f"sim misses key(s) {missing}; see conf/sim/default.yaml.")
