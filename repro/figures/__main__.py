@@ -1,4 +1,5 @@
-"""`python -m repro.figures --runs runs --out figures`: render figures and figures/REPORT.md."""
+"""`python -m repro.figures --runs runs --out figures [--html]`: render figures and figures/REPORT.md
+(and, with --html, figures/REPORT.html: the same report as one self-contained file with the images inlined)."""
 
 import argparse
 import sys
@@ -11,9 +12,15 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--runs", default="runs")
     parser.add_argument("--out", default="figures")
+    parser.add_argument("--html", action="store_true", help="also write REPORT.html beside REPORT.md")
     args = parser.parse_args(argv)
     try:
-        print(write_report(args.runs, args.out))
+        report = write_report(args.runs, args.out)
+        print(report)
+        if args.html:
+            from repro.figures.html import write_html
+
+            print(write_html(report, report.with_suffix(".html")))
     except ReproError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,94 @@
+"""A self-contained HTML copy of a markdown report (figures/REPORT.md, diff.md): one file that opens anywhere offline.
+
+    html = markdown_to_html(Path("figures/REPORT.md"))
+    write_html(Path("figures/REPORT.md"), Path("figures/REPORT.html"))
+
+Every local image becomes a base64 `data:` URI, the style sheet is embedded, and nothing is fetched from the
+network (no CDN script, font or image). Hyperlinks are kept as they are: they load nothing when the page opens.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+from markdown_it import MarkdownIt
+
+from repro.atomic import atomic_write
+from repro.errors import ReproError
+
+MIME_TYPES = {".png": "image/png", ".svg": "image/svg+xml", ".jpg": "image/jpeg", ".jpeg": "image/jpeg",
+              ".gif": "image/gif", ".webp": "image/webp"}
+
+# wide report tables scroll inside their own box instead of widening the page
+CSS = """
+body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; line-height: 1.45; color: #1f2328;
+       max-width: 1200px; margin: 2em auto; padding: 0 1em; }
+h1, h2, h3 { line-height: 1.2; } h2 { border-bottom: 1px solid #d0d7de; padding-bottom: .2em; margin-top: 2em; }
+table { border-collapse: collapse; display: block; overflow-x: auto; margin: 1em 0; font-size: 0.85em; }
+th, td { border: 1px solid #d0d7de; padding: 3px 8px; text-align: right; white-space: nowrap; }
+th { background: #f6f8fa; position: sticky; top: 0; } tr:nth-child(even) td { background: #fafbfc; }
+td:first-child, th:first-child { text-align: left; }
+code { background: #f6f8fa; padding: 0 .25em; border-radius: 3px; font-size: 0.9em; }
+pre { background: #f6f8fa; padding: .8em; overflow-x: auto; font-size: 0.8em; }
+pre code { padding: 0; }
+img { max-width: 100%; height: auto; }
+"""
+
+
+def _parser() -> MarkdownIt:
+    # raw HTML in the markdown is escaped, so no <img src="http..."> can slip past the inlining below
+    return MarkdownIt("commonmark", {"html": False}).enable(["table", "strikethrough"])
+
+
+def image_data_uri(src: str, base_dir: Path) -> str:
+    """`src` of a markdown image (relative to base_dir, percent-encoded) as a base64 data: URI of the file's bytes."""
+    if src.startswith("data:"):
+        return src
+    if urlparse(src).scheme or src.startswith("//"):
+        raise ReproError(f"the report links the remote image {src!r}; save it beside the report so the HTML "
+                         "can embed it.")
+    path = base_dir / unquote(src)
+    mime = MIME_TYPES.get(path.suffix.lower())
+    if mime is None:
+        raise ReproError(f"image {path} has an unsupported type; use one of {sorted(MIME_TYPES)}.")
+    if not path.is_file():
+        raise ReproError(f"image {path} linked from the report does not exist; re-render the figures "
+                         "(python -m repro.figures) before writing the HTML.")
+    return f"data:{mime};base64,{base64.b64encode(path.read_bytes()).decode('ascii')}"
+
+
+def markdown_to_html(report_md: Path) -> str:
+    """The markdown file as one HTML page: tables rendered, local images inlined, CSS embedded."""
+    report_md = Path(report_md)
+    if not report_md.is_file():
+        raise ReproError(f"{report_md} does not exist; render it first (python -m repro.figures).")
+    md = _parser()
+    tokens = md.parse(report_md.read_text(encoding="utf-8"))
+    h1 = [tokens[i + 1].content for i, t in enumerate(tokens) if t.type == "heading_open" and t.tag == "h1"]
+    title = h1[0] if h1 else report_md.stem
+    for token in tokens:
+        for child in token.children or ():
+            if child.type == "image":
+                child.attrSet("src", image_data_uri(str(child.attrGet("src")), report_md.parent))
+    body = md.renderer.render(tokens, md.options, {})
+    return (f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
+            f'<meta name="viewport" content="width=device-width, initial-scale=1">\n'
+            f"<title>{html.escape(title)}</title>\n<style>{CSS}</style>\n</head>\n<body>\n{body}</body>\n</html>\n")
+
+
+def write_shared_text(path: Path, text: str) -> Path:
+    """Write text to path atomically, readable by everyone (mkstemp's temporary file is owner-only)."""
+    def write(tmp: Path) -> None:
+        tmp.write_text(text, encoding="utf-8")
+        tmp.chmod(0o644)
+
+    atomic_write(Path(path), write)
+    return Path(path)
+
+
+def write_html(report_md: Path, out_html: Path) -> Path:
+    """Write markdown_to_html(report_md) to out_html atomically (a missing image leaves no file) and return it."""
+    return write_shared_text(out_html, markdown_to_html(report_md))
