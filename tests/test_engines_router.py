@@ -18,6 +18,7 @@ import aiohttp
 import numpy as np
 import pytest
 from aiohttp import web
+from multidict import CIMultiDict, MultiDict
 from test_engines_capture import serve_in_thread
 from test_engines_sglang import DEVICES, NUM_EXPERTS, toy_placement, write_job
 
@@ -65,6 +66,14 @@ def fake_upstream(log: list) -> web.Application:
             return web.Response(status=body["status"], text=f"upstream says {body['status']}", headers={"X-Why": "test"})
         if body.get("opaque"):
             return web.Response(body=b"\x1f\x8b\x08\x00opaque", headers={"Content-Encoding": "gzip", "X-Upstream": "yes"})
+        if body.get("cookies"):
+            return web.Response(body=b"two cookies", headers=MultiDict([("Set-Cookie", "a=1"), ("Set-Cookie", "b=2")]))
+        if body.get("truncate"):  # promises 100 bytes, sends 10, hangs up
+            response = web.StreamResponse(headers={"Content-Length": "100"})
+            await response.prepare(request)
+            await response.write(b"0123456789")
+            request.transport.close()
+            return response
         if body.get("stream"):
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "X-Upstream": "yes"})
             await response.prepare(request)
@@ -169,6 +178,28 @@ def test_headers_bodies_and_query_pass_through(stack):
     assert ["x-data-parallel-rank", "2"] in json.loads(raw)["raw_headers"]  # a client's own rank wins, unscored
 
 
+@pytest.mark.parametrize("buffer_bytes", [0, router_mod.BUFFER_BYTES])
+def test_bounded_bodies_and_repeated_headers_pass_through(stack, monkeypatch, buffer_bytes):
+    """Bodies up to BUFFER_BYTES are read whole and sent in one write, longer ones streamed: same bytes either way."""
+    monkeypatch.setattr(router_mod, "BUFFER_BYTES", buffer_bytes)
+    url, upstream, _, _ = stack()
+    for body in ({"prompt": "hi", "id": 1, "opaque": True}, {"prompt": "hi", "id": 2, "cookies": True}):
+        routed, direct = call(url, "/v1/completions", body), call(upstream, "/v1/completions", body)
+        assert routed[0] == direct[0] == 200 and routed[2] == direct[2]
+        assert routed[1]["Content-Length"] == direct[1]["Content-Length"]
+    status, headers, _ = asyncio.run(_call_multi(url, {"prompt": "hi", "cookies": True}))
+    assert headers.getall("Set-Cookie") == ["a=1", "b=2"]
+    twice = CIMultiDict([("X-Twice", "1"), ("X-Twice", "2")])
+    echo = json.loads(call(url, "/v1/completions", {"prompt": "hi"}, headers=twice)[2])
+    assert [v for k, v in echo["raw_headers"] if k == "X-Twice"] == ["1", "2"]
+
+
+async def _call_multi(url: str, body: dict) -> tuple[int, CIMultiDict, bytes]:
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url + "/v1/completions", json=body) as response:
+            return response.status, CIMultiDict(response.headers), await response.read()
+
+
 def test_stream_passes_through_intact(stack):
     url, upstream, _, _ = stack()
     body = {"prompt": "stream me", "stream": True, "id": 7}
@@ -192,6 +223,9 @@ def test_errors_are_returned_unchanged_and_outages_are_clear(stack):
     status, _, raw = call(url, "/v1/completions", {"prompt": "x", "sleep": 2})
     assert status == 504 and "did not answer" in json.loads(raw)["error"]["message"]
     assert time.perf_counter() - started < 1.9
+    status, _, raw = call(url, "/v1/completions", {"prompt": "x", "truncate": True})  # nothing sent yet: a clear 502
+    assert status == 502 and "mid-response" in json.loads(raw)["error"]["message"]
+    assert 'semmoe_router_upstream_errors_total{kind="midstream"} 1.0' in call(url, "/metrics", method="GET")[2].decode()
     down_url, stop = serve_in_thread(web.Application())
     stop()
     router = SemanticRouter(semmoe_plan(), None)
@@ -237,6 +271,7 @@ def test_metrics_count_every_request(stack):
                 if line.startswith(f'semmoe_router_requests_total{{rank="{r}"}}')}
     assert sum(per_rank.values()) == len(PROMPTS) and set(per_rank.values()) == {2.0}
     assert f"semmoe_router_routing_seconds_count {float(len(PROMPTS))}" in text
+    assert f"semmoe_router_added_seconds_count {float(len(PROMPTS) + 1)}" in text  # every proxied request
     assert 'semmoe_router_unscored_requests_total{reason="no_prompt"} 1.0' in text
     lar = sum(float(line.split()[-1]) for line in text.splitlines()
               if line.startswith("semmoe_router_predicted_local_activation_rate_count"))
@@ -268,6 +303,20 @@ def test_load_no_request_lost_or_duplicated(stack):
     assert sorted(i for i, _ in results) == list(range(total))  # every client got its own answer once
     assert sorted(i for i in log if i is not None) == list(range(total))  # and the upstream saw each once
     assert sorted(Counter(rank for _, rank in results).values()) == [total // DEVICES] * DEVICES
+
+
+def test_route_matches_plan_one_request_at_a_time():
+    """route() == Algorithm 2 on a fresh plan copy request by request; its LAR == the tables' own formula."""
+    router, plan = SemanticRouter(semmoe_plan(), None), semmoe_plan()
+    rng = np.random.default_rng(3)
+    for n in rng.integers(0, 40, 3 * DEVICES):
+        ids = rng.integers(0, VOCAB, n)
+        decision = router.route(router.token_ids(ids.tolist()))
+        assert decision.rank == plan.assign_requests(ids, np.array([0, n]), np.array([n]))[0]
+        rows = plan.row_of_token[ids]
+        on_rank = plan.token_device[:, rows] == decision.rank  # [L, n]
+        expected = (plan.token_confidence[:, rows] * on_rank).mean(axis=0).mean() if n else None
+        assert decision.predicted_lar == pytest.approx(expected, rel=1e-6)
 
 
 def test_router_is_thread_safe():

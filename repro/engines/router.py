@@ -15,11 +15,22 @@ gets its own spelling anyway. With D upstreams (vLLM external load balancing, on
 request goes to upstream r, without a header. A request that already carries the header keeps it, unscored.
 
 Everything is passed through unchanged: method, path, query, headers (hop-by-hop ones excepted), body bytes,
-status, response headers and body, streamed chunk by chunk (SSE included, compressed bodies untouched).
-An unreachable upstream gives 502 and an upstream timeout 504, each with a JSON body saying so; an upstream
-error status is returned as is. Every other path (/v1/models, /health, ...) is proxied without a rank.
+status, response headers and body (a body with a Content-Length up to BUFFER_BYTES is read whole and sent in one
+write; any other, SSE included, is streamed chunk by chunk; compressed bodies untouched).
+An unreachable upstream gives 502 (so does one that breaks off a bounded body before its end, as nothing has
+been sent yet) and an upstream timeout 504, each with a JSON body saying so; an upstream error status is returned
+as is; a streamed body broken off midway cuts the client connection. Every other path (/v1/models, /health, ...) is proxied without a rank.
 GET /metrics (Prometheus): requests per rank, predicted local activation rate per rank, routing seconds
-(tokenize + score), upstream errors by kind, requests in flight.
+(tokenize + score), the router's own added seconds per proxied request, upstream errors by kind, requests in
+flight.
+
+Added seconds (semmoe_router_added_seconds), measured inside the router: (handler start -> the upstream request
+issued) + (the upstream body received -> the client reply handed to the socket), wall time, so the waits for
+other requests' work on the event loop are in it. It is a lower bound on what the router adds: aiohttp's work
+outside the handler (parsing the client's request before the handler starts, writing the upstream request and
+parsing its reply) and time in kernel queues are not in it; a client-side comparison with and without the
+router (bench/bench_router.py) sees them. (aiohttp's request tracing would stamp the upstream write itself,
+but costs ~50 us of CPU per request, more than a tenth of the router's.)
 
 Predicted local activation rate of a request on its rank r: the mean over its prompt tokens and the plan's
 layers of T_p[l, token] where T[l, token] == r (the share of a token's routed experts the plan expects on its
@@ -29,6 +40,10 @@ Concurrency: scoring runs on the event loop with no await between reading and up
 under a lock, so concurrent requests (coroutines or threads) see a consistent mask; prompts longer than
 INLINE_CHARS characters are tokenized on a worker thread so they do not stall other requests.
 
+Latency: the CLI freezes the start-up heap (gc.freeze) so that Python's full collections do not walk the plan,
+numpy, pandas and aiohttp objects (about 100k, ~50 ms a pass, which was every p99 spike under load), and runs
+on uvloop when it is installed (optional: `pip install uvloop`); metric children are looked up once.
+
 Legend: L plan layers, D DP ranks, t profiled token rows (+1 OOV row), n prompt tokens of one request.
 """
 
@@ -36,6 +51,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
+import importlib.util
 import json
 import sys
 import threading
@@ -56,6 +73,9 @@ ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions", "/generate")
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
               "transfer-encoding", "upgrade", "host", "content-length"}
 INLINE_CHARS = 16384
+# upstream bodies with a Content-Length up to this are read whole and sent in one write; longer or chunked
+# ones (SSE) are streamed chunk by chunk
+BUFFER_BYTES = 1 << 20
 
 
 # ---- prompts -------------------------------------------------------------------------------------------------
@@ -117,7 +137,7 @@ class SemanticRouter:
         self.num_ranks = plan.parallel.devices
         self._lock = threading.Lock()
         self._vocab = None
-        self._lar_table = None
+        self._lar_vocab = None
         if isinstance(plan, SemMoEPlan):
             if plan.dp_assign != "online":
                 raise ConfigError(
@@ -131,7 +151,9 @@ class SemanticRouter:
                     "the plan was profiled with another tokenizer (pass the model's with --tokenizer)."
                 )
             on_device = plan.token_device[:, :, None] == np.arange(self.num_ranks)[None, None, :]  # [L, t+1, D]
-            self._lar_table = (plan.token_confidence[:, :, None] * on_device).mean(axis=0).astype(np.float32)
+            lar_table = (plan.token_confidence[:, :, None] * on_device).mean(axis=0).astype(np.float32)  # [t+1, D]
+            # per vocabulary id [V, D]: one gather per request instead of two (V x D x 4 bytes: 4.9 MB for Qwen)
+            self._lar_vocab = lar_table[plan.row_of_token]
         plan.reset()
 
     def token_ids(self, prompt: str | list[int]) -> np.ndarray:
@@ -139,9 +161,9 @@ class SemanticRouter:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ConfigError("a text prompt needs the model's tokenizer; start the router with --tokenizer.")
-            ids = np.asarray(self.tokenizer.encode(prompt), dtype=np.int64)
-        else:
-            ids = np.asarray(prompt, dtype=np.int64)
+            # the tokenizer's ids are below its vocab_size <= the plan's vocabulary (checked in __init__)
+            return np.asarray(self.tokenizer.encode(prompt), dtype=np.int64)
+        ids = np.asarray(prompt, dtype=np.int64)
         if self._vocab is not None:
             ids = ids[(ids >= 0) & (ids < self._vocab)]
         return ids
@@ -152,13 +174,21 @@ class SemanticRouter:
         with self._lock:
             rank = int(self.plan.assign_requests(token_ids, np.array([0, n]), np.array([n]))[0])
         lar = None
-        if self._lar_table is not None and n:
-            lar = float(self._lar_table[self.plan.row_of_token[token_ids], rank].mean())
+        if self._lar_vocab is not None and n:
+            lar = float(self._lar_vocab[token_ids, rank].mean())
         return Decision(rank, lar)
 
 
+ADDED_BUCKETS = (5e-5, 1e-4, 1.5e-4, 2e-4, 3e-4, 4e-4, 5e-4, 7.5e-4, 1e-3, 1.5e-3, 2e-3, 3e-3, 5e-3, 1e-2, 2e-2,
+                 5e-2, 0.1, 0.25, 1.0)
+ERROR_KINDS = ("connect", "timeout", "midstream", "status_4xx", "status_5xx")
+
+
 class RouterMetrics:
-    """Prometheus metrics of one router, in their own registry (several routers may live in one process)."""
+    """Prometheus metrics of one router, in their own registry (several routers may live in one process).
+
+    The labelled children are looked up once here: labels() costs a lock and a dict lookup per call.
+    """
 
     def __init__(self, num_ranks: int):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -176,9 +206,20 @@ class RouterMetrics:
         self.errors = Counter("semmoe_router_upstream_errors", "Upstream failures, by kind (connect, timeout, "
                               "midstream, status_4xx, status_5xx)", ["kind"], registry=self.registry)
         self.in_flight = Gauge("semmoe_router_in_flight", "Requests being proxied", registry=self.registry)
-        for rank in range(num_ranks):  # every rank shows up from the first scrape, at 0
-            self.requests.labels(rank=str(rank))
-            self.lar.labels(rank=str(rank))
+        self.added = Histogram("semmoe_router_added_seconds",
+                               "Seconds the router adds to a proxied request, measured inside it: handler start -> "
+                               "upstream request issued, plus upstream body received -> reply sent (a lower bound)",
+                               buckets=ADDED_BUCKETS, registry=self.registry)
+        # every rank shows up from the first scrape, at 0
+        self.requests_of_rank = [self.requests.labels(rank=str(rank)) for rank in range(num_ranks)]
+        self.lar_of_rank = [self.lar.labels(rank=str(rank)) for rank in range(num_ranks)]
+        self.unscored_client_rank = self.unscored.labels(reason="client_rank")
+        self.unscored_no_prompt = self.unscored.labels(reason="no_prompt")
+        self.error_of_kind = {kind: self.errors.labels(kind=kind) for kind in ERROR_KINDS}
+
+    def error(self, kind: str) -> None:
+        child = self.error_of_kind.get(kind)
+        (child if child is not None else self.errors.labels(kind=kind)).inc()
 
     def render(self) -> bytes:
         from prometheus_client import generate_latest
@@ -227,8 +268,8 @@ def build_app(
     async def decide(request: web.Request, raw: bytes) -> int | None:
         if request.method != "POST" or request.path not in ROUTED_PATHS:
             return None
-        if any(name.lower() == header.lower() for name in request.headers):
-            metrics.unscored.labels(reason="client_rank").inc()
+        if header in request.headers:  # a CIMultiDict: any spelling
+            metrics.unscored_client_rank.inc()
             return None
         try:
             body = json.loads(raw) if raw else None
@@ -236,7 +277,7 @@ def build_app(
             body = None
         prompt = extract_prompt(request.path, body)
         if prompt is None:
-            metrics.unscored.labels(reason="no_prompt").inc()
+            metrics.unscored_no_prompt.inc()
             return None
         started = time.perf_counter()
         if isinstance(prompt, str) and len(prompt) > INLINE_CHARS:
@@ -246,56 +287,77 @@ def build_app(
             ids = router.token_ids(prompt)
         decision = router.route(ids)
         metrics.routing.observe(time.perf_counter() - started)
-        metrics.requests.labels(rank=str(decision.rank)).inc()
+        metrics.requests_of_rank[decision.rank].inc()
         if decision.predicted_lar is not None:
-            metrics.lar.labels(rank=str(decision.rank)).observe(decision.predicted_lar)
+            metrics.lar_of_rank[decision.rank].observe(decision.predicted_lar)
         return decision.rank
 
     async def proxy(request: web.Request) -> web.StreamResponse:
+        started = time.perf_counter()
         if request.method == "GET" and request.path == "/metrics":
             return web.Response(body=metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
         raw = await request.read()
         rank = await decide(request, raw)
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        # a list, not a dict: a header the client sent twice goes upstream twice
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP]
         base = upstreams[0]
         if rank is not None and len(upstreams) == 1:
-            headers[header] = str(rank)
+            headers.append((header, str(rank)))
         elif rank is not None:
             base = upstreams[rank]
         url = base + request.rel_url.raw_path_qs
         metrics.in_flight.inc()
+        sent = time.perf_counter()
         try:
             async with request.app[session_key].request(
                 request.method, url, headers=headers, data=raw if raw else None, allow_redirects=False,
             ) as upstream:
-                response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
-                for name, value in upstream.headers.items():
-                    if name.lower() not in HOP_BY_HOP:
-                        response.headers.add(name, value)
-                if upstream.content_length is not None:
-                    response.content_length = upstream.content_length
+                reply_headers = [(k, v) for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP]
+                length = upstream.content_length
                 if upstream.status >= 400:
-                    metrics.errors.labels(kind=f"status_{upstream.status // 100}xx").inc()
-                await response.prepare(request)
-                try:
-                    async for chunk in upstream.content.iter_any():
-                        await response.write(chunk)
-                except (aiohttp.ClientError, TimeoutError) as e:
-                    # headers are out: the status cannot change any more; cut the connection so the client sees it
-                    metrics.errors.labels(kind="midstream").inc()
-                    if request.transport is not None:
-                        request.transport.close()
-                    raise ConnectionResetError(f"upstream {base} failed mid-response: {e}") from e
-                await response.write_eof()
+                    metrics.error(f"status_{upstream.status // 100}xx")
+                if length is not None and length <= BUFFER_BYTES:
+                    # a bounded body: read it whole, then headers and body leave in one write (a StreamResponse
+                    # sends its headers at once, a Response holds them for the body)
+                    try:
+                        body = await upstream.read()
+                    except aiohttp.ClientError as e:
+                        metrics.error("midstream")
+                        return _error_response(502, "upstream_failed", f"upstream {base} failed mid-response: {e}.")
+                    received = time.perf_counter()
+                    reply_headers.append(("Content-Length", str(length)))
+                    response = web.Response(body=body, status=upstream.status, reason=upstream.reason,
+                                            headers=reply_headers)
+                    await response.prepare(request)
+                    await response.write_eof()
+                else:
+                    response = web.StreamResponse(status=upstream.status, reason=upstream.reason,
+                                                  headers=reply_headers)
+                    if length is not None:
+                        response.content_length = length
+                    await response.prepare(request)
+                    try:
+                        async for chunk in upstream.content.iter_any():
+                            await response.write(chunk)
+                    except (aiohttp.ClientError, TimeoutError) as e:
+                        # headers are out: the status cannot change any more; cut the connection so the client
+                        # sees it
+                        metrics.error("midstream")
+                        if request.transport is not None:
+                            request.transport.close()
+                        raise ConnectionResetError(f"upstream {base} failed mid-response: {e}") from e
+                    received = time.perf_counter()
+                    await response.write_eof()
+                metrics.added.observe(sent - started + time.perf_counter() - received)
                 return response
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
-            metrics.errors.labels(kind="connect").inc()
+            metrics.error("connect")
             return _error_response(502, "upstream_unavailable", f"upstream {base} is unreachable ({type(e).__name__}: {e}).")
         except TimeoutError:
-            metrics.errors.labels(kind="timeout").inc()
+            metrics.error("timeout")
             return _error_response(504, "upstream_timeout", f"upstream {base} did not answer within {timeout:g} s.")
         except aiohttp.ClientError as e:
-            metrics.errors.labels(kind="connect").inc()
+            metrics.error("connect")
             return _error_response(502, "upstream_unavailable", f"upstream {base} failed before answering ({type(e).__name__}: {e}).")
         finally:
             metrics.in_flight.dec()
@@ -348,9 +410,18 @@ def main(argv: list[str] | None = None) -> int:
     except ReproError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    loop = None
+    if importlib.util.find_spec("uvloop") is not None:
+        import uvloop
+
+        loop = uvloop.new_event_loop()
     print(f"routing {router.num_ranks} DP ranks of {args.upstream} ({args.engine}, tokenizer {tokenizer.name}) "
-          f"on http://{args.host}:{args.port}; metrics at /metrics", file=sys.stderr)
-    web.run_app(app, host=args.host, port=args.port, access_log=None, print=None)
+          f"on http://{args.host}:{args.port} ({'uvloop' if loop else 'asyncio'} event loop); metrics at /metrics",
+          file=sys.stderr)
+    # everything alive now lives as long as the process: keep it out of the collector's full passes
+    gc.collect()
+    gc.freeze()
+    web.run_app(app, host=args.host, port=args.port, access_log=None, print=None, loop=loop)
     return 0
 
 
