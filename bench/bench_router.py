@@ -279,7 +279,7 @@ def run(quick: bool) -> dict:
             wait_for(router_url)
             asyncio.run(send_all(router_url, prompts[:100], 8))  # warm-up (tokenizer, connections)
             gc.collect()
-            gc.freeze()  # the client's collector pauses would land in either run's tail
+            gc.freeze()  # a full collection in the client (it keeps every echo) would land in one run's tail
             serial = compare(prompts[: total // 4], direct_url, router_url, router.pid, 1)
             issue = compare(prompts, direct_url, router_url, router.pid, ISSUE_CONCURRENCY)
             issue_model = compare(prompts, direct_url, router_url, router.pid, ISSUE_CONCURRENCY,
