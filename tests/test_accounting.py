@@ -65,6 +65,7 @@ def test_dp_hand_computed():
     assert (s["local_activations"], s["remote_activations"], s["total_activations"]) == (7, 5, 12)
     assert (s["dispatch_bytes"], s["combine_bytes"], s["a2a_bytes"]) == (40, 40, 80)
     assert s["dispatch_bytes_inter_node"] == 40  # one device per node: every remote byte crosses nodes
+    assert s["node_local_activation_rate"] == pytest.approx(7 / 12)  # ... and node-local is device-local
     assert s["remote_token_copies"] == 4
     assert s["expert_load_imbalance_max_mean"] == pytest.approx(7 / 6)
     assert s["expert_load_imbalance_max_mean_worst"] == pytest.approx(4 / 3)

@@ -115,3 +115,19 @@ def test_dp_bound_config_errors():
         plan.assign_requests(other.token_ids, other.offsets, other.prefill_len)
     assert make_system("dp_bound").kind == "bound" and "ceil(R/D)" in make_system("dp_bound").bound_constraint
     assert make_system("fit_assign").kind == "hindsight"
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_node_bound_covers_every_dp_systems_node_local_rate(seed):
+    # 4 devices as 2 nodes x 2: the LP over nodes bounds the activations served on the request's own node
+    trace = random_trace(seed, num_requests=12, num_experts=8)
+    parallel = ParallelConfig(devices=4, attention="dp", tokens_per_step=16, devices_per_node=2)
+    plan = make_system("dp_bound").fit(trace, parallel, np.random.default_rng(0))
+    node_bound = plan.info["node_local_bound"]
+    assert plan.info["lar_bound"] <= node_bound + 1e-12  # local on the device is local on its node
+    for name, params in DP_SYSTEMS + [("semmoe_hierarchical", {})]:
+        system = make_system(name, **params).fit(trace, parallel, np.random.default_rng(0))
+        system.reset()
+        assert evaluate(system, trace).summary["node_local_activation_rate"] <= node_bound + 1e-9, name
+    one_node = ParallelConfig(devices=4, attention="dp", tokens_per_step=16, devices_per_node=4)
+    assert "node_local_bound" not in make_system("dp_bound").fit(trace, one_node, np.random.default_rng(0)).info

@@ -28,9 +28,14 @@ floor/ceil(R/D) requests per rank, exact per-layer re-placement with E/D experts
 evaluated LAR is `lar_feasible` exactly. With num_redundant > 0 the witness keeps P = E, still feasible (extra
 slots can only add locality), so lar_feasible ≤ optimum ≤ lar_bound holds as well.
 
+On several nodes (parallel.devices_per_node < D) the same LP with the Nn nodes as the "devices" (at most
+G x q requests and P / Nn slots per node) bounds the share of activations served on their request's own node:
+node_local_bound, the ceiling of the evaluator's node_local_activation_rate for the same systems, so
+1 − node_local_bound is a floor on the activations (hence traffic) that must cross nodes.
+
 plan.info: lar_bound, lar_bound_per_layer (list), lar_feasible, lar_feasible_per_layer (list), bound_gap =
 lar_bound − lar_feasible, bound_max_requests_per_rank (q), bound_slots_per_device, witness_base,
-bound_seconds.
+bound_seconds, and node_local_bound on several nodes.
 
 `dp_exact_milp` solves the joint problem (one assignment for all layers, one placement per layer, P = E) exactly
 with HiGHS on tiny instances; tests check lar_bound ≥ exact ≥ every DP system's LAR.
@@ -97,10 +102,17 @@ def layer_bound(counts: np.ndarray, num_devices: int, num_slots: int, max_reques
     return -float(lp.fun) * scale
 
 
-def dp_lar_bound(per_layer: list[np.ndarray], num_devices: int, num_slots: int) -> np.ndarray:
-    """float[L] upper bounds on each layer's local activations; per_layer is L float[R, E] (request_device_scores)."""
+def dp_lar_bound(
+    per_layer: list[np.ndarray], num_devices: int, num_slots: int, max_requests: int | None = None
+) -> np.ndarray:
+    """float[L] upper bounds on each layer's local activations; per_layer is L float[R, E] (request_device_scores).
+
+    max_requests: the most requests one device holds (default ceil(R / num_devices)). With num_devices = the
+    node count, P / nodes slots per node and max_requests = devices_per_node x ceil(R / D) it bounds the
+    activations served on their request's own node instead (`node_local_bound`)."""
     num_requests = per_layer[0].shape[0]
-    max_requests = -(-num_requests // num_devices)
+    if max_requests is None:
+        max_requests = -(-num_requests // num_devices)
     return np.array([layer_bound(counts, num_devices, num_slots, max_requests) for counts in per_layer])
 
 
@@ -217,6 +229,10 @@ class DPBound:
         start = time.perf_counter()
         _, per_layer = request_device_scores(evaluation, np.ones((evaluation.num_layers, num_experts, 1), dtype=bool))
         bound = dp_lar_bound(per_layer, num_devices, num_slots)
+        node_bound = None
+        if parallel.num_nodes > 1:  # the same systems seen by node: at most G x ceil(R/D) requests, P / nodes slots
+            most_per_node = parallel.devices_per_node * -(-evaluation.num_requests // num_devices)
+            node_bound = dp_lar_bound(per_layer, parallel.num_nodes, num_slots, most_per_node)
         bound_seconds = time.perf_counter() - start
         best = None
         for base in self.bases:
@@ -243,6 +259,8 @@ class DPBound:
             "bound_seconds": bound_seconds,
         }
         info["bound_gap"] = info["lar_bound"] - info["lar_feasible"]
+        if node_bound is not None:
+            info["node_local_bound"] = float(node_bound.sum() / max(total.sum(), 1))
         if info["bound_gap"] < -1e-9:
             raise ReproError(f"dp_bound: the witness ({info['lar_feasible']:.6f}) beats the bound "
                              f"({info['lar_bound']:.6f}); the relaxation is wrong.")
