@@ -36,9 +36,10 @@ def tiny_trace(seed: int = 0):
 
 
 @functools.cache
-def fitted_plan(devices: int, lookback: int):
-    parallel = ParallelConfig(devices=devices, attention="tp", tokens_per_step=64)
-    plan = SemMoE(n_steps=1, lookback=lookback).fit(tiny_trace(), parallel, np.random.default_rng(1))
+def fitted_plan(devices: int, lookback: int, devices_per_node: int = 8):
+    parallel = ParallelConfig(devices=devices, attention="tp", tokens_per_step=64, devices_per_node=devices_per_node)
+    system = SemMoE(n_steps=1, lookback=lookback, hierarchical=devices_per_node < devices)
+    plan = system.fit(tiny_trace(), parallel, np.random.default_rng(1))
     if plan.markov_confidence is not None:
         rng = np.random.default_rng(devices * 10 + lookback)
         plan.markov_confidence[:] = np.round(rng.random(plan.markov_confidence.shape) * 4) / 4
@@ -111,6 +112,17 @@ def test_history_overrides_some_tokens_and_align_moves_some():
 def test_shuffle_equals_plan_randomized(num_tokens, layer, history, seed):
     tokens, prev = step(np.random.default_rng(seed), num_tokens, history)
     assert_same_as_plan(fitted_plan(4, 2), tokens, layer, prev)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_topology_aware_plan_aligns_by_node_like_the_plan(seed):
+    # 4 devices as 2 nodes x 2: the plan aligns by node first; the kernel's torch align must do the same
+    plan = fitted_plan(4, 1, devices_per_node=2)
+    assert plan.info["hierarchical"]
+    rng = np.random.default_rng(seed)
+    for num_tokens in (0, 1, 7, 64, 100):
+        tokens, prev = step(rng, num_tokens, 1)
+        assert_same_as_plan(plan, tokens, 2, prev)
 
 
 def test_confidence_ties_break_by_token_index():

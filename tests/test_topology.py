@@ -15,6 +15,7 @@ from repro.run import a2a_seconds_estimate
 from repro.systems import make_system
 from repro.systems.semmoe import SparseAffinity
 from repro.systems.semmoe.topology import hierarchical_cocluster, node_subproblem
+from repro.systems.semmoe.tp import align_to_slices
 from repro.traces import TraceMeta, make_trace
 
 H100_2X8 = {"nodes": 2, "devices_per_node": 2, "a2a_bandwidth_gbps": 40, "a2a_latency_us": 20,
@@ -104,3 +105,18 @@ def test_a2a_estimate_prices_each_link_level():
     # one node: the single-bandwidth rule, unchanged (busiest device: device 0 sends 300 GB at 40 GB/s)
     one = dict(H100_2X8, nodes=1)
     assert a2a_seconds_estimate(traffic, one) == pytest.approx(2 * (300e9 / 40e9 + 20e-6))
+
+
+def test_align_by_node_keeps_overflow_on_its_node_when_it_can():
+    # 6 devices as 3 nodes x 2, one slot each. Node 0 predicts 3 tokens on device 0 (one must leave the node),
+    # node 1 two on device 2, node 2 one on device 4. Flat align fills free slots in device order: device 0's
+    # overflow takes device 1 and device 3, pushing device 2's overflow (token 4) to device 5 on node 2.
+    device = np.array([0, 0, 0, 2, 2, 4])
+    confidence = np.array([0.9, 0.8, 0.7, 0.9, 0.8, 0.9])
+    flat, counts, moved = align_to_slices(device, confidence, 6)
+    assert flat.tolist() == [0, 1, 3, 2, 5, 4] and moved == 3  # tokens 2 and 4 cross nodes
+    by_node, counts_by_node, moved_by_node = align_to_slices(device, confidence, 6, devices_per_node=2)
+    # by node: only token 2 (node 0's least confident) crosses, to node 2's free device 5; token 4 stays on node 1
+    assert by_node.tolist() == [0, 1, 3, 4, 5, 2] and moved_by_node == 3
+    assert counts.tolist() == counts_by_node.tolist() == [1] * 6
+    assert align_to_slices(device, confidence, 6, devices_per_node=6)[0].tolist() == flat.tolist()  # one node

@@ -24,7 +24,8 @@ Pseudo-code (the numpy form is repro.systems.semmoe.tp; this reproduces it bit f
 
 The paper sorts with a custom Triton argsort ("argsort(dev_ids)"); here both sorts are `tl.sort` over unique
 packed int64 keys, so sort stability never matters. Kernel 2 holds the step in one block: for steps above
-MAX_SORT_TOKENS the same keys are sorted with torch.sort and aligned by torch (`_align_torch`).
+MAX_SORT_TOKENS, and for topology-aware plans (align by node, then by device inside the node), the same keys are
+sorted with torch.sort and aligned by torch (`_align_torch`).
 """
 
 from __future__ import annotations
@@ -115,21 +116,49 @@ def _align_kernel(
     tl.store(moved_ptr, tl.sum((valid & ~kept).to(tl.int32), axis=0))
 
 
-def _align_torch(key_T: torch.Tensor, num_devices: int, index_bits: int) -> tuple[torch.Tensor, int]:
-    """(permutation int64[T], moved): kernel 2's arithmetic with torch.sort, for steps above MAX_SORT_TOKENS."""
-    num_tokens = key_T.numel()
+def _fill_torch(key_T: torch.Tensor, capacity_G: torch.Tensor, index_bits: int,
+                evicted_T: torch.Tensor | None = None) -> torch.Tensor:
+    """int64[T] final group per token (repro.systems.semmoe.tp.fill_groups): key_T[t] = group << (32 + b) |
+    descending confidence bits << b | t; each group keeps its first capacity_G[g] keys in sorted order
+    (evicted_T bool[T] never kept), the rest fill the free places in key order, free places in group order."""
+    num_groups = capacity_G.numel()
     key = torch.sort(key_T).values
-    index, device = key & ((1 << index_bits) - 1), key >> (32 + index_bits)
-    slice_D = _even_counts(num_tokens, num_devices, key_T.device)
-    group_D = torch.bincount(device, minlength=num_devices)
-    overflow_D = (group_D - slice_D).clamp(min=0)
-    free_end_D = torch.cumsum(slice_D - torch.minimum(group_D, slice_D), 0)
-    rank = torch.arange(num_tokens, device=key_T.device) - (torch.cumsum(group_D, 0) - group_D)[device]
-    kept = rank < slice_D[device]
-    overflow_rank = (torch.cumsum(overflow_D, 0) - overflow_D)[device] + rank - slice_D[device]
-    final = torch.where(kept, device, torch.searchsorted(free_end_D, overflow_rank, right=True))
-    permutation = torch.sort((final << index_bits) | index).values & ((1 << index_bits) - 1)
-    return permutation, int((~kept).sum())
+    index, group = key & ((1 << index_bits) - 1), key >> (32 + index_bits)
+    group_count = torch.bincount(group, minlength=num_groups)
+    rank = torch.arange(key.numel(), device=key.device) - (torch.cumsum(group_count, 0) - group_count)[group]
+    kept = rank < capacity_G[group]
+    if evicted_T is not None:
+        kept &= ~evicted_T[index]
+    free = capacity_G - torch.bincount(group[kept], minlength=num_groups)
+    final_sorted = group.clone()
+    final_sorted[~kept] = torch.repeat_interleave(torch.arange(num_groups, device=key.device), free)
+    final = torch.empty_like(final_sorted)
+    final[index] = final_sorted
+    return final
+
+
+def _align_torch(key_T: torch.Tensor, num_devices: int, index_bits: int,
+                 devices_per_node: int | None = None) -> tuple[torch.Tensor, int]:
+    """(permutation int64[T], moved): kernel 2's arithmetic with torch.sort (key_T[t] holds token t), for steps
+    above MAX_SORT_TOKENS and for topology-aware plans, which align by node first (SemMoEPlan's
+    align_to_slices with devices_per_node)."""
+    shift = 32 + index_bits
+    tail = key_T & ((1 << shift) - 1)  # confidence bits and index
+    device = key_T >> shift
+    slice_D = _even_counts(key_T.numel(), num_devices, key_T.device)
+    if devices_per_node is None or devices_per_node >= num_devices:
+        final = _fill_torch(key_T, slice_D, index_bits)
+    else:
+        node_of = device // devices_per_node
+        node = _fill_torch((node_of << shift) | tail, slice_D.reshape(-1, devices_per_node).sum(dim=1), index_bits)
+        crossed = node != node_of
+        # a token that crossed nodes waits last (all-ones confidence bits) in its new node's first device, then
+        # takes a free place of that node
+        last = ((1 << 32) - 1) << index_bits | torch.arange(key_T.numel(), device=key_T.device)
+        group = torch.where(crossed, node * devices_per_node, device)
+        final = _fill_torch((group << shift) | torch.where(crossed, last, tail), slice_D, index_bits, crossed)
+    order = torch.sort((final << index_bits) | torch.arange(final.numel(), device=final.device)).values
+    return order & ((1 << index_bits) - 1), int((final != device).sum())
 
 
 def _even_counts(num_tokens: int, num_devices: int, device: torch.device) -> torch.Tensor:
@@ -245,8 +274,9 @@ def semmoe_shuffle(plan, token_ids_T, layer: int, prev_experts_Thk=None, *, back
         HISTORY=depth, TOP_K=prev_Thk.shape[2], NUM_DEVICES=num_devices, DEVICES_PAD=devices_pad,
         INDEX_BITS=index_bits, BLOCK_T=block_t,
     )
-    if num_tokens > MAX_SORT_TOKENS:
-        permutation_T, moved = _align_torch(key_T, num_devices, index_bits)
+    align_node = getattr(plan, "_align_node", None)
+    if num_tokens > MAX_SORT_TOKENS or align_node is not None:
+        permutation_T, moved = _align_torch(key_T, num_devices, index_bits, align_node)
     else:
         permutation_T = torch.empty(num_tokens, dtype=torch.int64, device=device)
         moved_1 = torch.zeros(1, dtype=torch.int32, device=device)

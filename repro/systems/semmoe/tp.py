@@ -22,29 +22,54 @@ from repro.affinity.tables import history_keys, majority_device
 from repro.systems.base import even_counts
 
 
-def align_to_slices(device: np.ndarray, confidence: np.ndarray, num_devices: int) -> tuple[np.ndarray, np.ndarray, int]:
+def fill_groups(
+    group: np.ndarray, confidence: np.ndarray, capacity: np.ndarray, evicted: np.ndarray | None = None
+) -> np.ndarray:
+    """int64[T] final group per token: each group keeps its most confident tokens up to capacity int[G]; the
+    overflow (and `evicted` bool[T], tokens that must leave their group) fills the free places in (group,
+    confidence-descending) order, free places taken in group order. Needs capacity.sum() == T."""
+    confidence = np.asarray(confidence, dtype=np.float64)
+    if evicted is not None:
+        confidence = np.where(evicted, -np.inf, confidence)  # last in their group, so they never displace a keeper
+    num_tokens, num_groups = len(group), len(capacity)
+    order = np.lexsort((-confidence, group))
+    sorted_group = group[order]
+    group_count = np.bincount(group, minlength=num_groups)
+    rank_in_group = np.arange(num_tokens) - (np.cumsum(group_count) - group_count)[sorted_group]
+    keep = rank_in_group < capacity[sorted_group]
+    if evicted is not None:
+        keep &= ~evicted[order]
+    free = capacity - np.bincount(sorted_group[keep], minlength=num_groups)
+    final_sorted = sorted_group.copy()
+    final_sorted[~keep] = np.repeat(np.arange(num_groups), free)
+    final = np.empty(num_tokens, dtype=np.int64)
+    final[order] = final_sorted
+    return final
+
+
+def align_to_slices(
+    device: np.ndarray, confidence: np.ndarray, num_devices: int, devices_per_node: int | None = None
+) -> tuple[np.ndarray, np.ndarray, int]:
     """(permutation int64[T], counts int64[D], moved): order tokens so each rank's equal slice holds its tokens.
 
     device int[T] predicted device per token; confidence float[T]. Slices are even_counts(T, D). Each
     device keeps its most confident predicted tokens up to its slice size; the overflow, in (device,
     confidence-descending) order, fills the free slots in device order. moved = tokens not on their
     predicted device. Within a slice tokens keep their original order.
+
+    devices_per_node G (several nodes, topology-aware plans): the same by node first (a node's capacity is
+    its devices' slices), then by device inside each node, so an overflowing token moves to another device
+    of its predicted node before it crosses nodes.
     """
     device = np.asarray(device, dtype=np.int64)
-    num_tokens = len(device)
-    counts = even_counts(num_tokens, num_devices)
-    order = np.lexsort((-np.asarray(confidence, dtype=np.float64), device))
-    sorted_device = device[order]
-    group_count = np.bincount(device, minlength=num_devices)
-    group_start = np.cumsum(group_count) - group_count
-    rank_in_group = np.arange(num_tokens) - group_start[sorted_device]
-    keep = rank_in_group < counts[sorted_device]
-    free = counts - np.minimum(group_count, counts)
-    final_sorted = sorted_device.copy()
-    final_sorted[~keep] = np.repeat(np.arange(num_devices), free)
-    final = np.empty(num_tokens, dtype=np.int64)
-    final[order] = final_sorted
-    return np.argsort(final, kind="stable"), counts, int((~keep).sum())
+    counts = even_counts(len(device), num_devices)
+    if devices_per_node is None or devices_per_node >= num_devices:
+        final = fill_groups(device, confidence, counts)
+    else:
+        node = fill_groups(device // devices_per_node, confidence, counts.reshape(-1, devices_per_node).sum(axis=1))
+        crossed = node != device // devices_per_node  # wait in the first device of their new node, then fill
+        final = fill_groups(np.where(crossed, node * devices_per_node, device), confidence, counts, crossed)
+    return np.argsort(final, kind="stable"), counts, int((final != device).sum())
 
 
 def inverse_permutation(permutation: np.ndarray) -> np.ndarray:
