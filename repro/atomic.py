@@ -9,13 +9,17 @@ from pathlib import Path
 
 
 def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
-    """Call write(tmp_path) on a temporary sibling of `path`, then rename it onto `path`."""
+    """Call write(tmp_path) on a temporary sibling of `path`, then rename it onto `path` with the permissions a
+    plain open() would give it (mkstemp's temporary file is owner-only)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
     try:
         write(Path(tmp))
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -31,9 +31,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from repro.atomic import atomic_write  # noqa: E402
+from repro.atomic import atomic_write, atomic_write_text  # noqa: E402
 from repro.errors import ReproError  # noqa: E402
-from repro.figures.html import write_html, write_shared_text  # noqa: E402
+from repro.figures.html import write_html  # noqa: E402
 from repro.figures.report import load_runs, markdown_table  # noqa: E402
 
 KEY = ("experiment", "model_name", "workload", "eval_workload", "evaluate_split", "system", "attention", "devices",
@@ -194,11 +194,7 @@ def fig_changes(diff: pd.DataFrame, labels: list[str], path: Path) -> Path | Non
     ax.set_xlabel("B / A - 1 (%)")
     ax.set_title(f"The {len(top)} largest of {len(changed)} relative changes" if len(changed) > len(top)
                  else "Relative changes")
-    def write(tmp: Path) -> None:
-        fig.savefig(tmp, format="png", dpi=130, bbox_inches="tight")
-        tmp.chmod(0o644)
-
-    atomic_write(path, write)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=130, bbox_inches="tight"))
     plt.close(fig)
     return path
 
@@ -239,9 +235,10 @@ def write_diff(diff: pd.DataFrame, labels: list[str], runs: tuple[str, str], cou
     out_dir = Path(out_dir)
     figure = fig_changes(diff, labels, out_dir / "diff_changes.png")
     written = [figure] if figure is not None else []
-    written.append(write_shared_text(out_dir / "diff.csv", diff.to_csv(index=False)))
-    md = write_shared_text(out_dir / "diff.md", render_markdown(diff, labels, runs, counts, key, threshold, figure))
-    return written + [md, write_html(md, out_dir / "diff.html")]
+    csv, md = out_dir / "diff.csv", out_dir / "diff.md"
+    atomic_write_text(csv, diff.to_csv(index=False))
+    atomic_write_text(md, render_markdown(diff, labels, runs, counts, key, threshold, figure))
+    return written + [csv, md, write_html(md, out_dir / "diff.html")]
 
 
 def main(argv=None) -> int:

@@ -16,7 +16,7 @@ from urllib.parse import unquote, urlparse
 
 from markdown_it import MarkdownIt
 
-from repro.atomic import atomic_write
+from repro.atomic import atomic_write_text
 from repro.errors import ReproError
 
 MIME_TYPES = {".png": "image/png", ".svg": "image/svg+xml", ".jpg": "image/jpeg", ".jpeg": "image/jpeg",
@@ -79,16 +79,7 @@ def markdown_to_html(report_md: Path) -> str:
             f"<title>{html.escape(title)}</title>\n<style>{CSS}</style>\n</head>\n<body>\n{body}</body>\n</html>\n")
 
 
-def write_shared_text(path: Path, text: str) -> Path:
-    """Write text to path atomically, readable by everyone (mkstemp's temporary file is owner-only)."""
-    def write(tmp: Path) -> None:
-        tmp.write_text(text, encoding="utf-8")
-        tmp.chmod(0o644)
-
-    atomic_write(Path(path), write)
-    return Path(path)
-
-
 def write_html(report_md: Path, out_html: Path) -> Path:
     """Write markdown_to_html(report_md) to out_html atomically (a missing image leaves no file) and return it."""
-    return write_shared_text(out_html, markdown_to_html(report_md))
+    atomic_write_text(Path(out_html), markdown_to_html(report_md))
+    return Path(out_html)

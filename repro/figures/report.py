@@ -17,6 +17,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
+from repro.atomic import atomic_write_text  # noqa: E402
 from repro.errors import ReproError  # noqa: E402
 
 sns.set_theme(style="whitegrid", context="paper")
@@ -316,6 +317,5 @@ def write_report(runs_dir: str | Path, out_dir: str | Path) -> Path:
         lines += affinity_section(Path(runs["run_dir"].iloc[0]))
         lines += ["Config of the jobs (first job shown; swept keys vary):", "", _config_block(runs["run_dir"].iloc[0]), ""]
     report = out_dir / "REPORT.md"
-    report.parent.mkdir(parents=True, exist_ok=True)
-    report.write_text("\n".join(lines))
+    atomic_write_text(report, "\n".join(lines))
     return report
