@@ -27,8 +27,9 @@ test:
 SHARED_DATA ?= $(or $(REPRO_SHARED_DATA),../shared/data)
 OFFLINE_EXPERIMENTS := default paper_dp paper_tp dp_lookahead routing_sources exec exec_model serve_dp serve_tp
 # beyond the paper (replicated and multi-node placement): ~5 more minutes, so a separate target
-BEYOND_EXPERIMENTS := replication_dp replication_tp multinode
+BEYOND_EXPERIMENTS := replication_dp replication_tp multinode multinode_bound
 SHARED_EXPERIMENTS := $(if $(wildcard $(SHARED_DATA)/arena-hard),cross_dataset replay_olmoe_dp replay_olmoe_tp routing_sources_replay)
+BEYOND_SHARED_EXPERIMENTS := $(if $(wildcard $(SHARED_DATA)/olmoe-routing),replication_replay)
 
 reproduce:
 	for e in $(OFFLINE_EXPERIMENTS) $(SHARED_EXPERIMENTS); do \
@@ -39,7 +40,7 @@ reproduce:
 	$(MAKE) figures
 
 reproduce-beyond:
-	for e in $(BEYOND_EXPERIMENTS); do \
+	for e in $(BEYOND_EXPERIMENTS) $(BEYOND_SHARED_EXPERIMENTS); do \
 	  WANDB_MODE=$${WANDB_MODE:-offline} $(PY) -m repro.run -m experiment=$$e || exit 1; \
 	done
 	$(MAKE) figures

@@ -2,7 +2,9 @@
 Attention-DP scheduler's throughput on 1k-token prompts, and the Attention-TP reshuffle's throughput.
 
 Targets (issue 3): solver <= 60 s and <= 4 GB on 2 cores (256 experts, 58 MoE layers, vocabulary 129,280,
-top-8, EP 32); DP scheduler >= 50k requests/s on one core; TP reshuffle: measured and reported.
+top-8, EP 32); DP scheduler >= 50k requests/s on one core; TP reshuffle: measured and reported. Issue 9: the
+replication-aware solver (semmoe_replicated, r = 1 extra slot per device) on the same instance fits in <= 2 x the
+r = 0 fit time measured in the same run.
 `run(quick)` returns measured numbers only (quick shrinks the instance for CI smoke runs).
 
 Legend: R requests, S tokens per request, N = R x S tokens, L MoE layers, E experts, k top-k, V vocabulary,
@@ -18,6 +20,7 @@ import numpy as np
 
 from repro.parallel import ParallelConfig
 from repro.systems.semmoe import SemMoE
+from repro.systems.semmoe.replicate import SemMoEReplicated
 from repro.traces import TraceMeta, make_trace
 
 
@@ -82,7 +85,8 @@ def peak_rss_gb() -> float:
 
 def bench_solver(quick: bool, seed: int = 0) -> dict:
     """Fit Sem-MoE (Attention-TP, token units) on a DeepSeek-V3-shaped planted profile: 256 experts, top-8,
-    vocabulary 129,280, EP 32, 58 MoE layers (quick: 4 layers, fewer requests)."""
+    vocabulary 129,280, EP 32, 58 MoE layers (quick: 4 layers, fewer requests); then semmoe_replicated with
+    r = 1 on the same profile (issue 9's solver-time target: <= 2 x the r = 0 fit)."""
     rng = np.random.default_rng(seed)
     num_layers, num_requests = (4, 200) if quick else (58, 2000)
     profile = planted_trace(rng, num_requests=num_requests, request_len=256, num_layers=num_layers, num_experts=256,
@@ -91,7 +95,13 @@ def bench_solver(quick: bool, seed: int = 0) -> dict:
     started = time.perf_counter()
     plan = SemMoE().fit(profile, parallel, np.random.default_rng(seed))
     seconds = time.perf_counter() - started
+    started = time.perf_counter()
+    SemMoEReplicated(replicas_per_device=1).fit(profile, parallel, np.random.default_rng(seed))
+    replicated_seconds = time.perf_counter() - started
     return {
+        "solver_replicated_r1_fit_seconds": replicated_seconds,
+        "solver_replicated_r1_vs_r0": replicated_seconds / seconds,
+        "solver_replicated_target_met": replicated_seconds <= 2 * seconds if not quick else None,
         "solver_layers": num_layers,
         "solver_profile_tokens": profile.num_tokens,
         "solver_token_rows": plan.info["profile_token_rows"],
