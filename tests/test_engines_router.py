@@ -68,10 +68,12 @@ def fake_upstream(log: list) -> web.Application:
             return web.Response(body=b"\x1f\x8b\x08\x00opaque", headers={"Content-Encoding": "gzip", "X-Upstream": "yes"})
         if body.get("cookies"):
             return web.Response(body=b"two cookies", headers=MultiDict([("Set-Cookie", "a=1"), ("Set-Cookie", "b=2")]))
-        if body.get("truncate"):  # promises 100 bytes, sends 10, hangs up
+        if body.get("truncate") or body.get("stall"):  # promises 100 bytes, sends 10, hangs up or goes silent
             response = web.StreamResponse(headers={"Content-Length": "100"})
             await response.prepare(request)
             await response.write(b"0123456789")
+            if body.get("stall"):
+                await asyncio.sleep(body["stall"])
             request.transport.close()
             return response
         if body.get("stream"):
@@ -223,6 +225,8 @@ def test_errors_are_returned_unchanged_and_outages_are_clear(stack):
     status, _, raw = call(url, "/v1/completions", {"prompt": "x", "sleep": 2})
     assert status == 504 and "did not answer" in json.loads(raw)["error"]["message"]
     assert time.perf_counter() - started < 1.9
+    status, _, raw = call(url, "/v1/completions", {"prompt": "x", "stall": 2})  # silent mid-body: still a timeout
+    assert status == 504 and "did not answer" in json.loads(raw)["error"]["message"]
     status, _, raw = call(url, "/v1/completions", {"prompt": "x", "truncate": True})  # nothing sent yet: a clear 502
     assert status == 502 and "mid-response" in json.loads(raw)["error"]["message"]
     assert 'semmoe_router_upstream_errors_total{kind="midstream"} 1.0' in call(url, "/metrics", method="GET")[2].decode()

@@ -19,7 +19,8 @@ status, response headers and body (a body with a Content-Length up to BUFFER_BYT
 write; any other, SSE included, is streamed chunk by chunk; compressed bodies untouched).
 An unreachable upstream gives 502 (so does one that breaks off a bounded body before its end, as nothing has
 been sent yet) and an upstream timeout 504, each with a JSON body saying so; an upstream error status is returned
-as is; a streamed body broken off midway cuts the client connection. Every other path (/v1/models, /health, ...) is proxied without a rank.
+as is; a streamed body broken off midway cuts the client connection. Every other path (/v1/models, /health, ...)
+is proxied without a rank.
 GET /metrics (Prometheus): requests per rank, predicted local activation rate per rank, routing seconds
 (tokenize + score), the router's own added seconds per proxied request, upstream errors by kind, requests in
 flight.
@@ -322,6 +323,8 @@ def build_app(
                     # sends its headers at once, a Response holds them for the body)
                     try:
                         body = await upstream.read()
+                    except TimeoutError:
+                        raise  # the upstream went silent (aiohttp's read timeout is a ClientError too): 504 below
                     except aiohttp.ClientError as e:
                         metrics.error("midstream")
                         return _error_response(502, "upstream_failed", f"upstream {base} failed mid-response: {e}.")
