@@ -42,9 +42,9 @@ under a lock, so concurrent requests (coroutines or threads) see a consistent ma
 INLINE_CHARS characters are tokenized on a worker thread so they do not stall other requests.
 
 Latency: the CLI freezes the start-up heap (gc.freeze): a full collection would otherwise walk the ~100k objects
-that importing the plan's modules (pandas, scipy, aiohttp) leaves, 50-100 ms measured, a stall of every request
-in flight whenever a long-running router triggers one. It runs on uvloop when that is installed (optional:
-`pip install uvloop`, ~15% less router CPU per request measured); metric children are looked up once.
+that importing the plan's modules (pandas, scipy, aiohttp) leaves, a 50-100 ms stall of every request in flight
+(bench/bench_router.py: one, 62 ms, fell in the 800 req/s phase and was its p99). It runs on uvloop when that is
+installed (optional: `pip install uvloop`); metric children are looked up once.
 
 Legend: L plan layers, D DP ranks, t profiled token rows (+1 OOV row), n prompt tokens of one request.
 """
