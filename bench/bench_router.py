@@ -268,8 +268,6 @@ def routing_in_process(job: Path, prompts: list[str]) -> dict:
 
 
 def run(quick: bool) -> dict:
-    import importlib.util
-
     from repro.workloads import load_workload
 
     total = 500 if quick else ISSUE_REQUESTS
@@ -328,7 +326,6 @@ def run(quick: bool) -> dict:
            for rate, phase in paced.items()},
         "router_capacity_rps": issue["routed_rps"],
         "lost_or_duplicated": sum(p["lost_or_duplicated"] for p in phases.values()),
-        "router_event_loop": "uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
         "cores_usable": cores, "load_average_1min_before": load_before, "load_average_1min_after": os.getloadavg()[0],
         "phases": phases,
     }
