@@ -10,7 +10,7 @@ that differ in something the other columns do not name (system.params.replicas_p
 lookback). Two jobs of one set with the same key are an error. `--ignore experiment,attention` matches on the
 other key columns only, e.g. to put runs/paper_dp beside runs/paper_tp.
 
-Compared, when a job has them: LAR (and a bound's achieved LAR, the simulator's LAR), all-to-all, dispatch,
+Compared, when a job has them: LAR (and a bound's achieved LAR, the simulator's LAR, the node-local rate), all-to-all, dispatch,
 inter-node and real-execution bytes, load imbalance, the all-to-all time estimate, the simulator's throughput
 under SLO and latencies at the lightest rate, and, from sim_per_rate.csv, mean TTFT / TPOT / E2E and p99 E2E at
 every offered rate (`<metric>@<rate>rps`). A metric is reported when |B/A - 1| > threshold, or when one side
@@ -38,7 +38,7 @@ from repro.figures.report import load_runs, markdown_table  # noqa: E402
 
 KEY = ("experiment", "model_name", "workload", "eval_workload", "evaluate_split", "system", "attention", "devices",
        "job")
-RATES = ("lar", "lar_achieved", "lar_sim")  # fractions: the change is B - A
+RATES = ("lar", "lar_achieved", "lar_sim", "node_local_activation_rate")  # fractions: the change is B - A
 METRICS = RATES + (
     "a2a_bytes", "dispatch_bytes", "dispatch_bytes_inter_node", "exec_dispatch_bytes",
     "token_imbalance_max_mean", "expert_load_imbalance_max_mean", "a2a_seconds_est",
