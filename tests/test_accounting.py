@@ -321,3 +321,18 @@ def test_mismatched_inputs_raise_one_clear_error():
         account(home, np.zeros((3, 2, 2), int), dispatch[:1], 1, 2)
     with pytest.raises(ConfigError, match="bytes_per_token"):
         account(home, np.zeros((3, 2, 2), int), dispatch, 0, 2)
+
+
+def test_inter_node_rdma_bytes_count_one_copy_per_token_and_remote_node():
+    # 4 devices as 2 nodes x 2, experts e on device e (contiguous EP, E = 4), one request of 2 tokens on rank 0.
+    # t0 -> experts 2, 3 (both on node 1): 2 device copies cross nodes, but one RDMA copy to node 1.
+    # t1 -> experts 1, 2: device 1 is on node 0 (intra-node copy), device 2 on node 1 (one RDMA copy).
+    trace = tiny_trace([[[2, 3]], [[1, 2]]], lengths=[2], num_experts=4)
+    parallel = ParallelConfig(devices=4, attention="dp", tokens_per_step=4, bytes_per_token=BYTES, devices_per_node=2)
+    s = evaluate(Plan(contiguous_placement(1, 4, 4), parallel), trace).summary
+    assert s["dispatch_bytes_inter_node"] == 3 * BYTES and s["dispatch_bytes_intra_node"] == 1 * BYTES
+    assert s["dispatch_bytes_inter_node_rdma"] == 2 * BYTES
+    assert s["node_local_activation_rate"] == pytest.approx(1 / 4)  # only t1's expert 1 stays on node 0
+    one_node = ParallelConfig(devices=4, attention="dp", tokens_per_step=4, bytes_per_token=BYTES, devices_per_node=4)
+    s = evaluate(Plan(contiguous_placement(1, 4, 4), one_node), trace).summary
+    assert s["dispatch_bytes_inter_node"] == s["dispatch_bytes_inter_node_rdma"] == 0

@@ -44,3 +44,13 @@ def test_section_checks_the_targets_and_writes_the_curves(tmp_path):
     # the DP ceiling's floor 0.6 > 0.5 says the vanilla-EP target was out of reach for any request-level system
     assert "| MISSED (unreachable: bound) |" in text
     assert replication_section(pd.DataFrame({"experiment": ["x"], "system": ["ep"]}), tmp_path) == []
+
+
+def test_multinode_table_reports_rdma_bytes_against_vanilla_ep():
+    from repro.figures.replication import multinode_table
+
+    runs = runs_table()
+    runs["dispatch_bytes_inter_node_rdma"] = runs["system"].map({"ep": 80.0, "semmoe": 60.0, "semmoe_hierarchical": 20.0})
+    table = multinode_table(runs).set_index(["attention", "system"])
+    assert table.loc[("tp", "semmoe_hierarchical"), "RDMA bytes vs ep"] == 0.25
+    assert table.loc[("dp", "semmoe"), "RDMA bytes vs ep"] == 0.75

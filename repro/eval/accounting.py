@@ -414,7 +414,8 @@ def evaluate(plan: Plan, trace: RoutingTrace, *, history: int = 2, progress: boo
 
     summary: lar, local_activations, remote_activations, total_activations, dispatch_bytes, combine_bytes,
     a2a_bytes (dispatch + combine), dispatch_bytes_inter_node (crossing parallel.devices_per_node) and
-    dispatch_bytes_intra_node (the rest), node_local_activation_rate (activations served on the token's own
+    dispatch_bytes_intra_node (the rest), dispatch_bytes_inter_node_rdma (one copy per token and remote node, as
+    DeepEP's internode kernels send it before forwarding over NVLink), node_local_activation_rate (activations served on the token's own
     node / all; equals lar on one node), remote_token_copies, replica_slots / replica_slots_unused /
     replica_slots_unused_share (redundant slots summed over layers, and those that served no activation:
     `replica_waste`; all 0 without replication), expert_load_imbalance_max_mean / _max_median and token_imbalance_max_mean (mean over
@@ -436,15 +437,30 @@ def evaluate(plan: Plan, trace: RoutingTrace, *, history: int = 2, progress: boo
     served = None
     if plan.placement.is_replicated:  # only replicas can sit idle; skip the extra pass otherwise
         served = served_activations(home_NL, trace.experts, dispatch_LDE, plan.parallel.devices)
-    return summarise(plan, trace, counts, history=history, served=served)
+    node_copies = None
+    if plan.parallel.num_nodes > 1:
+        # the same count with each destination device replaced by its node: one copy per (token, node), the
+        # RDMA copies of DeepEP's internode dispatch (forwarded over NVLink inside the node)
+        node_copies = account(
+            home_NL, trace.experts, dispatch_LDE // plan.parallel.devices_per_node, plan.parallel.bytes_per_token,
+            plan.parallel.devices,
+        ).token_copies[:, :, : plan.parallel.num_nodes]
+    return summarise(plan, trace, counts, history=history, served=served, node_copies=node_copies)
 
 
 def summarise(
-    plan: Plan, trace: RoutingTrace, counts: LayerCounts, *, history: int = 2, served: np.ndarray | None = None
+    plan: Plan,
+    trace: RoutingTrace,
+    counts: LayerCounts,
+    *,
+    history: int = 2,
+    served: np.ndarray | None = None,
+    node_copies: np.ndarray | None = None,
 ) -> EvalResult:
     """Turn exact LayerCounts into per-layer rows and overall scalars (pure bookkeeping, no routing).
 
-    served int[L, D, E] (`served_activations`) gives the replica waste; None means no replicated expert."""
+    served int[L, D, E] (`served_activations`) gives the replica waste; None means no replicated expert.
+    node_copies int[L, D, Nn]: distinct (token, destination node) pairs per source device (None on one node)."""
     local = counts.local_activations
     total = counts.total_activations
     traffic = counts.traffic
@@ -484,6 +500,10 @@ def summarise(
         "dispatch_bytes_inter_node": int(traffic[:, inter_node].sum()),
         "dispatch_bytes_intra_node": dispatch_bytes - int(traffic[:, inter_node].sum()),
         "node_local_activation_rate": float(counts.activations[:, ~inter_node].sum() / total.sum()),
+        "dispatch_bytes_inter_node_rdma": 0 if node_copies is None else int(
+            node_copies[:, node[:, None] != np.arange(node_copies.shape[2])[None, :]].sum()
+            * plan.parallel.bytes_per_token
+        ),
         "remote_token_copies": int(counts.remote_token_copies.sum()),
         "token_imbalance_max_mean": float(token_max_mean.mean()),
         "token_imbalance_max_mean_worst": float(token_max_mean.max()),

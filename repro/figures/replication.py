@@ -129,6 +129,8 @@ def multinode_table(runs: pd.DataFrame) -> pd.DataFrame:
             for base, name in (("semmoe", "inter vs flat semmoe"), ("ep", "inter vs ep")):
                 if base in by.index:
                     row[name] = r["dispatch_bytes_inter_node"] / by.loc[base, "dispatch_bytes_inter_node"]
+            if "dispatch_bytes_inter_node_rdma" in by.columns and "ep" in by.index:  # DeepEP: 1 copy per node
+                row["RDMA bytes vs ep"] = r["dispatch_bytes_inter_node_rdma"] / by.loc["ep", "dispatch_bytes_inter_node_rdma"]
             if system == "semmoe_hierarchical" and "semmoe" in by.index and "ep" in by.index:
                 # "at equal LAR +-0.01": no LAR given up for node locality (a higher LAR only helps both counts)
                 kept_lar = r["lar"] >= by.loc["semmoe", "lar"] - EQUAL_LAR
@@ -183,7 +185,8 @@ def replication_section(runs: pd.DataFrame, out_dir: str | Path = "figures") -> 
             "beats its LAR or node-local rate (LP relaxation, experiment=multinode_bound); its 'inter vs ep' is the "
             "floor that ceiling puts on inter-node activations relative to vanilla EP's. a2a seconds: NVLink for "
             "intra-node, the NIC for inter-node bytes, slowest device per layer (hardware profile's NCCL bandwidths; "
-            "an estimate, not a measurement).", "",
+            "an estimate, not a measurement). RDMA bytes: one copy per token and remote node, as DeepEP's internode "
+            "kernels send it before forwarding it over NVLink (the other byte columns count one copy per device).", "",
             _markdown(nodes.fillna("-")), "",
         ]
     return lines
