@@ -20,6 +20,7 @@ L MoE layers, k experts per token.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -215,6 +216,19 @@ def cache_key(cfg: dict, *, seed: int, tokenizer: str, vocab_size: int, tokens: 
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
+@contextlib.contextmanager
+def deterministic_torch():
+    """torch's deterministic kernels inside the block, the previous setting restored after. Without them two CPU
+    trainings of one seed differ (40 steps: weights up to 6e-3 apart, so two fresh clones routed differently);
+    with them they are bit-identical, at the same speed."""
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous)
+
+
 def train_tiny_model(cfg: dict, stream: np.ndarray, model_vocab_size: int, unk_id: int, *, seed: int):
     """Train a MixtralForCausalLM on windows of stream int64[N] (model ids); returns (model, stats dict).
 
@@ -312,7 +326,8 @@ def load_or_train(
 
     vocab = build_vocab_map(tokens, cfg["vocab_top"], vocab_size)
     stream = vocab.to_model(tokens)
-    model, stats = train_tiny_model(cfg, stream, vocab.model_vocab_size, vocab.unk_id, seed=seed)
+    with deterministic_torch():
+        model, stats = train_tiny_model(cfg, stream, vocab.model_vocab_size, vocab.unk_id, seed=seed)
     stats["vocab_coverage"] = float(np.mean(stream != vocab.unk_id))
     stats["train_tokens"] = int(tokens.size)
     record = {
@@ -369,19 +384,20 @@ def route_with_tiny_model(
     model, vocab, record, cache_hit = load_or_train(
         cfg, train_requests, cache_dir=Path(cache_dir), seed=seed, tokenizer=tokenizer, vocab_size=vocab_size
     )
-    trace = capture_routing(
-        model,
-        requests,
-        model_name=str(cfg["name"]),
-        tokenizer=tokenizer,
-        vocab_size=vocab_size,
-        dataset=dataset,
-        input_ids_of=vocab.to_model,
-        real_ids_of=vocab.to_real,
-        batch_tokens=cfg["capture_batch_tokens"],
-        max_new_tokens=cfg["max_new_tokens"],
-        source="tiny_model",
-    )
+    with deterministic_torch():
+        trace = capture_routing(
+            model,
+            requests,
+            model_name=str(cfg["name"]),
+            tokenizer=tokenizer,
+            vocab_size=vocab_size,
+            dataset=dataset,
+            input_ids_of=vocab.to_model,
+            real_ids_of=vocab.to_real,
+            batch_tokens=cfg["capture_batch_tokens"],
+            max_new_tokens=cfg["max_new_tokens"],
+            source="tiny_model",
+        )
     routed_coverage = float(np.mean(vocab.to_model(trace.token_ids) != vocab.unk_id)) if trace.num_tokens else 0.0
     extra = {
         **trace.meta.extra,
