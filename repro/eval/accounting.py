@@ -414,9 +414,10 @@ def evaluate(plan: Plan, trace: RoutingTrace, *, history: int = 2, progress: boo
 
     summary: lar, local_activations, remote_activations, total_activations, dispatch_bytes, combine_bytes,
     a2a_bytes (dispatch + combine), dispatch_bytes_inter_node (crossing parallel.devices_per_node) and
-    dispatch_bytes_intra_node (the rest), dispatch_bytes_inter_node_rdma (one copy per token and remote node, as
-    DeepEP's internode kernels send it before forwarding over NVLink), node_local_activation_rate (activations served on the token's own
-    node / all; equals lar on one node), remote_token_copies, replica_slots / replica_slots_unused /
+    dispatch_bytes_intra_node (the rest), dispatch_bytes_inter_node_rdma (one copy per token and remote node,
+    as DeepEP's internode kernels send it before forwarding over NVLink), node_local_activation_rate
+    (activations served on the token's own node / all; equals lar on one node), remote_token_copies,
+    replica_slots / replica_slots_unused /
     replica_slots_unused_share (redundant slots summed over layers, and those that served no activation:
     `replica_waste`; all 0 without replication), expert_load_imbalance_max_mean / _max_median and token_imbalance_max_mean (mean over
     layers of the per-layer max/mean or max/median over devices; a max/median is inf when more than half the
