@@ -20,7 +20,7 @@ schedulers but fills each device's r slots with the layer's hottest experts not 
 Measured (experiment=replication_dp / _tp, EP 4, r = 2, evaluate split): where request clusters are weak (the
 synthetic DeepSeek-V2-Lite router under Attention-DP: r = 0 LAR 0.262 against vanilla 0.250) a cluster's mass
 follows global hotness, so the co-clustered replicas equal the hottest ones within 0.002 LAR (0.3526 vs 0.3539);
-with token-level clusters (Attention-TP) they win (0.7108 vs 0.7055; tiny model 0.690 vs 0.682). Re-clustering
+with token-level clusters (Attention-TP) they win (0.7108 vs 0.7055; tiny model 0.682 vs 0.673). Re-clustering
 the units after the replicas (replica_rounds) did not lower L there: round 0 was kept.
 """
 
