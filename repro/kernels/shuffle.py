@@ -274,7 +274,7 @@ def semmoe_shuffle(plan, token_ids_T, layer: int, prev_experts_Thk=None, *, back
         HISTORY=depth, TOP_K=prev_Thk.shape[2], NUM_DEVICES=num_devices, DEVICES_PAD=devices_pad,
         INDEX_BITS=index_bits, BLOCK_T=block_t,
     )
-    align_node = getattr(plan, "_align_node", None)
+    align_node = plan.align_devices_per_node
     if num_tokens > MAX_SORT_TOKENS or align_node is not None:
         permutation_T, moved = _align_torch(key_T, num_devices, index_bits, align_node)
     else:

@@ -140,7 +140,7 @@ class SemMoEPlan(Plan):
                 self.dp_prior = np.bincount(top, weights=share * weight, minlength=parallel.devices)
         super().__init__(placement, parallel, info)
         # a topology-aware plan aligns by node first (an overflowing token stays on its node when it can)
-        self._align_node = parallel.devices_per_node if self.info.get("hierarchical") else None
+        self.align_devices_per_node = parallel.devices_per_node if self.info.get("hierarchical") else None
 
     def reset(self) -> None:
         super().reset()
@@ -217,7 +217,7 @@ class SemMoEPlan(Plan):
     ) -> tuple[np.ndarray, np.ndarray]:
         """(permutation int64[T], counts int64[D]) for the shuffled reduce-scatter before MoE layer `layer`."""
         device, confidence = self.predicted_devices(token_ids, layer, prev_experts)
-        permutation, counts, moved = align_to_slices(device, confidence, self.parallel.devices, self._align_node)
+        permutation, counts, moved = align_to_slices(device, confidence, self.parallel.devices, self.align_devices_per_node)
         self.info["align_moved_tokens"] += moved
         self.info["shuffled_tokens"] += len(device)
         self.info["align_moved_share"] = self.info["align_moved_tokens"] / max(self.info["shuffled_tokens"], 1)
