@@ -194,8 +194,10 @@ def fig_changes(diff: pd.DataFrame, labels: list[str], path: Path) -> Path | Non
     ax.set_xlabel("B / A - 1 (%)")
     ax.set_title(f"The {len(top)} largest of {len(changed)} relative changes" if len(changed) > len(top)
                  else "Relative changes")
-    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=130, bbox_inches="tight"))
-    plt.close(fig)
+    try:
+        atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=130, bbox_inches="tight"))
+    finally:
+        plt.close(fig)
     return path
 
 

@@ -17,6 +17,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from repro.atomic import atomic_write  # noqa: E402
+
 REPLICATION_SYSTEMS = ("semmoe_replicated", "semmoe_hottest", "eplb")
 MULTINODE_SYSTEMS = ("ep", "semmoe", "semmoe_hierarchical")
 # the targets at EP 4, r = 2: DP LAR >= 1.15 x Sem-MoE at r = 0 and >= 1.1 x EPLB at r = 2; TP >= 1.05 x r = 0
@@ -65,9 +67,10 @@ def fig_vs_memory(sel: pd.DataFrame, metric: str, path: Path) -> Path:
             ax.set_ylabel(metric.replace("_", " "))
             if row == 0 and col == len(models) - 1:
                 ax.legend(fontsize=7)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=130, bbox_inches="tight")
-    plt.close(fig)
+    try:
+        atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=130, bbox_inches="tight"))
+    finally:
+        plt.close(fig)
     return path
 
 

@@ -17,7 +17,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
-from repro.atomic import atomic_write_text  # noqa: E402
+from repro.atomic import atomic_write, atomic_write_text  # noqa: E402
 from repro.errors import ReproError  # noqa: E402
 
 sns.set_theme(style="whitegrid", context="paper")
@@ -58,9 +58,12 @@ def load_runs(runs_dir: str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:
 
 
 def _save(fig, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=130, bbox_inches="tight")
-    plt.close(fig)
+    """Write `fig` as a PNG at `path` atomically (a kill never leaves a truncated figure linked from the report)
+    and close it. The format is explicit: the temporary name's suffix is not .png."""
+    try:
+        atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=130, bbox_inches="tight"))
+    finally:
+        plt.close(fig)
     return path
 
 
