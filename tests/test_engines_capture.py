@@ -34,14 +34,15 @@ LAYOUT = ModelLayout("toy", NUM_HIDDEN, MOE_LAYERS, NUM_EXPERTS, TOP_K)
 WORKLOAD = ["workload=mmlu", "tokenizer=mixtral", "num_requests=12", "max_prompt_len=24", "output_len=3", "seed=1"]
 
 
-def serve_in_thread(app: web.Application) -> tuple[str, callable]:
-    """Run `app` on 127.0.0.1 (a free port) in a background thread; returns (base URL, stop())."""
+def serve_in_thread(app: web.Application, **server_options) -> tuple[str, callable]:
+    """Run `app` on 127.0.0.1 (a free port) in a background thread, with aiohttp server_options; returns (base URL,
+    stop())."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()
     loop = asyncio.new_event_loop()
-    runner = web.AppRunner(app, access_log=None)
+    runner = web.AppRunner(app, access_log=None, **server_options)
     ready = threading.Event()
 
     def run() -> None:

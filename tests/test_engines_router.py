@@ -361,3 +361,91 @@ def test_refusals(tokenizer, tmp_path, capsys):
     assert extract_prompt("/v1/completions", {"prompt": ["a", "b"]}) == "a\nb"
     assert extract_prompt("/generate", {"sampling_params": {}}) is None
     assert extract_prompt("/v1/chat/completions", "not a dict") is None
+
+
+def _raw_exchange(url: str, chunks: list[bytes], wait: float) -> bytes:
+    """Send `chunks` on a raw TCP connection, wait, then read what the server says until it closes (or 5 s)."""
+    import socket
+    from urllib.parse import urlparse
+
+    where = urlparse(url)
+    with socket.create_connection((where.hostname, where.port), timeout=5) as sock:
+        for chunk in chunks:
+            sock.sendall(chunk)
+        time.sleep(wait)
+        received = b""
+        try:
+            while data := sock.recv(65536):
+                received += data
+        except (TimeoutError, ConnectionResetError):
+            pass
+        return received
+
+
+def test_hostile_clients_get_clear_answers(tokenizer):
+    """Oversized ids and deep JSON are forwarded unscored (no 500), big bodies get 413, slow bodies 408, slow
+    headers a closed connection: no client holds the router beyond its timeout."""
+    log: list = []
+    upstream_url, stop_upstream = serve_in_thread(fake_upstream(log))
+    router = SemanticRouter(semmoe_plan(), tokenizer)
+    app = build_app(router, [upstream_url], max_body_bytes=4096, client_timeout=0.5)
+    url, stop_router = serve_in_thread(app, **router_mod.server_options(client_timeout=0.5))
+    try:
+        status, _, raw = call(url, "/v1/completions", {"prompt": [1, 2**63, 2**70, 5], "id": "big"})
+        assert status == 200 and json.loads(raw)["id"] == "big"
+        assert router.token_ids([1, 2**63, 5]).tolist() == [1, 5]
+        deep = ("[" * 2000 + "]" * 2000).encode()  # deeper than json's recursion limit, within the body limit
+        status, _, _ = asyncio.run(_post_raw(url, deep))
+        assert status == 200  # unscored, passed through
+        status, _, _ = call(url, "/v1/completions", {"prompt": "x" * 5000})
+        assert status == 413
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n"
+        started = time.perf_counter()
+        reply = _raw_exchange(url, [head, b'{"prompt": "'], wait=0.0)
+        assert reply.startswith(b"HTTP/1.1 408") and time.perf_counter() - started < 4
+        started = time.perf_counter()
+        assert _raw_exchange(url, [b"POST /v1/completions HTTP/1.1\r\nHost:"], wait=0.0) == b""
+        assert time.perf_counter() - started < 4  # closed by the router after ~0.5 s, not held
+    finally:
+        stop_router()
+        stop_upstream()
+
+
+async def _post_raw(url: str, body: bytes) -> tuple[int, dict, bytes]:
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url + "/v1/completions", data=body, headers={"Content-Type": "text/plain"}) as r:  # the fake upstream parses only JSON
+            return r.status, dict(r.headers), await r.read()
+
+
+def test_routing_seconds_include_tokenization_of_long_prompts(stack, monkeypatch):
+    url, _, _, router = stack()
+    original = router.token_ids
+
+    def slow_token_ids(prompt):
+        time.sleep(0.05)
+        return original(prompt)
+
+    monkeypatch.setattr(router, "token_ids", slow_token_ids)
+    assert call(url, "/v1/completions", {"prompt": "word " * (router_mod.INLINE_CHARS // 4)})[0] == 200
+    _, _, raw = call(url, "/metrics", method="GET")
+    total = next(float(line.split()[-1]) for line in raw.decode().splitlines()
+                 if line.startswith("semmoe_router_routing_seconds_sum"))
+    assert total >= 0.05
+
+
+def test_cli_port_refusals(tokenizer, tmp_path, capsys):
+    import socket
+
+    with pytest.raises(SystemExit) as e:
+        router_mod.build_parser().parse_args(["--plan", "x", "--upstream", "u", "--port", "70000"])
+    assert e.value.code == 2 and "1..65535" in capsys.readouterr().err
+    job = write_job(tmp_path / "job", semmoe_plan(), model={"name": "toy", "num_experts": NUM_EXPERTS})
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code = router_mod.main(["--plan", str(job), "--upstream", "http://127.0.0.1:9", "--tokenizer", "mixtral",
+                                "--port", str(port)])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: cannot listen on") and "--port" in err

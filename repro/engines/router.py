@@ -20,7 +20,10 @@ write; any other, SSE included, is streamed chunk by chunk; compressed bodies un
 An unreachable upstream gives 502 (so does one that breaks off a bounded body before its end, as nothing has
 been sent yet) and an upstream timeout 504, each with a JSON body saying so; an upstream error status is returned
 as is; a streamed body broken off midway cuts the client connection. Every other path (/v1/models, /health, ...)
-is proxied without a rank.
+is proxied without a rank. Hostile or broken clients: a body over --max-body-mb (default 16) gets 413, a body
+not received within --client-timeout seconds (default 30) 408, and a connection that has not sent complete headers
+by then is closed; a body that is not JSON, nests deeper than Python's parser allows, or holds ids beyond int64 is
+forwarded unscored or with those ids dropped, never a 500.
 GET /metrics (Prometheus): requests per rank, predicted local activation rate per rank, routing seconds
 (tokenize + score), the router's own added seconds per proxied request, upstream errors by kind, requests in
 flight.
@@ -77,6 +80,10 @@ INLINE_CHARS = 16384
 # upstream bodies with a Content-Length up to this are read whole and sent in one write; longer or chunked
 # ones (SSE) are streamed chunk by chunk
 BUFFER_BYTES = 1 << 20
+# client request bodies beyond this get 413 (a 1k-token prompt is ~10 KB of JSON; long-context ones a few MB)
+MAX_BODY_BYTES = 16 << 20
+# seconds a client may take to send its request headers (aiohttp's idle timeout of a fresh connection) or body
+CLIENT_TIMEOUT_S = 30.0
 
 
 # ---- prompts -------------------------------------------------------------------------------------------------
@@ -164,7 +171,10 @@ class SemanticRouter:
                 raise ConfigError("a text prompt needs the model's tokenizer; start the router with --tokenizer.")
             # the tokenizer's ids are below its vocab_size <= the plan's vocabulary (checked in __init__)
             return np.asarray(self.tokenizer.encode(prompt), dtype=np.int64)
-        ids = np.asarray(prompt, dtype=np.int64)
+        try:
+            ids = np.asarray(prompt, dtype=np.int64)
+        except OverflowError:  # an id beyond int64 is outside every vocabulary: drop it like any unknown id
+            ids = np.asarray([x for x in prompt if -(1 << 63) <= x < (1 << 63)], dtype=np.int64)
         if self._vocab is not None:
             ids = ids[(ids >= 0) & (ids < self._vocab)]
         return ids
@@ -236,11 +246,23 @@ def _error_response(status: int, kind: str, message: str):
     return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
 
 
+def server_options(client_timeout: float = CLIENT_TIMEOUT_S) -> dict:
+    """aiohttp server (AppRunner / run_app) options of the router: a connection that has not sent a complete
+    request within client_timeout seconds is closed (slow or idle clients do not hold connections), and after an
+    early reply (408, 413) the unread rest of a body is drained for at most client_timeout seconds."""
+    return {"keepalive_timeout": client_timeout, "lingering_time": client_timeout}
+
+
 def build_app(
     router: SemanticRouter, upstreams: Sequence[str], engine: str = "sglang", *, connect_timeout: float = 5.0,
-    timeout: float = 600.0, max_connections: int = 1024,
+    timeout: float = 600.0, max_connections: int = 1024, max_body_bytes: int = MAX_BODY_BYTES,
+    client_timeout: float = CLIENT_TIMEOUT_S,
 ):
-    """The aiohttp application proxying to `upstreams` (one URL, or one per DP rank)."""
+    """The aiohttp application proxying to `upstreams` (one URL, or one per DP rank).
+
+    A request body over max_body_bytes gets 413; one not received within client_timeout seconds gets 408.
+    Serve it with server_options(client_timeout) so slow request headers time out too.
+    """
     import aiohttp
     from aiohttp import web
 
@@ -273,20 +295,20 @@ def build_app(
             return None
         try:
             body = json.loads(raw) if raw else None
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):  # nested too deep: not a prompt we score
             body = None
         prompt = extract_prompt(request.path, body)
         if prompt is None:
             metrics.unscored_no_prompt.inc()
             return None
-        started = time.perf_counter()
         if isinstance(prompt, str) and len(prompt) > INLINE_CHARS:
-            ids = await asyncio.get_running_loop().run_in_executor(None, router.token_ids, prompt)
-            started = time.perf_counter()  # the thread-pool wait is not routing work
+            # the tokenization is timed in its thread: the thread-pool wait is not routing work, tokenizing is
+            ids, tokenize_seconds = await asyncio.get_running_loop().run_in_executor(None, _timed_token_ids, router, prompt)
         else:
-            ids = router.token_ids(prompt)
+            ids, tokenize_seconds = _timed_token_ids(router, prompt)
+        started = time.perf_counter()
         decision = router.route(ids)
-        metrics.routing.observe(time.perf_counter() - started)
+        metrics.routing.observe(tokenize_seconds + time.perf_counter() - started)
         metrics.requests_of_rank[decision.rank].inc()
         if decision.predicted_lar is not None:
             metrics.lar_of_rank[decision.rank].observe(decision.predicted_lar)
@@ -296,7 +318,13 @@ def build_app(
         started = time.perf_counter()
         if request.method == "GET" and request.path == "/metrics":
             return web.Response(body=metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
-        raw = await request.read()
+        try:
+            async with asyncio.timeout(client_timeout):
+                raw = await request.read()  # over client_max_size: aiohttp's 413
+        except TimeoutError:
+            response = _error_response(408, "request_timeout", f"the request body did not arrive within {client_timeout:g} s.")
+            response.force_close()  # the rest of the body may still come: this connection cannot carry another request
+            return response
         rank = await decide(request, raw)
         # a list, not a dict: a header the client sent twice goes upstream twice
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP]
@@ -364,11 +392,19 @@ def build_app(
         finally:
             metrics.in_flight.dec()
 
-    app = web.Application(client_max_size=1 << 30)
+    if max_body_bytes <= 0 or client_timeout <= 0:
+        raise ConfigError("the body size limit and the client timeout must be > 0.")
+    app = web.Application(client_max_size=max_body_bytes)
     app.on_startup.append(start)
     app.on_cleanup.append(stop)
     app.router.add_route("*", "/{tail:.*}", proxy)
     return app
+
+
+def _timed_token_ids(router: SemanticRouter, prompt) -> tuple[np.ndarray, float]:
+    started = time.perf_counter()
+    ids = router.token_ids(prompt)
+    return ids, time.perf_counter() - started
 
 
 # ---- CLI -----------------------------------------------------------------------------------------------------
@@ -382,10 +418,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", help="the model's tokenizer (mixtral, qwen, olmoe, hf:<repo or folder>); default: the job's")
     p.add_argument("--ep-size", type=int, help="DP ranks = EP degree (default: the job's parallel.devices)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--port", type=_port, default=8080)
     p.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to connect to the upstream")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds the upstream may stay silent")
+    p.add_argument("--client-timeout", type=float, default=CLIENT_TIMEOUT_S,
+                   help="seconds a client may take to send a request's headers, and its body")
+    p.add_argument("--max-body-mb", type=float, default=MAX_BODY_BYTES / 2**20,
+                   help="largest request body accepted, in MiB (413 beyond)")
     return p
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise argparse.ArgumentTypeError(f"a TCP port is an integer in 1..65535, got {text!r}")
+    return int(text)
 
 
 def make_router(args) -> tuple[SemanticRouter, object]:
@@ -405,10 +451,11 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
-        if args.connect_timeout <= 0 or args.timeout <= 0:
-            raise ConfigError("--connect-timeout and --timeout must be > 0 seconds.")
+        if min(args.connect_timeout, args.timeout, args.client_timeout, args.max_body_mb) <= 0:
+            raise ConfigError("--connect-timeout, --timeout, --client-timeout and --max-body-mb must be > 0.")
         router, tokenizer = make_router(args)
-        app = build_app(router, args.upstream, args.engine, connect_timeout=args.connect_timeout, timeout=args.timeout)
+        app = build_app(router, args.upstream, args.engine, connect_timeout=args.connect_timeout, timeout=args.timeout,
+                        max_body_bytes=int(args.max_body_mb * 2**20), client_timeout=args.client_timeout)
     except ReproError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -417,7 +464,13 @@ def main(argv: list[str] | None = None) -> int:
     # everything alive now lives as long as the process: keep it out of the collector's full passes (module doc)
     gc.collect()
     gc.freeze()
-    web.run_app(app, host=args.host, port=args.port, access_log=None, print=None)
+    try:
+        web.run_app(app, host=args.host, port=args.port, access_log=None, print=None,
+                    **server_options(args.client_timeout))
+    except OSError as e:  # port in use, host not an address of this machine, no permission
+        print(f"error: cannot listen on {args.host}:{args.port} ({e.strerror or e}); choose another --port or --host.",
+              file=sys.stderr)
+        return 2
     return 0
 
 
