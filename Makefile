@@ -5,7 +5,7 @@ PIP := $(VENV)/bin/pip
 # torch 2.13.0 CPU build when no NVIDIA GPU is visible; with a GPU, the user's CUDA torch is kept
 HAVE_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: setup test reproduce reproduce-beyond figures bench gpu-check serve-sglang serve-vllm bench-serving setup-engines-cpu lint clean
+.PHONY: setup test reproduce reproduce-beyond figures bench gpu-check serve-sglang serve-vllm bench-serving setup-engines-cpu lint clean wandb-sync
 
 setup:
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -72,6 +72,10 @@ bench-serving:
 # SGLang's pure-Python EPLB / expert-location modules on a CPU for tests/test_engines_crosscheck.py (engines.md §3)
 setup-engines-cpu:
 	$(PIP) install -q -e ".[engines-cpu]" && $(PIP) install -q --no-deps sglang==0.5.23
+
+# upload every offline W&B run under runs/ (sweep jobs included; needs the network and `wandb login`)
+wandb-sync:
+	find runs -type d -name 'offline-run-*' -print0 | xargs -0 -r $(VENV)/bin/wandb sync
 
 lint:
 	$(VENV)/bin/ruff check repro tests bench
