@@ -12,7 +12,8 @@ import scipy.stats
 from repro.affinity.requests import request_activations, spikes_kurtosis
 from repro.errors import ConfigError
 from repro.figures import paper
-from repro.figures.report import load_runs, write_report
+from repro.figures.jobs import load_runs
+from repro.figures.report import write_report
 from repro.traces import TraceMeta, make_trace
 
 # ---- repro.affinity.requests ---------------------------------------------------------------------------------

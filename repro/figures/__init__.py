@@ -1,5 +1,6 @@
 """Paper figures and the report, generated only from finished jobs under runs/."""
 
-from repro.figures.report import load_runs, write_report
+from repro.figures.jobs import load_runs
+from repro.figures.report import write_report
 
 __all__ = ["load_runs", "write_report"]

@@ -1,5 +1,6 @@
-"""`python -m repro.figures.diff RUNS_A RUNS_B [--out DIR] [--threshold 0.01] [--ignore COLS]`: what changed
-between two result sets (two code versions, two machines, or two experiments), job by job.
+"""`python -m repro.figures.diff RUNS_A RUNS_B [--out DIR] [--threshold 0.01] [--ignore COLS]
+[--allow-different-traces]`: what changed between two result sets (two code versions, two machines, or two
+experiments), job by job.
 
     summary_a, summary_b = load_results("runs_old"), load_results("runs")
     changes = diff_runs(summary_a, summary_b, threshold=0.01)
@@ -15,7 +16,11 @@ inter-node and real-execution bytes, load imbalance, the all-to-all time estimat
 under SLO and latencies at the lightest rate, and, from sim_per_rate.csv, mean TTFT / TPOT / E2E and p99 E2E at
 every offered rate (`<metric>@<rate>rps`). A metric is reported when |B/A - 1| > threshold, or when one side
 lacks it; the change is printed as B - A for the LAR columns (fractions) and as B/A otherwise.
-Exit code 0 whatever changed; 2 with one sentence on stderr, and nothing written, on bad input.
+
+Matched jobs must have been measured on the same routing: when both record `trace_digests` (the profile and
+evaluated splits' digests) and these differ, the diff is refused, or, with --allow-different-traces, made with those
+jobs' rows labelled "different traces". A job whose metrics.json (or sim_per_rate.csv) cannot be read is skipped and
+listed, not fatal. Exit code 0 whatever changed; 2 with one sentence on stderr, and nothing written, on bad input.
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ import pandas as pd  # noqa: E402
 from repro.atomic import atomic_write, atomic_write_text  # noqa: E402
 from repro.errors import ReproError  # noqa: E402
 from repro.figures.html import write_html  # noqa: E402
-from repro.figures.report import load_runs, markdown_table  # noqa: E402
+from repro.figures.jobs import SkippedJob, log, read_jobs  # noqa: E402
+from repro.figures.report import markdown_table  # noqa: E402
 
 KEY = ("experiment", "model_name", "workload", "eval_workload", "evaluate_split", "system", "attention", "devices",
        "job")
@@ -49,20 +55,34 @@ PER_RATE = ("ttft_mean_s", "tpot_mean_s", "e2e_mean_s", "e2e_p99_s")  # sim_per_
 FIGURE_BARS = 40  # the largest relative changes drawn; the tables list all of them
 
 
-def load_results(runs_dir: str | Path) -> pd.DataFrame:
-    """load_runs' summary (one row per finished job) plus `<metric>@<rate>rps` columns from each sim_per_rate.csv."""
+def read_results(runs_dir: str | Path) -> tuple[pd.DataFrame, list[SkippedJob]]:
+    """(read_jobs' summary, one row per readable finished job, plus `<metric>@<rate>rps` columns from each
+    sim_per_rate.csv; the jobs skipped because their metrics.json or sim_per_rate.csv cannot be read)."""
     if not Path(runs_dir).is_dir():
         raise ReproError(f"{runs_dir} is not a directory; pass a runs directory (e.g. runs or runs/paper_dp).")
-    summary, _ = load_runs(runs_dir)
-    per_rate = []
+    summary, _, skipped = read_jobs(runs_dir)
+    per_rate, readable = [], []
     for run_dir in summary["run_dir"]:
         path = Path(run_dir) / "sim_per_rate.csv"
         row = {}
-        if path.exists():
-            table = pd.read_csv(path).set_index("rate")
-            row = {f"{m}@{rate:g}rps": table.at[rate, m] for m in PER_RATE if m in table for rate in table.index}
+        try:
+            if path.exists():
+                table = pd.read_csv(path).set_index("rate")
+                row = {f"{m}@{rate:g}rps": table.at[rate, m] for m in PER_RATE if m in table for rate in table.index}
+        except (OSError, ValueError, KeyError, TypeError) as error:  # pandas' parser errors are ValueErrors
+            skipped.append(SkippedJob(Path(run_dir) / "metrics.json",
+                                      f"its sim_per_rate.csv cannot be read ({type(error).__name__}: {error})"))
+            log.warning("%s", skipped[-1].sentence())
+        else:
+            readable.append(run_dir)
         per_rate.append(row)
-    return summary.join(pd.DataFrame(per_rate, index=summary.index))
+    results = summary.join(pd.DataFrame(per_rate, index=summary.index))
+    return results[results["run_dir"].isin(readable)].reset_index(drop=True), skipped
+
+
+def load_results(runs_dir: str | Path) -> pd.DataFrame:
+    """read_results without the skipped jobs' list."""
+    return read_results(runs_dir)[0]
 
 
 def metric_columns(columns) -> list[str]:
@@ -86,19 +106,55 @@ def _keyed(summary: pd.DataFrame, key: list[str], side: str) -> pd.DataFrame:
     return keyed.set_index(key)
 
 
+def check_threshold(threshold: float) -> float:
+    """The threshold if it is a finite number >= 0; else ReproError (a negative one would report every metric)."""
+    if not np.isfinite(threshold) or threshold < 0:
+        raise ReproError(f"the threshold {threshold} is not a number >= 0; pass the smallest |B/A - 1| to report, "
+                         "e.g. --threshold 0.01 for 1 %.")
+    return threshold
+
+
+def trace_status(digests_a: pd.Series, digests_b: pd.Series) -> np.ndarray:
+    """Per matched job: "same" / "different" when both sides record trace_digests ({split: digest}), else
+    "unknown" (runs written before digests were recorded). digests_a, digests_b: aligned Series of dicts or NaN."""
+    return np.array(["unknown" if not (isinstance(x, dict) and isinstance(y, dict)) else "same" if x == y
+                     else "different" for x, y in zip(digests_a, digests_b, strict=True)], dtype=object)
+
+
+def _refuse_different_traces(common: pd.Index, status: np.ndarray, a: pd.DataFrame, b: pd.DataFrame) -> None:
+    different = np.flatnonzero(status == "different")
+    if not len(different):
+        return
+    job = common[different[0]]
+    x, y = a.at[job, "trace_digests"], b.at[job, "trace_digests"]
+    splits = ", ".join(f"{k} {str(x.get(k))[:12]} in A vs {str(y.get(k))[:12]} in B"
+                       for k in sorted(set(x) | set(y)) if x.get(k) != y.get(k))
+    raise ReproError(f"{len(different)} of the {len(common)} matched jobs were measured on different traces (e.g. "
+                     f"{' / '.join(map(str, job))}: {splits}), so their metrics are not comparable; rerun one set on "
+                     "the same trace and splits, or pass --allow-different-traces to list them labelled.")
+
+
 def diff_runs(summary_a: pd.DataFrame, summary_b: pd.DataFrame, threshold: float = 0.01,
-              key: tuple[str, ...] = KEY) -> pd.DataFrame:
+              key: tuple[str, ...] = KEY, allow_different_traces: bool = False) -> pd.DataFrame:
     """Changed metrics of jobs in both sets and the jobs in one set only.
 
     summary_a, summary_b: one row per job (load_results), with the `key` columns unique per job.
-    Returns one row per change, key columns then `metric`, `a`, `b`, `delta` (b - a), `ratio` (b / a) and `status`:
+    Returns one row per change, key columns then `metric`, `a`, `b`, `delta` (b - a), `ratio` (b / a), `status`:
     "changed" (|ratio - 1| > threshold, or a = 0 != b, or one side lacks the metric), "only in A" or "only in B"
-    (a whole job; metric "", numbers NaN). Rows are sorted by key, then in metric_columns order.
+    (a whole job; metric "", numbers NaN), and `traces` ("same", "different", "unknown"; "" for one-sided jobs).
+    Rows are sorted by key, then in metric_columns order. Raises ReproError when matched jobs ran on different
+    traces (trace_digests) unless allow_different_traces, or when the threshold is negative.
     """
+    check_threshold(threshold)
     key = list(key)
     a, b = _keyed(summary_a, key, "A"), _keyed(summary_b, key, "B")
     metrics = metric_columns([*summary_a.columns, *summary_b.columns])
     common = a.index.intersection(b.index).sort_values()
+    no_digests = pd.Series(np.nan, index=common, dtype=object)
+    traces = trace_status(a["trace_digests"].reindex(common) if "trace_digests" in a else no_digests,
+                          b["trace_digests"].reindex(common) if "trace_digests" in b else no_digests)
+    if not allow_different_traces:
+        _refuse_different_traces(common, traces, a, b)
     values_a = a.reindex(index=common, columns=metrics).apply(pd.to_numeric, errors="coerce").to_numpy(float)
     values_b = b.reindex(index=common, columns=metrics).apply(pd.to_numeric, errors="coerce").to_numpy(float)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -107,11 +163,14 @@ def diff_runs(summary_a: pd.DataFrame, summary_b: pd.DataFrame, threshold: float
     row, col = np.nonzero(changed)
     changes = pd.DataFrame(list(common[row]), columns=key).assign(
         metric=np.array(metrics, dtype=object)[col], a=values_a[row, col], b=values_b[row, col],
-        delta=values_b[row, col] - values_a[row, col], ratio=ratio[row, col], status="changed")
+        delta=values_b[row, col] - values_a[row, col], ratio=ratio[row, col], status="changed", traces=traces[row])
     only = [pd.DataFrame(list(side.index.difference(other.index).sort_values()), columns=key).assign(
-        metric="", a=np.nan, b=np.nan, delta=np.nan, ratio=np.nan, status=status)
+        metric="", a=np.nan, b=np.nan, delta=np.nan, ratio=np.nan, status=status, traces="")
         for side, other, status in ((a, b, "only in A"), (b, a, "only in B"))]
-    return pd.concat([changes, *only], ignore_index=True)
+    diff = pd.concat([changes, *only], ignore_index=True)
+    # matched jobs on different traces, changed or not, so the report can say how many were labelled
+    diff.attrs["jobs_on_different_traces"] = int((traces == "different").sum())
+    return diff
 
 
 def label_columns(summary_a: pd.DataFrame, summary_b: pd.DataFrame, key: tuple[str, ...] = KEY) -> list[str]:
@@ -169,6 +228,8 @@ def changes_table(diff: pd.DataFrame, labels: list[str]) -> pd.DataFrame:
     table["A"] = [format_value(r.metric, r.a) for r in changed.itertuples()]
     table["B"] = [format_value(r.metric, r.b) for r in changed.itertuples()]
     table["change"] = [format_change(r) for r in changed.itertuples()]
+    if "traces" in changed and (changed["traces"] == "different").any():
+        table["traces"] = np.where(changed["traces"] == "different", "DIFFERENT traces", "same")
     return table
 
 
@@ -201,11 +262,25 @@ def fig_changes(diff: pd.DataFrame, labels: list[str], path: Path) -> Path | Non
     return path
 
 
-def render_text(diff: pd.DataFrame, labels: list[str], threshold: float, n_matched: int) -> str:
-    """The terminal report: the changes table, then the jobs in one set only."""
+def notes(diff: pd.DataFrame, skipped: tuple[list[SkippedJob], list[SkippedJob]]) -> list[str]:
+    """Sentences the reader needs before trusting the table: matched jobs that ran on different traces (only with
+    allow_different_traces) and the jobs of either set skipped as unreadable."""
+    lines = []
+    if n := diff.attrs.get("jobs_on_different_traces", 0):
+        lines.append(f"{n} matched job(s) ran on different traces (trace_digests differ): their rows are labelled "
+                     "'DIFFERENT traces' and their changes are not caused by the code or the machine alone.")
+    for side, jobs in zip("AB", skipped, strict=True):
+        lines += [f"set {side}: {job.sentence()}" for job in jobs]
+    return lines
+
+
+def render_text(diff: pd.DataFrame, labels: list[str], threshold: float, n_matched: int,
+                warnings: list[str] = ()) -> str:
+    """The terminal report: the warnings (notes()), the changes table, then the jobs in one set only."""
     table = changes_table(diff, labels)
-    lines = [table.to_string(index=False) if len(table) else
-             f"no metric changed by more than {threshold:.1%} in the {n_matched} jobs of both sets."]
+    lines = [f"warning: {w}" for w in warnings]
+    lines += [table.to_string(index=False) if len(table) else
+              f"no metric changed by more than {threshold:.1%} in the {n_matched} jobs of both sets."]
     for status in ("only in A", "only in B"):
         jobs = job_labels(diff[diff["status"] == status], labels)
         lines += [f"{status} ({len(jobs)}):"] + [f"  {j}" for j in jobs] if jobs else []
@@ -213,14 +288,16 @@ def render_text(diff: pd.DataFrame, labels: list[str], threshold: float, n_match
 
 
 def render_markdown(diff: pd.DataFrame, labels: list[str], runs: tuple[str, str], counts: tuple[int, int],
-                    key: list[str], threshold: float, figure: Path | None) -> str:
-    """diff.md: the sets compared, how jobs were matched, the changes table and figure, the unmatched jobs."""
+                    key: list[str], threshold: float, figure: Path | None, warnings: list[str] = ()) -> str:
+    """diff.md: the sets compared, how jobs were matched, the warnings (notes()), the changes table and figure,
+    the unmatched jobs."""
     table = changes_table(diff, labels)
     jobs = diff[diff["status"] == "changed"][key].drop_duplicates()
     lines = ["# What changed between two result sets", "",
              f"A: `{runs[0]}` ({counts[0]} jobs); B: `{runs[1]}` ({counts[1]} jobs). Jobs matched on "
              f"{', '.join(f'`{k}`' for k in key)}. A metric is listed when |B/A - 1| > {threshold:g} or one side "
              "lacks it; change = B - A for LAR columns, B/A otherwise.", "",
+             *[line for w in warnings for line in (f"**Warning:** {w}", "")],
              f"## Changed metrics ({len(table)} in {len(jobs)} jobs)", ""]
     lines += [markdown_table(table) if len(table) else "None above the threshold.", ""]
     if figure is not None:
@@ -232,14 +309,14 @@ def render_markdown(diff: pd.DataFrame, labels: list[str], runs: tuple[str, str]
 
 
 def write_diff(diff: pd.DataFrame, labels: list[str], runs: tuple[str, str], counts: tuple[int, int],
-               key: list[str], threshold: float, out_dir: Path) -> list[Path]:
+               key: list[str], threshold: float, out_dir: Path, warnings: list[str] = ()) -> list[Path]:
     """Write diff_changes.png (when anything changed by a finite ratio), diff.csv, diff.md and diff.html."""
     out_dir = Path(out_dir)
     figure = fig_changes(diff, labels, out_dir / "diff_changes.png")
     written = [figure] if figure is not None else []
     csv, md = out_dir / "diff.csv", out_dir / "diff.md"
     atomic_write_text(csv, diff.to_csv(index=False))
-    atomic_write_text(md, render_markdown(diff, labels, runs, counts, key, threshold, figure))
+    atomic_write_text(md, render_markdown(diff, labels, runs, counts, key, threshold, figure, warnings))
     return written + [csv, md, write_html(md, out_dir / "diff.html")]
 
 
@@ -250,6 +327,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", help="also write diff.md, diff.csv, diff.html and diff_changes.png here")
     parser.add_argument("--threshold", type=float, default=0.01, help="smallest |B/A - 1| reported (default 0.01)")
     parser.add_argument("--ignore", default="", help=f"comma-separated key columns not matched on, of {list(KEY)}")
+    parser.add_argument("--allow-different-traces", action="store_true",
+                        help="compare matched jobs whose trace_digests differ, labelling their rows, instead of refusing")
     args = parser.parse_args(argv)
     try:
         ignore = [c for c in args.ignore.split(",") if c]
@@ -257,14 +336,16 @@ def main(argv=None) -> int:
             raise ReproError(f"--ignore names {unknown or ignore}, not a proper subset of the key columns "
                              f"{list(KEY)}; keep at least one to match jobs on.")
         key = [c for c in KEY if c not in ignore]
-        summary_a, summary_b = load_results(args.runs_a), load_results(args.runs_b)
-        diff = diff_runs(summary_a, summary_b, args.threshold, tuple(key))
+        check_threshold(args.threshold)
+        (summary_a, skipped_a), (summary_b, skipped_b) = read_results(args.runs_a), read_results(args.runs_b)
+        diff = diff_runs(summary_a, summary_b, args.threshold, tuple(key), args.allow_different_traces)
         labels = label_columns(summary_a, summary_b, tuple(key))
         n_matched = len(summary_a) - int((diff["status"] == "only in A").sum())
-        print(render_text(diff, labels, args.threshold, n_matched))
+        warnings = notes(diff, (skipped_a, skipped_b))
+        print(render_text(diff, labels, args.threshold, n_matched, warnings))
         if args.out:
             for path in write_diff(diff, labels, (args.runs_a, args.runs_b), (len(summary_a), len(summary_b)), key,
-                                   args.threshold, Path(args.out)):
+                                   args.threshold, Path(args.out), warnings):
                 print(path)
     except ReproError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,7 +1,7 @@
 """Figures and figures/REPORT.md, read only from finished jobs under runs/.
 
 One function per figure; each takes the collected results and an output path and returns the path it wrote.
-A job counts when its metrics.json exists (written last by repro.run).
+A job counts when its metrics.json exists (written last by repro.run); repro.figures.jobs finds and reads them.
 """
 
 from __future__ import annotations
@@ -18,43 +18,9 @@ import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
 from repro.atomic import atomic_write, atomic_write_text  # noqa: E402
-from repro.errors import ReproError  # noqa: E402
+from repro.figures.jobs import find_job_files, log, read_jobs, skipped_lines  # noqa: E402
 
 sns.set_theme(style="whitegrid", context="paper")
-
-
-def load_runs(runs_dir: str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(one row per finished job: summary + experiment + run_dir, one row per job and MoE layer)."""
-    rows, layers = [], []
-    for metrics in sorted(Path(runs_dir).rglob("metrics.json")):
-        if "cache" in metrics.relative_to(runs_dir).parts:
-            continue
-        data = json.loads(metrics.read_text())
-        cfg = data["config"]
-        row = dict(data["summary"])
-        row.update(
-            experiment=cfg.get("name", "adhoc"),
-            run_dir=str(metrics.parent),
-            devices=cfg["parallel"]["devices"],
-            attention=cfg["parallel"]["attention"],
-            workload=cfg["workload"]["name"],
-            eval_workload=(cfg.get("eval_workload") or cfg["workload"])["name"],
-            model_name=cfg["model"]["name"],
-            job=metrics.parent.name,
-            lookback=(cfg["system"].get("params") or {}).get("lookback"),
-        )
-        row.setdefault("kind", "system")
-        row.setdefault("evaluate_split", "evaluate")
-        rows.append(row)
-        per_layer = metrics.parent / "per_layer.csv"
-        if per_layer.exists():
-            df = pd.read_csv(per_layer)
-            for key in ("experiment", "run_dir", "devices", "attention", "system", "eval_workload", "workload"):
-                df[key] = row[key]
-            layers.append(df)
-    if not rows:
-        raise ReproError(f"no finished runs under {runs_dir}; run `make reproduce` (or python -m repro.run) first.")
-    return pd.DataFrame(rows), pd.concat(layers, ignore_index=True) if layers else pd.DataFrame()
 
 
 def _save(fig, path: Path) -> Path:
@@ -217,23 +183,28 @@ def routing_sources_section(runs: pd.DataFrame) -> list[str]:
 def tuned_section(runs_dir: Path) -> list[str]:
     """Tuned defaults (python -m repro.tune): chosen on validate, then both the default and the chosen values
     measured once on evaluate."""
-    rows = []
-    for path in sorted(Path(runs_dir).rglob("tuned.json")):
-        t = json.loads(path.read_text())
-        objective = t["objective"]
-        rows.append({
-            "system": t["system"], "model": t["model"], "workload": t["workload"], "attention": t["attention"],
-            "devices": t["devices"],
-            "default": ", ".join(f"{k.split('.')[-1]}={v}" for k, v in t["default"]["values"].items()),
-            "chosen on validate": ", ".join(f"{k.split('.')[-1]}={v}" for k, v in t["chosen"]["values"].items()),
-            f"default {objective} (validate)": t["default"]["validate"][objective],
-            f"chosen {objective} (validate)": t["chosen"]["validate"][objective],
-            f"default {objective} (evaluate)": t["default"]["evaluate"][objective],
-            f"chosen {objective} (evaluate)": t["chosen"]["evaluate"][objective],
-        })
+    rows, constraints = [], {}
+    for path in find_job_files(runs_dir, "tuned.json"):
+        try:
+            t = json.loads(path.read_text(encoding="utf-8"))
+            objective = t["objective"]
+            row = {
+                "system": t["system"], "model": t["model"], "workload": t["workload"], "attention": t["attention"],
+                "devices": t["devices"],
+                "default": ", ".join(f"{k.split('.')[-1]}={v}" for k, v in t["default"]["values"].items()),
+                "chosen on validate": ", ".join(f"{k.split('.')[-1]}={v}" for k, v in t["chosen"]["values"].items()),
+                f"default {objective} (validate)": t["default"]["validate"][objective],
+                f"chosen {objective} (validate)": t["chosen"]["validate"][objective],
+                f"default {objective} (evaluate)": t["default"]["evaluate"][objective],
+                f"chosen {objective} (evaluate)": t["chosen"]["evaluate"][objective],
+            }
+            constraints = t["constraints"]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+            log.warning("skipped the tuning result %s: it cannot be read (%s: %s).", path, type(error).__name__, error)
+            continue
+        rows.append(row)
     if not rows:
         return []
-    constraints = json.loads(path.read_text())["constraints"]
     return ["## Tuned defaults (`python -m repro.tune`)", "",
             "Each grid candidate was fitted on the profile split and compared on the validate split (feasible: "
             + ", ".join(f"{k} <= {v}" for k, v in constraints.items())
@@ -280,9 +251,10 @@ def _config_block(run_dir: str) -> str:
 
 def write_report(runs_dir: str | Path, out_dir: str | Path) -> Path:
     """Render every figure for every experiment found under runs_dir and write out_dir/REPORT.md."""
-    summary, per_layer = load_runs(runs_dir)
+    summary, per_layer, skipped = read_jobs(runs_dir)
     out_dir = Path(out_dir)
     lines = ["# Report", "", f"Generated by `make figures` from `{runs_dir}/` ({len(summary)} finished jobs).", "",
+             *skipped_lines(skipped, runs_dir),
              "Every row says its kind: `system` (deployable, fitted on the profile split), `bound` (a proven ceiling, "
              "with the constraint it holds under) or `hindsight` (fitted on the evaluated routing, not a ceiling). "
              "Systems are fitted on the profile split (20 % of requests), defaults tuned on the validate split "
