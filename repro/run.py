@@ -6,8 +6,10 @@
 Each job writes into its output dir (runs/<name>/<overrides>/): metrics.json (summary + resolved config; written
 last, so its presence means the job finished), per_layer.csv, traffic.npy, expert_load.npy, token_load.npy,
 activation_map.npz, request_activations.npz (the paper's Fig. 6 a-c), affinity_stats.csv (the paper's Table 1 on
-the profile split), plan/ and config.yaml. A job whose metrics.json holds the same resolved config is skipped
-(resume). Routing traces and trained models are cached under cache_dir keyed by the config that made them.
+the profile split), plan/ and config.yaml. They are written into a staging folder (.staging-*) and then moved
+into place, metrics.json last (after the old one is removed): a kill leaves the previous complete job or an
+unfinished one, never a finished-looking mix of two runs. A job whose metrics.json holds the same resolved config
+is skipped (resume). Routing traces and trained models are cached under cache_dir keyed by the config that made them.
 """
 
 from __future__ import annotations
@@ -16,8 +18,13 @@ import hashlib
 import json
 import logging
 import os
+import shutil
+import socket
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import hydra
@@ -26,8 +33,9 @@ import pandas as pd
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from repro.atomic import atomic_write
+from repro.atomic import atomic_dir, atomic_write
 from repro.errors import ConfigError, ReproError
+from repro.jobdir import job_dirname  # noqa: F401  registers the resolver conf/config.yaml names its run dirs with
 from repro.parallel import ParallelConfig
 from repro.traces import RoutingTrace, Split, read_trace, select_requests, split_indices, trace_digest, write_trace
 
@@ -49,22 +57,104 @@ def job_finished(out_dir: Path, config: dict, digests: dict) -> bool:
     return done.get("config") == config and done.get("summary", {}).get("trace_digests") == digests
 
 
+# Every file or folder a job may publish into its output dir besides metrics.json: a rerun removes the ones it does
+# not write again, so a finished job never mixes two runs (say an old sim_per_rate.csv beside new metrics).
+JOB_OUTPUTS = (
+    "plan", "per_layer.csv", "traffic.npy", "expert_load.npy", "token_load.npy", "activation_map.npz",
+    "request_activations.npz", "affinity_stats.csv", "config.yaml", "sim_per_rate.csv", "sim_per_layer.csv",
+    "exec_per_layer.csv", "exec_per_rank.csv",
+)
+# Staging folders start with "." (figures' rglob("metrics.json") finds none there: metrics.json is never staged)
+# and name their host and process, so a rerun can remove those its killed predecessors left behind.
+STAGING_PREFIX = ".staging-"
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def remove_dead_staging(out_dir: Path) -> None:
+    """Remove staging folders in out_dir left by killed jobs of this host (their process is gone); folders of
+    live processes or of other hosts (a shared file system) are left alone."""
+    host = socket.gethostname()
+    for folder in out_dir.glob(f"{STAGING_PREFIX}*"):
+        stem = folder.name[len(STAGING_PREFIX):]
+        parts = stem.rsplit("-", 2)  # host-pid-random (tempfile's random part has no "-")
+        if len(parts) == 3 and parts[0] == host and parts[1].isdigit() and not _process_alive(int(parts[1])):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextmanager
+def staging_dir(out_dir: Path) -> Iterator[Path]:
+    """A fresh staging folder inside out_dir (same file system, so publishing is renames only); removed on exit,
+    whether the job published (it is empty then) or failed."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    remove_dead_staging(out_dir)
+    staging = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{socket.gethostname()}-{os.getpid()}-", dir=out_dir))
+    try:
+        yield staging
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def non_finite(value, path: str = "") -> tuple[str, float] | None:
+    """(dotted key path, value) of the first NaN or infinite number in a JSON-like value, or None."""
+    if isinstance(value, dict):
+        items = ((f"{path}.{key}" if path else str(key), item) for key, item in value.items())
+    elif isinstance(value, list | tuple):
+        items = ((f"{path}[{i}]", item) for i, item in enumerate(value))
+    else:
+        is_float = isinstance(value, float | np.floating)
+        return (path, float(value)) if is_float and not np.isfinite(value) else None
+    return next((found for key, item in items if (found := non_finite(item, key)) is not None), None)
+
+
+def metrics_text(summary: dict, config: dict) -> str:
+    """metrics.json's text: strict JSON (no NaN / Infinity, which strict readers reject), or one ReproError."""
+    payload = {"summary": summary, "config": config}
+    found = non_finite(payload)
+    if found is not None:
+        raise ReproError(
+            f"metrics.json would hold the non-finite number {found[1]} at {found[0]}; check the inputs it is "
+            "computed from (hardware bandwidths and latencies, trace weights, config values) and rerun."
+        )
+    return json.dumps(payload, indent=1, default=_json_default, allow_nan=False)
+
+
+def publish_job(staging: Path, out_dir: Path, summary: dict, config: dict) -> None:
+    """Move a job's staged outputs into out_dir, metrics.json last.
+
+    The old metrics.json goes first, so a kill at any later point leaves an unfinished job (no metrics.json), never
+    a finished-looking folder that mixes two runs; stale outputs this run did not write go next; files move with
+    os.replace and plan/ by an atomic folder swap; metrics.json is written (atomically) only once everything else is there.
+    """
+    text = metrics_text(summary, config)  # a non-finite metric fails here, with the old job still whole
+    (out_dir / "metrics.json").unlink(missing_ok=True)
+    staged = sorted(path.name for path in staging.iterdir())
+    for name in sorted(set(JOB_OUTPUTS) - set(staged)):
+        stale = out_dir / name
+        if stale.is_dir() and not stale.is_symlink():
+            shutil.rmtree(stale)
+        else:
+            stale.unlink(missing_ok=True)
+    for name in staged:
+        source, target = staging / name, out_dir / name
+        if source.is_dir():  # atomic_dir swaps it in whole (the renamed staged folder fills its empty temporary)
+            atomic_dir(target, lambda tmp, source=source: os.replace(source, tmp), replace=True)
+        else:
+            os.replace(source, target)
+    atomic_write(out_dir / "metrics.json", lambda p: p.write_text(text))
+
+
 def config_key(*parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def job_dirname(override_dirname: str, trace: str | None, profile_trace: str | None) -> str:
-    """The job folder under runs/<name>/: Hydra's override string, with traces named by their folder name only.
-
-    (`trace` and `profile_trace` are excluded from override_dirname, so an absolute path never nests folders.)
-    """
-    parts = [f"trace={Path(str(trace)).name}"] if trace else []
-    parts += [f"profile_trace={Path(str(profile_trace)).name}"] if profile_trace else []
-    parts += [override_dirname] if override_dirname else []
-    return ",".join(parts)
-
-
-OmegaConf.register_new_resolver("job_dirname", job_dirname, replace=True)
 
 
 # ---- traces --------------------------------------------------------------------------------------------------
@@ -201,6 +291,31 @@ def a2a_seconds_estimate(traffic: np.ndarray, hardware: dict) -> float:
     return float(2 * per_layer.sum())
 
 
+def check_a2a_hardware(hardware: dict) -> None:
+    """One ConfigError sentence unless `hardware` holds the numbers a2a_seconds_estimate divides by: positive
+    bandwidths (zero or negative ones would put Infinity or negative seconds into metrics.json), latencies >= 0."""
+    name = hardware.get("name", "<unnamed>") if isinstance(hardware, dict) else "<unnamed>"
+
+    def number(dotted: str, positive: bool, integer: bool = False) -> None:
+        node = hardware
+        for part in dotted.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        kind = int if integer else int | float
+        if not isinstance(node, kind) or isinstance(node, bool) or node < (1 if integer else 0) or (positive and node == 0):
+            what = "an integer >= 1" if integer else "a number > 0" if positive else "a number >= 0"
+            raise ConfigError(f"hardware profile {name!r}: {dotted} must be {what}, got {node!r}; fix the profile "
+                              "(conf/hardware/*.yaml) or the hardware.* override.")
+
+    number("nodes", positive=True, integer=True)
+    if hardware["nodes"] <= 1:
+        number("a2a_bandwidth_gbps", positive=True)
+        number("a2a_latency_us", positive=False)
+        return
+    number("devices_per_node", positive=True, integer=True)
+    for field, positive in (("nvlink_gbps", True), ("rdma_gbps", True), ("latency_us", False)):
+        number(f"a2a.nccl.dispatch.{field}", positive)
+
+
 def unrouted_experts(*traces: RoutingTrace) -> int:
     """Expert ids below meta.num_experts that no token of these traces is routed to, in any layer."""
     num_experts = traces[0].meta.num_experts
@@ -213,6 +328,7 @@ def make_job(config: dict):
     from repro.systems import make_system
 
     check_trace_options(config)
+    check_a2a_hardware(config["hardware"])
     parallel = ParallelConfig.from_config(config["parallel"])
     system = make_system(config["system"]["name"], **(config["system"].get("params") or {}))
     lookback = getattr(system, "lookback", 0)
@@ -280,8 +396,6 @@ def fit_and_evaluate(config: dict, profile: RoutingTrace, evaluation: RoutingTra
 
 
 def run_job(cfg: DictConfig, out_dir: Path) -> dict | None:
-    from repro.affinity.stats import affinity_statistics
-
     config = OmegaConf.to_container(cfg, resolve=True)
     make_job(config)  # config errors before any (slow) routing
     profile, evaluation = build_traces(config)
@@ -300,38 +414,25 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict | None:
             "layer; check the trace's num_experts (balance and placement count them as idle experts)."
         ]
         log.warning(summary["warnings"][0])
-    if config.get("exec"):  # run the plan on real ranks; writes exec_per_layer.csv / exec_per_rank.csv
-        from repro.exec.trace_mode import run_exec_job
+    with staging_dir(out_dir) as staging:  # every output is written here, then published into out_dir at once
+        if config.get("exec"):  # run the plan on real ranks; writes exec_per_layer.csv / exec_per_rank.csv
+            from repro.exec.trace_mode import run_exec_job
 
-        summary.update(run_exec_job(config, plan, evaluation, out_dir))
-    sim_tables = {}
-    if config.get("sim"):  # serve the plan on simulated hardware over a sweep of request rates
-        from repro.sim import simulate
+            summary.update(run_exec_job(config, plan, evaluation, staging))
+        sim_tables = {}
+        if config.get("sim"):  # serve the plan on simulated hardware over a sweep of request rates
+            from repro.sim import simulate
 
-        sim = simulate(config, plan, evaluation, config["hardware"], config["sim"]["shape"],
-                       np.random.default_rng(config["seed"]), progress=True)
-        summary.update({k: v for k, v in sim.summary.items() if k != "warnings"})
-        summary["warnings"] = summary.get("warnings", []) + sim.summary["warnings"]
-        sim_tables = {"sim_per_rate": sim.per_rate, "sim_per_layer": sim.per_layer}
-    # W&B first: if tracking fails, no result file has been written yet
-    _log_to_wandb(config, summary, result, out_dir, sim_tables)
-    for name, table in sim_tables.items():
-        atomic_write(out_dir / f"{name}.csv", lambda p, t=table: t.to_csv(p, index=False))
-    plan.save(out_dir / "plan")
-    atomic_write(out_dir / "per_layer.csv", lambda p: result.per_layer.to_csv(p, index=False))
-    for name, array in (("traffic", result.traffic), ("expert_load", result.expert_load), ("token_load", result.token_load)):
-        atomic_write(out_dir / f"{name}.npy", lambda p, a=array: _save_npy(p, a))
-    atomic_write(out_dir / "activation_map.npz", lambda p: _save_activation_map(p, evaluation))
-    atomic_write(out_dir / "request_activations.npz", lambda p: _save_request_activations(p, evaluation))
-    # the paper's Table 1 on the profile split: how predictable each token's experts are from its id alone
-    affinity = affinity_statistics(profile)
-    atomic_write(out_dir / "affinity_stats.csv", lambda p: affinity.to_csv(p, index=False))
-    atomic_write(out_dir / "config.yaml", lambda p: p.write_text(OmegaConf.to_yaml(config)))
-    # last: its presence marks the job finished
-    atomic_write(
-        out_dir / "metrics.json",
-        lambda p: p.write_text(json.dumps({"summary": summary, "config": config}, indent=1, default=_json_default)),
-    )
+            sim = simulate(config, plan, evaluation, config["hardware"], config["sim"]["shape"],
+                           np.random.default_rng(config["seed"]), progress=True)
+            summary.update({k: v for k, v in sim.summary.items() if k != "warnings"})
+            summary["warnings"] = summary.get("warnings", []) + sim.summary["warnings"]
+            sim_tables = {"sim_per_rate": sim.per_rate, "sim_per_layer": sim.per_layer}
+        metrics_text(summary, config)  # a non-finite metric fails before W&B sees it
+        # W&B first: if tracking fails, no result file has been published yet
+        _log_to_wandb(config, summary, result, out_dir, sim_tables, files_dir=staging)
+        write_job_outputs(staging, config, profile, evaluation, result, plan, sim_tables)
+        publish_job(staging, out_dir, summary, config)
     log.info(
         "%s: LAR %.4f  a2a bytes %.3e  imbalance %.3f  (%s %s, D=%d, %s)",
         out_dir,
@@ -344,6 +445,25 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict | None:
         config["parallel"]["attention"],
     )
     return summary
+
+
+def write_job_outputs(staging: Path, config: dict, profile: RoutingTrace, evaluation: RoutingTrace, result, plan,
+                      sim_tables: dict) -> None:
+    """Every output of run_job but metrics.json (JOB_OUTPUTS), written into the staging folder."""
+    from repro.affinity.stats import affinity_statistics
+
+    for name, table in sim_tables.items():
+        atomic_write(staging / f"{name}.csv", lambda p, t=table: t.to_csv(p, index=False))
+    plan.save(staging / "plan")
+    atomic_write(staging / "per_layer.csv", lambda p: result.per_layer.to_csv(p, index=False))
+    for name, array in (("traffic", result.traffic), ("expert_load", result.expert_load), ("token_load", result.token_load)):
+        atomic_write(staging / f"{name}.npy", lambda p, a=array: _save_npy(p, a))
+    atomic_write(staging / "activation_map.npz", lambda p: _save_activation_map(p, evaluation))
+    atomic_write(staging / "request_activations.npz", lambda p: _save_request_activations(p, evaluation))
+    # the paper's Table 1 on the profile split: how predictable each token's experts are from its id alone
+    affinity = affinity_statistics(profile)
+    atomic_write(staging / "affinity_stats.csv", lambda p: affinity.to_csv(p, index=False))
+    atomic_write(staging / "config.yaml", lambda p: p.write_text(OmegaConf.to_yaml(config)))
 
 
 def _save_npy(path: Path, array: np.ndarray) -> None:
@@ -382,7 +502,10 @@ def _json_default(x):
     raise TypeError(f"not JSON serialisable: {type(x)}")
 
 
-def _log_to_wandb(config: dict, summary: dict, result, out_dir: Path, tables: dict | None = None) -> None:
+def _log_to_wandb(config: dict, summary: dict, result, out_dir: Path, tables: dict | None = None,
+                  files_dir: Path | None = None) -> None:
+    """One W&B run for the job in out_dir; exec_*.csv tables are read from files_dir (the staging folder, default
+    out_dir)."""
     logger = config.get("logger") or {}
     if logger.get("name") != "wandb" or os.environ.get("WANDB_MODE") == "disabled":
         return
@@ -404,8 +527,8 @@ def _log_to_wandb(config: dict, summary: dict, result, out_dir: Path, tables: di
         for name, table in (tables or {}).items():
             run.log({name: wandb.Table(dataframe=table)})
         for table in ("exec_per_layer", "exec_per_rank"):  # written by repro.exec when the job executed its plan
-            if (out_dir / f"{table}.csv").exists():
-                run.log({table: wandb.Table(dataframe=pd.read_csv(out_dir / f"{table}.csv"))})
+            if (Path(files_dir or out_dir) / f"{table}.csv").exists():
+                run.log({table: wandb.Table(dataframe=pd.read_csv(Path(files_dir or out_dir) / f"{table}.csv"))})
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")

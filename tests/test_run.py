@@ -223,7 +223,10 @@ def test_job_folder_resume_and_warnings_follow_the_trace_content(tmp_path, cache
 
     assert run().returncode == 0
     (job,) = [p.parent for p in (tmp_path / "runs").rglob("metrics.json")]
-    assert job.relative_to(tmp_path / "runs").parts == ("edge", "trace=mine,system=ep")
+    from repro.jobdir import trace_label
+
+    assert job.relative_to(tmp_path / "runs").parts == ("edge", f"trace={trace_label(trace_dir)},system=ep")
+    assert re.fullmatch(r"mine-[0-9a-f]{8}", trace_label(trace_dir))
     summary = json.loads((job / "metrics.json").read_text())["summary"]
     assert summary["unrouted_experts"] == 16 and "never routed" in summary["warnings"][0]
     assert summary["kind"] == "system" and summary["fit_split"] == "profile"

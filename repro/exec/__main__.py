@@ -7,15 +7,18 @@
 Standalone, it is exactly `python -m repro.run` (whose exec hook spawns the ranks). Under torchrun (RANK,
 WORLD_SIZE, MASTER_ADDR, MASTER_PORT set), every rank composes the same config, reads or makes the same traces
 (rank 0 first, so the routing cache is written once; the others then read it) and fits the same seeded plan,
-runs its share, and rank 0 logs to W&B (run.py's helper) and writes the job dir: metrics.json (evaluator summary + exec_* keys, and the config),
-per_layer.csv, exec_per_layer.csv and exec_per_rank.csv.
+runs its share, and rank 0 logs to W&B (run.py's helper) and writes the job dir (staged, then published with
+metrics.json last, as repro.run does): metrics.json (evaluator summary + exec_* keys, and the config),
+per_layer.csv, exec_per_layer.csv and exec_per_rank.csv. A WORLD_SIZE other than parallel.devices is refused
+before any rank waits for another.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import json
+import os
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 import hydra
@@ -23,44 +26,53 @@ import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+import repro.jobdir  # noqa: F401  registers the job_dirname resolver that conf/config.yaml's run dirs use
+from repro.atomic import atomic_write
 from repro.errors import ConfigError, ReproError
 from repro.exec.launch import in_torchrun, init_from_env
 
 PREPARE_TIMEOUT_S = 3600  # rank 0 may train a routing model before the others read its cached trace
 
 
-def torchrun_job(config: dict, out_dir: Path) -> None:
-    """This process's part of a torchrun exec job; only rank 0 writes."""
-    from repro.atomic import atomic_write
-    from repro.exec.trace_mode import ExecConfig, run_exec_job
-    from repro.run import _log_to_wandb, build_traces, fit_and_evaluate, make_job
+def check_torchrun_world_size(parallel) -> None:
+    """One ConfigError sentence, before any rendezvous or collective, unless torchrun started parallel.devices
+    ranks (a mismatch would otherwise leave the ranks waiting on each other)."""
+    world_size = os.environ["WORLD_SIZE"]
+    if not world_size.isdigit() or int(world_size) != parallel.devices:
+        raise ConfigError(
+            f"torchrun started WORLD_SIZE={world_size} ranks but the plan places experts on parallel.devices="
+            f"{parallel.devices} devices; start {parallel.devices} ranks (--nproc-per-node x --nnodes) or set "
+            f"parallel.devices={world_size}."
+        )
 
-    make_job(config)
+
+def torchrun_job(config: dict, out_dir: Path) -> None:
+    """This process's part of a torchrun exec job; only rank 0 writes (staged, then published as repro.run does)."""
+    from repro.exec.trace_mode import ExecConfig, run_exec_job
+    from repro.run import _log_to_wandb, build_traces, fit_and_evaluate, make_job, publish_job, staging_dir
+
+    parallel, _ = make_job(config)
+    check_torchrun_world_size(parallel)
     exec_cfg = ExecConfig.from_config(config["exec"])
     rank = init_from_env(exec_cfg.backend, exec_cfg.timeout_s)
-    try:
-        # a gloo group with a long timeout only for this wait: the exec collectives keep exec.timeout_s
-        waiting = dist.new_group(backend="gloo", timeout=dt.timedelta(seconds=PREPARE_TIMEOUT_S))
-        if rank != 0:
-            dist.barrier(group=waiting)
-        profile, evaluation = build_traces(config)
+    with staging_dir(out_dir) if rank == 0 else nullcontext(None) as staging:
+        try:
+            # a gloo group with a long timeout only for this wait: the exec collectives keep exec.timeout_s
+            waiting = dist.new_group(backend="gloo", timeout=dt.timedelta(seconds=PREPARE_TIMEOUT_S))
+            if rank != 0:
+                dist.barrier(group=waiting)
+            profile, evaluation = build_traces(config)
+            if rank == 0:
+                dist.barrier(group=waiting)
+            summary, result, plan = fit_and_evaluate(config, profile, evaluation)
+            summary.update(run_exec_job(config, plan, evaluation, staging))
+        finally:
+            dist.destroy_process_group()
         if rank == 0:
-            dist.barrier(group=waiting)
-        summary, result, plan = fit_and_evaluate(config, profile, evaluation)
-        summary.update(run_exec_job(config, plan, evaluation, out_dir if rank == 0 else None))
-    finally:
-        dist.destroy_process_group()
-    if rank == 0:
-        _log_to_wandb(config, summary, result, out_dir)  # first, as run_job does: no result files if tracking fails
-        atomic_write(out_dir / "per_layer.csv", lambda p: result.per_layer.to_csv(p, index=False))
-        atomic_write(out_dir / "metrics.json", lambda p: p.write_text(
-            json.dumps({"summary": summary, "config": config}, indent=1, default=_json_default)))
-
-
-def _json_default(x):
-    if hasattr(x, "item"):
-        return x.item()
-    raise TypeError(f"not JSON serialisable: {type(x)}")
+            # first, as run_job does: nothing is published if tracking fails
+            _log_to_wandb(config, summary, result, out_dir, files_dir=staging)
+            atomic_write(staging / "per_layer.csv", lambda p: result.per_layer.to_csv(p, index=False))
+            publish_job(staging, out_dir, summary, config)
 
 
 @hydra.main(version_base="1.3", config_path="../../conf", config_name="config")

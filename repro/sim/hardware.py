@@ -133,8 +133,10 @@ def load_hardware(profile: dict) -> Hardware:
         for shape, rows in (measured.get("expert_gemm") or {}).items()
     }
     parts += [f"expert_gemm.{shape}" for shape in expert_tables]
-    if profile["nodes"] > 1 and profile["collective"]["rdma_gbps"] == 0:
-        raise ConfigError(f"hardware profile {name!r} has {profile['nodes']} nodes but collective.rdma_gbps is 0.")
+    rdma_fields = ["collective.rdma_gbps"] + [f"a2a.{b}.{phase}.rdma_gbps" for b in BACKENDS for phase in ("dispatch", "combine")]
+    for dotted in rdma_fields if profile["nodes"] > 1 else ():  # across nodes, 0 GB/s would price a send at infinity
+        if _get(profile, dotted) == 0:
+            raise ConfigError(f"hardware profile {name!r} has {profile['nodes']} nodes but {dotted} is 0; give it a positive bandwidth.")
     gpu, eff = profile["gpu"], profile["efficiency"]
     return Hardware(
         name=str(name),

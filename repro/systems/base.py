@@ -18,6 +18,7 @@ from typing import Protocol
 
 import numpy as np
 
+from repro.atomic import atomic_dir
 from repro.errors import ConfigError
 from repro.parallel import ParallelConfig, check_devices_per_node
 from repro.traces import RoutingTrace
@@ -245,8 +246,19 @@ class Plan:
         return np.arange(len(token_ids)), even_counts(len(token_ids), self.parallel.devices)
 
     def save(self, directory: str | Path) -> None:
-        """Write the placement (`Placement.save`) and plan_info.json (`to_sglang` gives the engine format)."""
+        """Write the plan's folder (`write_files`) atomically: filled in a temporary sibling, then swapped in, so
+        a reader or a kill never sees a folder mixing two plans. An existing folder is replaced only when it holds
+        a saved plan (physical_to_logical.npy); anything else there is refused, never deleted."""
         directory = Path(directory)
+        if directory.is_dir() and any(directory.iterdir()) and not (directory / "physical_to_logical.npy").exists():
+            raise ConfigError(f"{directory} exists and holds no saved plan; give plan.save() a new or plan folder.")
+        if directory.exists() and not directory.is_dir():
+            raise ConfigError(f"{directory} is a file; give plan.save() a folder path.")
+        atomic_dir(directory, self.write_files, replace=True)
+
+    def write_files(self, directory: Path) -> None:
+        """Write the placement (`Placement.save`) and plan_info.json (`to_sglang` gives the engine format) into an
+        existing folder; subclasses add their tables here (save makes it atomic)."""
         self.placement.save(directory)
         (directory / "plan_info.json").write_text(json.dumps(self.info, indent=1, default=float))
 

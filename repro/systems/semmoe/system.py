@@ -43,6 +43,7 @@ from repro.systems.base import Placement, Plan
 from repro.systems.semmoe.cocluster import CoclusterResult, SparseAffinity, balanced_cocluster
 from repro.systems.semmoe.dp import (
     DP_ASSIGNS,
+    DP_SCHEDULERS,
     DP_SCORINGS,
     LEGACY_DP_ASSIGNS,
     fold_dp_scores,
@@ -50,6 +51,7 @@ from repro.systems.semmoe.dp import (
     masked_argmax_assign,
     request_scores,
     request_votes,
+    token_balance_assign,
     window_exact_assign,
     window_lookahead,
 )
@@ -80,7 +82,9 @@ class SemMoEPlan(Plan):
     confidence below which A wins; see `device_markov_table`), or None when lookback = 0.
     dp_assign: "online" (decided at arrival; with load_aware_lambda > 0 also pricing queued prompt tokens) or
     "batch_window" (each mask window assigned jointly, dp_token_price on queued tokens; info reports the
-    look-ahead as dp_lookahead_requests_max / _mean); see repro.systems.semmoe.dp.
+    look-ahead as dp_lookahead_requests_max / _mean); see repro.systems.semmoe.dp. These are dp_scheduler
+    "paper" (Algorithm 2's round-robin mask); dp_scheduler "time" balances tokens instead (`token_balance_assign`:
+    score - dp_balance_weight x queued-token excess, each request counting its prompt plus dp_decode_tokens).
     """
 
     def __init__(
@@ -102,9 +106,16 @@ class SemMoEPlan(Plan):
         info: dict | None = None,
         dp_assign: str = "online",
         dp_token_price: float = 0.0,
+        dp_scheduler: str = "paper",
+        dp_balance_weight: float = 0.0,
+        dp_decode_tokens: float = 0.0,
     ):
         if dp_assign not in DP_ASSIGNS:
             raise ConfigError(f"dp_assign must be one of {DP_ASSIGNS}, got {dp_assign!r}.")
+        if dp_scheduler not in DP_SCHEDULERS:
+            raise ConfigError(f"dp_scheduler must be one of {DP_SCHEDULERS}, got {dp_scheduler!r}.")
+        self.dp_scheduler = dp_scheduler
+        self.dp_balance_weight, self.dp_decode_tokens = float(dp_balance_weight), float(dp_decode_tokens)
         self.dp_window = int(dp_window)
         self.dp_scoring = dp_scoring
         self.dp_assign, self.dp_token_price = dp_assign, float(dp_token_price)
@@ -191,6 +202,12 @@ class SemMoEPlan(Plan):
             return ranks
         # online: request r's rank depends on its own prompt and the requests before it only
         scores = scores - self.dp_prior.astype(np.float32)
+        if self.dp_scheduler == "time":
+            ranks, self._queued, self._assigned_requests = token_balance_assign(
+                scores, prompt_len + self.dp_decode_tokens, self._queued, self._assigned_requests,
+                self.dp_balance_weight,
+            )
+            return ranks
         if self.load_aware_lambda > 0:
             ranks, self._position, self._taken, self._queued, self._assigned_requests = load_aware_assign(
                 scores, prompt_len, self._position, self._taken, self._queued, self._assigned_requests,
@@ -223,9 +240,9 @@ class SemMoEPlan(Plan):
         self.info["align_moved_share"] = self.info["align_moved_tokens"] / max(self.info["shuffled_tokens"], 1)
         return permutation, counts
 
-    def save(self, directory: str | Path) -> None:
+    def write_files(self, directory: Path) -> None:
         """Placement and info (base), plus every table as .npy (no pickle) and the scalars as semmoe.json."""
-        super().save(directory)
+        super().write_files(directory)
         directory = Path(directory)
         tables = {
             "token_vocab": self.token_vocab,
@@ -248,6 +265,9 @@ class SemMoEPlan(Plan):
             "dp_scoring": self.dp_scoring,
             "dp_assign": self.dp_assign,
             "dp_token_price": self.dp_token_price,
+            "dp_scheduler": self.dp_scheduler,
+            "dp_balance_weight": self.dp_balance_weight,
+            "dp_decode_tokens": self.dp_decode_tokens,
         }
         (directory / "semmoe.json").write_text(json.dumps(scalars))
 
@@ -271,6 +291,8 @@ class SemMoEPlan(Plan):
             read("token_confidence"), read("dp_score"), read("markov_device"), read("markov_confidence"),
             scalars["lookback"], scalars["load_aware_lambda"], scalars["dp_window"], scalars["dp_scoring"],
             read("token_frequency"), info, _saved_dp_assign(scalars), scalars.get("dp_token_price", 0.0),
+            scalars.get("dp_scheduler", "paper"), scalars.get("dp_balance_weight", 0.0),
+            scalars.get("dp_decode_tokens", 0.0),
         )
 
 
@@ -296,6 +318,9 @@ class SemMoE:
     "online" (default: the paper's Algorithm 2, each request decided at arrival; load_aware_lambda is its
     queued-token price) or "batch_window" (each mask window assigned jointly, looking ahead up to
     dp_window x D - 1 requests; dp_token_price is its queued-token price). A price of the other mode is refused.
+    These are dp_scheduler "paper" (Algorithm 2's mask); dp_scheduler "time" (beyond the paper) balances queued
+    tokens online with weight dp_balance_weight, a request counting its prompt plus dp_decode_tokens (None: the
+    profile's mean generated tokens per request); see repro.systems.semmoe.dp.
     hierarchical: on several nodes (parallel.devices_per_node < D), co-cluster by node first, then by device
     inside each node (repro.systems.semmoe.topology); no effect on one node.
     """
@@ -326,6 +351,9 @@ class SemMoE:
         prompt_only: bool = False,
         embeddings_path: str | None = None,
         hierarchical: bool = False,
+        dp_scheduler: str = "paper",
+        dp_balance_weight: float = 0.0,
+        dp_decode_tokens: float | None = None,
     ):
         if not 0.0 < float(theta) < 1.0:
             raise ConfigError(f"system.params.theta must be strictly between 0 and 1, got {theta}.")
@@ -364,6 +392,25 @@ class SemMoE:
                 f"system.params.load_aware_lambda={load_aware_lambda} prices queued tokens in dp_assign=online only; "
                 "batch_window's queued-token price is dp_token_price (or set dp_assign=online)."
             )
+        if dp_scheduler not in DP_SCHEDULERS:
+            raise ConfigError(f"system.params.dp_scheduler must be one of {DP_SCHEDULERS}, got {dp_scheduler!r}.")
+        if not float(dp_balance_weight) >= 0:
+            raise ConfigError(f"system.params.dp_balance_weight must be >= 0, got {dp_balance_weight}.")
+        if dp_decode_tokens is not None and not float(dp_decode_tokens) >= 0:
+            raise ConfigError(
+                f"system.params.dp_decode_tokens must be null (the profile's mean) or >= 0, got {dp_decode_tokens}."
+            )
+        if dp_scheduler == "time" and (dp_assign != "online" or load_aware_lambda > 0 or int(dp_window) != 1):
+            raise ConfigError(
+                "system.params.dp_scheduler=time has no round-robin mask: dp_assign=batch_window, load_aware_lambda "
+                f"and dp_window (got {dp_assign}, {load_aware_lambda}, {dp_window}) belong to dp_scheduler=paper; "
+                "keep them at online / 0 / 1 or set dp_scheduler=paper."
+            )
+        if dp_scheduler == "paper" and float(dp_balance_weight) > 0:
+            raise ConfigError(
+                f"system.params.dp_balance_weight={dp_balance_weight} weighs token balance in dp_scheduler=time only; "
+                "the paper scheduler's queued-token price is load_aware_lambda (or set dp_scheduler=time)."
+            )
         if int(dp_window) < 1:
             raise ConfigError(f"system.params.dp_window must be >= 1 (requests per rank per mask window), got {dp_window}.")
         if cluster_units not in CLUSTER_UNITS:
@@ -377,6 +424,8 @@ class SemMoE:
         self.dp_assign, self.dp_token_price = dp_assign, float(dp_token_price)
         self.cluster_units, self.prompt_only, self.embeddings_path = cluster_units, bool(prompt_only), embeddings_path
         self.hierarchical = bool(hierarchical)
+        self.dp_scheduler, self.dp_balance_weight = dp_scheduler, float(dp_balance_weight)
+        self.dp_decode_tokens = None if dp_decode_tokens is None else float(dp_decode_tokens)
 
     def _solver_args(self) -> dict:
         return dict(
@@ -561,10 +610,18 @@ class SemMoE:
         row_of_token = vocab_row_map(token_vocab, meta.vocab_size, embeddings)
         info = dict(info or {})
         info["dp_scoring"] = self.dp_scoring
+        # a request's expected decode tokens: the profile's mean generated tokens (0 for prompt-only traces)
+        decode_tokens = self.dp_decode_tokens
+        if decode_tokens is None:
+            generated = np.diff(np.asarray(profile.offsets, dtype=np.int64)) - np.asarray(profile.prefill_len)
+            decode_tokens = float(generated.mean()) if len(generated) else 0.0
+        info.update(dp_scheduler=self.dp_scheduler, dp_balance_weight=self.dp_balance_weight,
+                    dp_decode_tokens=decode_tokens)
         return SemMoEPlan(
             placement, parallel, token_vocab, row_of_token, token_device, token_confidence, dp_score,
             markov_device, markov_confidence, self.lookback, self.load_aware_lambda, self.dp_window, self.dp_scoring,
-            token_frequency, info, self.dp_assign, self.dp_token_price,
+            token_frequency, info, self.dp_assign, self.dp_token_price, self.dp_scheduler, self.dp_balance_weight,
+            decode_tokens,
         )
 
 
