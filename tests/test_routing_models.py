@@ -326,8 +326,7 @@ TINY = dict(
     vocab_top=64,
     seq_len=32,
     batch_size=4,
-    train_seconds=120,  # a ceiling only: 40 steps take ~3 s, and step-limited runs are reproducible
-    max_steps=40,
+    max_steps=40,  # ~3 s; no time budget, so the run is step-limited and reproducible
     lr=3e-3,
 )
 
@@ -368,19 +367,22 @@ def test_tiny_config_and_cache_key_checks():
         check_tiny_config({"top_k": 9, "num_experts": 8})
     with pytest.raises(ConfigError, match="not divisible"):
         check_tiny_config({"hidden_size": 30, "num_attention_heads": 4})
-    with pytest.raises(ConfigError, match="train_seconds"):
-        check_tiny_config({"train_seconds": 0})
+    for bad in (0, -1, float("nan"), "10", True):
+        with pytest.raises(ConfigError, match="train_seconds"):
+            check_tiny_config({"train_seconds": bad})
+    assert check_tiny_config({})["train_seconds"] is None, "no time budget unless asked for"
+    assert check_tiny_config({"train_seconds": 60})["train_seconds"] == 60
     cfg = check_tiny_config(TINY)
     tokens, lengths = np.arange(10), np.array([4, 6])
     key = cache_key(cfg, seed=0, tokenizer="t", vocab_size=10, tokens=tokens, lengths=lengths)
     assert key == cache_key(
-        {**cfg, "capture_batch_tokens": 7, "name": "x"},
+        {**cfg, "capture_batch_tokens": 7, "name": "x", "train_seconds": 60},
         seed=0,
         tokenizer="t",
         vocab_size=10,
         tokens=tokens,
         lengths=lengths,
-    )  # capture settings do not retrain
+    )  # capture settings do not retrain; a budget does not either (a model it cuts short is never cached)
     for changed in (
         dict(cfg=dict(cfg, lr=1e-2)),
         dict(seed=1),
@@ -406,6 +408,7 @@ def test_tiny_model_trains_caches_and_reproduces(tmp_path, monkeypatch):
     entries = list((tmp_path / "a").iterdir())
     assert [p.name for p in entries] == [f"tiny_{extra['cache_key'][:16]}"]
     assert sorted(p.name for p in entries[0].iterdir()) == ["config.json", "model.safetensors", "vocab_map.npy"]
+    assert extra["model_cached"] and "warnings" not in extra
 
     # second call: no training (it would raise), same routing, capture settings may differ
     def no_training(*a, **k):
@@ -446,7 +449,7 @@ def test_training_and_capture_run_torchs_deterministic_kernels(tmp_path, monkeyp
     assert seen == [True, True] and torch.are_deterministic_algorithms_enabled() == before
 
 
-def test_training_stops_at_the_time_limit(tmp_path):
+def test_an_explicit_time_budget_stops_training_warns_and_caches_nothing(tmp_path, caplog):
     cfg = {**TINY, "train_seconds": 0.5, "max_steps": 10**6}
     trace = route_with_tiny_model(
         cfg,
@@ -460,8 +463,10 @@ def test_training_stops_at_the_time_limit(tmp_path):
     )
     extra = trace.meta.extra
     assert extra["stopped_by"] == "train_seconds" and 1 <= extra["steps"] < 10**6
-    record = json.loads(next(tmp_path.glob("tiny_*/config.json")).read_text())
-    assert record["stats"]["steps"] == extra["steps"], "the cache records the steps actually done"
+    assert extra["model_cached"] is False and not extra["cache_hit"]
+    assert len(extra["warnings"]) == 1 and f"after {extra['steps']} of max_steps=1000000" in extra["warnings"][0]
+    assert extra["warnings"][0] in caplog.text, "the cut is said in the log too"
+    assert not any(tmp_path.iterdir()), "a model the budget cut short is never cached"
 
 
 def test_tiny_model_rejects_bad_training_data(tmp_path):

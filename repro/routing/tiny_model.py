@@ -8,11 +8,16 @@ The vocabulary is restricted to the `vocab_top` most frequent real ids of the tr
 id (model id `vocab_top`) for the rest: a 32k-row embedding and LM head would take most of the CPU budget
 (see reference/data.md §4). Traces still carry the real tokenizer ids.
 
+Training runs exactly `max_steps` steps, so the same config and seed give the same weights bit for bit at any
+machine speed (same torch build). An explicit time budget (`train_seconds`, default none) may cut training
+short; such a model is used for this run only, with a warning in the log and in the trace's
+meta.extra["warnings"], and is never cached (nor, by repro.run, its routing).
+
 Trained models are cached under `cache_dir/tiny_<key>/` with `model.safetensors`, `vocab_map.npy` and
 `config.json`; the key hashes every training setting, the seed and the training tokens, never the capture
-settings. A time limit (`train_seconds`) makes the number of steps machine-dependent, so config.json records
-the steps done and a cache hit reuses the model as trained. With the same config and seed, training that
-stops at `max_steps` gives the same weights bit for bit on the same machine and torch build.
+settings. config.json records how the entry was made (training config, seed, data digest, steps done, what
+stopped training, library versions); an entry whose record differs from the job's config is refused. When two
+processes write one entry, the first rename wins and the other keeps its own (identical) model in memory.
 
 Legend: N tokens, R requests, V real vocabulary, M model vocabulary (vocab_top + 1), B batch, S seq_len,
 L MoE layers, k experts per token.
@@ -23,7 +28,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import math
+import os
+import platform
 import shutil
 import tempfile
 import time
@@ -39,7 +47,11 @@ from repro.routing.hf_capture import capture_routing
 from repro.traces.format import RoutingTrace, with_meta
 from repro.workloads.request import Request
 
-CACHE_VERSION = 1  # bump when training code changes what a given config produces
+log = logging.getLogger(__name__)
+
+# bump when training code changes what a given config produces; 2: entries record how they were made and the
+# time budget left the key (version 1 entries may hold models a time limit cut short)
+CACHE_VERSION = 2
 TINY_DEFAULTS = {
     "name": "tiny_mixtral",
     "kind": "tiny",
@@ -53,14 +65,15 @@ TINY_DEFAULTS = {
     "vocab_top": 4096,
     "seq_len": 256,
     "batch_size": 8,
-    "train_seconds": 900,
     "max_steps": 600,
+    "train_seconds": None,  # opt-in time budget; a model it cuts short is not cached
     "lr": 1e-3,
     "aux_loss_coef": 0.01,
     "capture_batch_tokens": 8192,
     "max_new_tokens": 0,
 }
-# settings that change the trained weights (the cache key); the rest only change the capture
+# settings that change the trained weights (the cache key); the rest only change the capture. train_seconds is
+# not one: a model trained to max_steps is the same with or without a budget, and a cut-short one is never cached
 TRAIN_KEYS = (
     "num_layers",
     "hidden_size",
@@ -71,7 +84,6 @@ TRAIN_KEYS = (
     "vocab_top",
     "seq_len",
     "batch_size",
-    "train_seconds",
     "max_steps",
     "lr",
     "aux_loss_coef",
@@ -179,8 +191,13 @@ def check_tiny_config(model_cfg: dict) -> dict:
             f"model.num_attention_heads={cfg['num_attention_heads']}."
         )
     for key in ("train_seconds", "lr", "aux_loss_coef"):
-        if not isinstance(cfg[key], (int, float)) or cfg[key] < 0 or (key != "aux_loss_coef" and cfg[key] == 0):
-            raise ConfigError(f"model.{key}={cfg[key]!r} must be a positive number (aux_loss_coef may be 0).")
+        if key == "train_seconds" and cfg[key] is None:
+            continue  # no time budget: training always runs max_steps
+        number = isinstance(cfg[key], (int, float)) and not isinstance(cfg[key], bool) and math.isfinite(cfg[key])
+        if not number or cfg[key] < 0 or (key != "aux_loss_coef" and cfg[key] == 0):
+            raise ConfigError(
+                f"model.{key}={cfg[key]!r} must be a positive number (aux_loss_coef may be 0, train_seconds null)."
+            )
     if not isinstance(cfg["max_new_tokens"], int) or cfg["max_new_tokens"] < 0:
         raise ConfigError(f"model.max_new_tokens={cfg['max_new_tokens']!r} must be an integer >= 0.")
     return cfg
@@ -202,17 +219,22 @@ def training_tokens(train_requests: list[Request], vocab_size: int) -> tuple[np.
     return tokens, lengths
 
 
-def cache_key(cfg: dict, *, seed: int, tokenizer: str, vocab_size: int, tokens: np.ndarray, lengths: np.ndarray) -> str:
-    """sha256 hex of every input that changes the trained weights."""
+def made_from(cfg: dict, *, seed: int, tokenizer: str, vocab_size: int, tokens: np.ndarray, lengths: np.ndarray) -> dict:
+    """Every input that changes the trained weights: recorded in a cache entry's config.json, hashed into its key."""
     data = hashlib.sha256(tokens.astype(np.int32).tobytes() + lengths.astype(np.int64).tobytes()).hexdigest()
-    payload = {
-        "version": CACHE_VERSION,
-        "train": {k: cfg[k] for k in TRAIN_KEYS},
+    return {
+        "cache_version": CACHE_VERSION,
+        "train_config": {k: cfg[k] for k in TRAIN_KEYS},
         "seed": int(seed),
         "tokenizer": tokenizer,
         "vocab_size": int(vocab_size),
-        "data": data,
+        "data_digest": data,
     }
+
+
+def cache_key(cfg: dict, *, seed: int, tokenizer: str, vocab_size: int, tokens: np.ndarray, lengths: np.ndarray) -> str:
+    """sha256 hex of every input that changes the trained weights."""
+    payload = made_from(cfg, seed=seed, tokenizer=tokenizer, vocab_size=vocab_size, tokens=tokens, lengths=lengths)
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
@@ -234,8 +256,8 @@ def train_tiny_model(cfg: dict, stream: np.ndarray, model_vocab_size: int, unk_i
 
     Windows of S = min(seq_len, N) tokens start at positions drawn by a torch.Generator seeded with `seed`;
     weights are initialised under torch.manual_seed(seed) inside a forked RNG so global state is untouched.
-    Stops at max_steps or after train_seconds, whichever comes first. Loss on a fixed held-out draw of
-    EVAL_BATCHES batches is measured before and after training.
+    Runs max_steps steps; an explicit train_seconds budget (not None) may stop it earlier, read on time.monotonic().
+    Loss on a fixed held-out draw of EVAL_BATCHES batches is measured before and after training.
     """
     from transformers import MixtralForCausalLM
 
@@ -269,7 +291,7 @@ def train_tiny_model(cfg: dict, stream: np.ndarray, model_vocab_size: int, unk_i
     model.train()
     lm_losses, aux_losses = [], []
     start = time.monotonic()
-    deadline = start + cfg["train_seconds"]
+    deadline = math.inf if cfg["train_seconds"] is None else start + cfg["train_seconds"]
     with tqdm(total=cfg["max_steps"], desc="train tiny_mixtral", unit="step") as bar:
         while len(lm_losses) < cfg["max_steps"] and time.monotonic() < deadline:
             ids_BS = draw(batch_gen)
@@ -301,29 +323,107 @@ def train_tiny_model(cfg: dict, stream: np.ndarray, model_vocab_size: int, unk_i
     return model, stats
 
 
-def load_or_train(
-    cfg: dict, train_requests: list[Request], *, cache_dir: Path, seed: int, tokenizer: str, vocab_size: int
-):
-    """(model in eval mode, VocabMap, record dict from config.json, cache hit bool) for a checked cfg."""
+ENTRY_FILES = ("model.safetensors", "vocab_map.npy", "config.json")
+
+
+def library_versions() -> dict:
+    """Versions of what trained a cache entry (recorded, not checked: another torch build may round differently)."""
+    import transformers
+
+    return {
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+
+
+def entry_mismatch(record: dict, expected: dict, max_steps: int) -> str | None:
+    """How a cache entry's record (its config.json) differs from the model a job asks for, or None.
+
+    expected holds the cache key and made_from()'s fields; the entry must also have run all max_steps steps.
+    """
+    for name, want in expected.items():
+        got = record.get(name)
+        if isinstance(want, dict) and isinstance(got, dict):
+            differing = sorted(k for k in want.keys() | got.keys() if got.get(k) != want.get(k))
+            if differing:
+                k = differing[0]
+                return f"{name}.{k}={got.get(k)!r} where this job has {want.get(k)!r}"
+        elif got != want:
+            return f"{name}={got!r} where this job has {want!r}"
+    stats = record.get("stats") if isinstance(record.get("stats"), dict) else {}
+    if stats.get("steps") != max_steps or stats.get("stopped_by") != "max_steps":
+        return (
+            f"{stats.get('steps')!r} training steps (stopped by {stats.get('stopped_by')!r}) where this job trains "
+            f"max_steps={max_steps}"
+        )
+    return None
+
+
+def _load_entry(entry: Path, cfg: dict, expected: dict, vocab_size: int):
+    """(model in eval mode, VocabMap, record) of an existing cache entry that matches `expected`, else ConfigError."""
     import safetensors.torch
     from transformers import MixtralForCausalLM
 
-    tokens, lengths = training_tokens(train_requests, vocab_size)
-    key = cache_key(cfg, seed=seed, tokenizer=tokenizer, vocab_size=vocab_size, tokens=tokens, lengths=lengths)
-    entry = Path(cache_dir) / f"tiny_{key[:16]}"
-    files = [entry / "model.safetensors", entry / "vocab_map.npy", entry / "config.json"]
-    if all(f.is_file() for f in files):
-        try:
-            record = json.loads(files[2].read_text())
+    files = [entry / name for name in ENTRY_FILES]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        # entries are renamed into place complete, so a partial one was made or changed by something else
+        raise ConfigError(
+            f"the tiny model cache entry {entry} lacks {missing}, so the suite did not write it whole; "
+            "delete that directory to retrain."
+        )
+    try:
+        record = json.loads(files[2].read_text())
+        if not isinstance(record, dict):
+            raise ValueError("config.json is not a JSON object")
+        mismatch = entry_mismatch(record, expected, cfg["max_steps"])
+        if mismatch is None:
             vocab = VocabMap(np.load(files[1], allow_pickle=False).astype(np.int64), int(vocab_size))
             model = MixtralForCausalLM(tiny_mixtral_config(cfg, vocab.model_vocab_size))
             safetensors.torch.load_model(model, files[0], strict=True)
-        except (OSError, ValueError, RuntimeError, KeyError, json.JSONDecodeError) as e:
-            raise ConfigError(
-                f"the cached tiny model at {entry} is unreadable ({e}); delete that directory to retrain."
-            ) from e
-        return model.eval(), vocab, record, True
+    except (OSError, ValueError, RuntimeError, KeyError, IndexError) as e:  # JSONDecodeError is a ValueError
+        raise ConfigError(f"the cached tiny model at {entry} is unreadable ({e}); delete that directory to retrain.") from e
+    if mismatch is not None:
+        raise ConfigError(
+            f"the cached tiny model {entry} was made with {mismatch}, so it is not the model this config trains; "
+            "delete that directory to retrain it."
+        )
+    return model.eval(), vocab, record
 
+
+def check_cache_writable(cache_dir: Path) -> None:
+    """ConfigError unless a directory can be created in cache_dir (made if missing); called before training so
+    an unwritable cache costs no training time."""
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        os.rmdir(tempfile.mkdtemp(prefix=".write-check.", dir=cache_dir))
+    except OSError as e:
+        raise ConfigError(
+            f"cache_dir {cache_dir} is not writable ({e.strerror or e}); set cache_dir= (or REPRO_CACHE) to a "
+            "writable folder."
+        ) from e
+
+
+def load_or_train(
+    cfg: dict, train_requests: list[Request], *, cache_dir: Path, seed: int, tokenizer: str, vocab_size: int
+):
+    """(model in eval mode, VocabMap, record dict, cache hit bool) for a checked cfg.
+
+    record is the entry's config.json: how the model was made. A model that an explicit train_seconds budget cut
+    short is returned for this run with record["warnings"] saying so, and is not cached.
+    """
+    tokens, lengths = training_tokens(train_requests, vocab_size)
+    made = made_from(cfg, seed=seed, tokenizer=tokenizer, vocab_size=vocab_size, tokens=tokens, lengths=lengths)
+    key = cache_key(cfg, seed=seed, tokenizer=tokenizer, vocab_size=vocab_size, tokens=tokens, lengths=lengths)
+    cache_dir = Path(cache_dir)
+    entry = cache_dir / f"tiny_{key[:16]}"
+    if entry.exists() or entry.is_symlink():
+        model, vocab, record = _load_entry(entry, cfg, {"cache_key": key, **made}, vocab_size)
+        return model, vocab, record, True
+
+    check_cache_writable(cache_dir)
     vocab = build_vocab_map(tokens, cfg["vocab_top"], vocab_size)
     stream = vocab.to_model(tokens)
     with deterministic_torch():
@@ -332,35 +432,55 @@ def load_or_train(
     stats["train_tokens"] = int(tokens.size)
     record = {
         "cache_key": key,
-        "cache_version": CACHE_VERSION,
-        "train_config": {k: cfg[k] for k in TRAIN_KEYS},
-        "seed": int(seed),
-        "tokenizer": tokenizer,
-        "vocab_size": int(vocab_size),
+        **made,
         "model_vocab_size": vocab.model_vocab_size,
         "stats": stats,
+        "versions": library_versions(),
         "mixtral_config": tiny_mixtral_config(cfg, vocab.model_vocab_size).to_dict(),
     }
+    if stats["stopped_by"] != "max_steps":
+        record["warnings"] = [
+            f"the tiny model's time budget model.train_seconds={cfg['train_seconds']} stopped its training after "
+            f"{stats['steps']} of max_steps={cfg['max_steps']} steps, so this run's routing depends on the machine's "
+            "speed and the model is not cached; set model.train_seconds=null for seed-exact results."
+        ]
+        log.warning(record["warnings"][0])
+        return model, vocab, record, False
     _write_entry(entry, model, vocab, record)
     return model, vocab, record, False
 
 
-def _write_entry(entry: Path, model, vocab: VocabMap, record: dict) -> None:
-    """Write the cache entry into a temporary sibling, then rename it into place (readers never see half)."""
+def _write_entry(entry: Path, model, vocab: VocabMap, record: dict) -> bool:
+    """Write the cache entry into a temporary sibling, then rename it into place (readers never see half).
+
+    Returns False when another process renamed the same entry into place first: the first writer wins and is
+    never replaced (its key fixes every input of training, so its model is this one).
+    """
     import safetensors.torch
 
-    entry.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
     try:
         safetensors.torch.save_model(model, str(tmp / "model.safetensors"))
         np.save(tmp / "vocab_map.npy", vocab.real_ids, allow_pickle=False)
         (tmp / "config.json").write_text(json.dumps(record, indent=1, default=str))
-        if entry.exists():  # a stale incomplete entry: replace it
-            shutil.rmtree(entry)
-        tmp.rename(entry)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's directory is owner-only; a shared cache must be readable
+        try:
+            os.rename(tmp, entry)  # atomic; fails, never replaces, when a complete entry is already there
+        except OSError as e:
+            if not all((entry / name).is_file() for name in ENTRY_FILES):
+                raise ConfigError(
+                    f"could not move the trained tiny model into the cache entry {entry} ({e.strerror or e}); "
+                    "delete whatever is at that path or set cache_dir= to another folder."
+                ) from e
+            log.info("tiny model cache entry %s was written by another process first; keeping that one", entry)
+            shutil.rmtree(tmp)
+            return False
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    return True
 
 
 def route_with_tiny_model(
@@ -378,7 +498,9 @@ def route_with_tiny_model(
 
     Returns a trace with real tokenizer ids (meta.vocab_size = vocab_size), meta.model = model_cfg name,
     meta.source = "tiny_model", and meta.extra holding the training stats (steps, losses, seconds, vocabulary
-    coverage of the training and routed tokens, cache key, whether the cache was hit).
+    coverage of the training and routed tokens, cache key, whether the cache was hit, whether the model is
+    cached) and, when a time budget cut training short, "warnings" (one sentence each; repro.run does not cache
+    such a trace and copies the warnings into metrics.json).
     """
     cfg = check_tiny_config(model_cfg)
     model, vocab, record, cache_hit = load_or_train(
@@ -404,7 +526,10 @@ def route_with_tiny_model(
         **record["stats"],
         "cache_key": record["cache_key"],
         "cache_hit": cache_hit,
+        "model_cached": record["stats"]["stopped_by"] == "max_steps",  # load_or_train caches only full runs
         "model_vocab_size": vocab.model_vocab_size,
         "routed_vocab_coverage": routed_coverage,
     }
+    if record.get("warnings"):
+        extra["warnings"] = [*trace.meta.extra.get("warnings", []), *record["warnings"]]
     return with_meta(trace, extra=extra)
