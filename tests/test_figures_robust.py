@@ -1,8 +1,12 @@
 """repro.figures under faults: figures written atomically, corrupt jobs skipped, diffs refusing mismatched traces."""
 
+import ast
+import importlib.util
 import json
 import logging
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -15,7 +19,7 @@ from repro.figures.__main__ import main as figures_main
 from repro.figures.diff import diff_runs, load_results
 from repro.figures.diff import main as diff_main
 from repro.figures.jobs import read_jobs
-from repro.figures.report import _save
+from repro.figures.render import save_png
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -23,7 +27,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def test_save_writes_a_png_atomically_and_a_failed_save_leaves_nothing(tmp_path, monkeypatch):
     fig, ax = plt.subplots()
     ax.plot([0, 1], [0, 1])
-    path = _save(fig, tmp_path / "sub" / "fig.png")
+    path = save_png(fig, tmp_path / "sub" / "fig.png")
     assert path.read_bytes().startswith(PNG_MAGIC)  # PNG although the temporary name ends in a random suffix
     before = path.read_bytes()
 
@@ -36,7 +40,7 @@ def test_save_writes_a_png_atomically_and_a_failed_save_leaves_nothing(tmp_path,
 
     monkeypatch.setattr(fig, "savefig", killed_mid_write)
     with pytest.raises(KeyboardInterrupt):
-        _save(fig, path)
+        save_png(fig, path)
     assert path.read_bytes() == before  # the old complete figure stays
     assert [p.name for p in path.parent.iterdir()] == ["fig.png"]  # no temporary file left behind
     assert not plt.get_fignums()  # closed even on failure
@@ -180,3 +184,24 @@ def test_diff_refuses_a_negative_threshold(tmp_path, capsys, threshold):
     assert not out.exists()
     with pytest.raises(ReproError, match="threshold"):
         diff_runs(load_results(tmp_path / "a"), load_results(tmp_path / "b"), threshold=-0.5)
+
+
+# ---- no import circle ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("module", ["repro.figures.paper", "repro.figures.report", "repro.figures.diff",
+                                    "repro.figures.replication"])
+def test_each_figures_module_imports_first_in_a_fresh_interpreter(module):
+    done = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def test_paper_and_report_do_not_import_each_other_in_a_circle():
+    def imported(name: str) -> set[str]:
+        tree = ast.parse(Path(importlib.util.find_spec(name).origin).read_text())
+        return {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+
+    assert "repro.figures.report" not in imported("repro.figures.paper")
+    for leaf in ("repro.figures.render", "repro.figures.jobs", "repro.figures.palette"):
+        if importlib.util.find_spec(leaf) is not None:
+            assert not {m for m in imported(leaf) if m.startswith("repro.figures")}, leaf

@@ -36,11 +36,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from repro.atomic import atomic_write, atomic_write_text  # noqa: E402
+from repro.atomic import atomic_write_text  # noqa: E402
 from repro.errors import ReproError  # noqa: E402
 from repro.figures.html import write_html  # noqa: E402
 from repro.figures.jobs import SkippedJob, log, read_jobs  # noqa: E402
-from repro.figures.report import markdown_table  # noqa: E402
+from repro.figures.render import markdown_table, save_png  # noqa: E402
 
 KEY = ("experiment", "model_name", "workload", "eval_workload", "evaluate_split", "system", "attention", "devices",
        "job")
@@ -255,11 +255,7 @@ def fig_changes(diff: pd.DataFrame, labels: list[str], path: Path) -> Path | Non
     ax.set_xlabel("B / A - 1 (%)")
     ax.set_title(f"The {len(top)} largest of {len(changed)} relative changes" if len(changed) > len(top)
                  else "Relative changes")
-    try:
-        atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=130, bbox_inches="tight"))
-    finally:
-        plt.close(fig)
-    return path
+    return save_png(fig, path)
 
 
 def notes(diff: pd.DataFrame, skipped: tuple[list[SkippedJob], list[SkippedJob]]) -> list[str]:

@@ -1,7 +1,7 @@
 """The paper's figures and tables (arXiv 2503.04398 §4) regenerated from finished jobs under runs/, each beside
 the paper's value or claim (../shared/reference/paper.md §4), with the config and routing source that made it.
 
-    lines = paper_section(summary, out_dir)      # summary = repro.figures.report.load_runs(runs_dir)[0]
+    lines = paper_section(summary, out_dir)      # summary = repro.figures.jobs.load_runs(runs_dir)[0]
 
 One function per figure / table: `(summary, out_dir) -> markdown lines`, writing its PNG under out_dir/paper/;
 each returns [] when the jobs it needs are absent, so a partial runs/ dir renders what it has. Serving results
@@ -24,7 +24,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from repro.figures.report import _save, markdown_table  # noqa: E402
+from repro.figures.render import markdown_table, save_png  # noqa: E402
 from repro.sim.metrics import paper_slo, throughput_under_slo  # noqa: E402
 
 SYSTEMS = ("ep", "eplb", "moetuner", "semmoe")  # plot order; ep is the paper's vanilla EP (SGLang + DeepEP)
@@ -190,7 +190,7 @@ def fig1_breakdown(summary: pd.DataFrame, out_dir: Path) -> list[str]:
                      "paper": _pct(PAPER_A2A_SHARE)})
         configs.append(config_line(row))
     axes[0].legend(fontsize=7, loc="upper left")
-    path = _save(fig, out_dir / "paper" / "fig1_moe_breakdown.png")
+    path = save_png(fig, out_dir / "paper" / "fig1_moe_breakdown.png")
     return ["### Fig. 1: MoE-layer time breakdown of vanilla EP, all-to-all share", "",
             "Share = (dispatch + combine) / (gate + dispatch + experts + combine) of one MoE layer, mean over the "
             "engine's iterations at each rate (experts include the shared experts; attention is outside the layer, "
@@ -233,7 +233,7 @@ def fig4_latency_throughput(summary: pd.DataFrame, out_dir: Path) -> list[str]:
             ax.set_ylabel(f"{latency.upper()} {stat} (ms, uncalibrated)")
         axes[-1].legend(fontsize=7)
         fig.suptitle(_title(row), fontsize=9)
-        path = _save(fig, out_dir / "paper" / f"fig4_{_slug(row)}.png")
+        path = save_png(fig, out_dir / "paper" / f"fig4_{_slug(row)}.png")
         lines += [f"![Fig. 4 {_title(row)}]({path.relative_to(out_dir)})", "", f"- {config_line(row)}", ""]
     return lines
 
@@ -404,7 +404,7 @@ def fig5a_lar_vs_moe_latency(summary: pd.DataFrame, out_dir: Path) -> list[str]:
                 "paper (TP): LAR gain / latency reduction": f"+{100 * paper[0]:.0f} % / {_pct(paper[1])}" if paper else "n/a",
             })
         configs.append(config_line(row))
-    path = _save(fig, out_dir / "paper" / "fig5a_lar_vs_moe_latency.png")
+    path = save_png(fig, out_dir / "paper" / "fig5a_lar_vs_moe_latency.png")
     lines = ["### Fig. 5a: LAR vs MoE-layer latency", "",
              "MoE layer = gate + dispatch + experts + combine, mean per engine iteration. Paper (R6, Attention-TP): "
              "Sem-MoE raises single-layer LAR by 37 % (DeepSeek-V2-Lite) / 43 % (Qwen3) over vanilla, giving 41.8 % / "
@@ -450,7 +450,7 @@ def fig5b_lar_imbalance(summary: pd.DataFrame, out_dir: Path) -> list[str]:
                                                       f"{group.at['semmoe', 'expert_load_imbalance_max_median']:.2f}",
                      "paper": f"+{100 * PAPER_FIG5B_LAR_GAIN:.1f} % vs MoETuner"})
         notes.append(f"- `{experiment}` ({model}): routing {routing_note(group['run_dir'].iloc[0])}.")
-    path = _save(fig, out_dir / "paper" / "fig5b_lar_imbalance.png")
+    path = save_png(fig, out_dir / "paper" / "fig5b_lar_imbalance.png")
     return ["### Fig. 5b: LAR and load imbalance per system", "",
             "Exact accounting (repro.eval) on the evaluate split at each experiment's largest EP degree. Paper (R7, "
             "DeepSeek-V2-Lite, EP8, mean over MoE layers): co-clustering has the best LAR with balanced clusters, "
@@ -532,7 +532,7 @@ def fig6a_request_pca(summary: pd.DataFrame, out_dir: Path) -> list[str]:
                      "class share of variance": f"{eta:.3f}", "same, labels shuffled": f"{shuffled:.3f}",
                      "share among the shown classes": f"{class_variance_share(x[shown_sel], labels[shown_sel]):.3f}"})
         notes.append(f"- {job['model_name']}: {routing_note(job['run_dir'])}.")
-    path = _save(fig, out_dir / "paper" / "fig6a_request_pca.png")
+    path = save_png(fig, out_dir / "paper" / "fig6a_request_pca.png")
     return ["### Fig. 6a: per-request expert activations by class (PCA)", "",
             "Each point is one evaluated request: its prompt tokens' expert-activation shares at the middle stored "
             "MoE layer, projected on the first two principal axes (numpy SVD; the paper uses t-SNE on Qwen3-30B-A3B "
@@ -575,7 +575,7 @@ def fig6b_heatmap_kurtosis(summary: pd.DataFrame, out_dir: Path) -> list[str]:
                      "share > 8": _pct(float(np.mean(kurt > 8))) if len(kurt) else "n/a",
                      "k-equal-spikes value": f"{spikes:.2f}",
                      "share >= 90 % of it": _pct(float(np.mean(kurt >= 0.9 * spikes))) if len(kurt) else "n/a"})
-    path = _save(fig, out_dir / "paper" / "fig6b_heatmap_kurtosis.png")
+    path = save_png(fig, out_dir / "paper" / "fig6b_heatmap_kurtosis.png")
     return ["### Fig. 6b: token x expert activation map and per-token kurtosis", "",
             "Top: activation shares of the evaluated split's most frequent token ids in the first MoE layer. Bottom: "
             "Pearson kurtosis of each token id's activation-share row (ids seen >= 4 times). Paper (App. A.2, "
@@ -634,7 +634,7 @@ def fig6c_interlayer(summary: pd.DataFrame, out_dir: Path) -> list[str]:
                      "top-k successor share (mean over pairs)": f"{masses[:, 0].mean():.3f}",
                      "from the next layer's marginal alone": f"{masses[:, 1].mean():.3f}",
                      "uniform k/E": f"{top_k / co.shape[1]:.3f}"})
-    path = _save(fig, out_dir / "paper" / "fig6c_interlayer.png")
+    path = save_png(fig, out_dir / "paper" / "fig6c_interlayer.png")
     return ["### Fig. 6c: inter-layer expert correlation", "",
             "Top: lift of (expert i at MoE layer l, expert j at layer l+1) over independence, counted over every "
             "pair of slots of each prompt token (first stored pair). Bottom: share of next-layer activations that "
@@ -686,7 +686,7 @@ def fig6d_a2a_vs_local(summary: pd.DataFrame, out_dir: Path) -> list[str]:
         ax.set_ylabel("measured dispatch + combine ms (gloo, CPU)")
         ax.set_title("repro.exec: real ranks on this CPU machine", fontsize=8)
         ax.legend(fontsize=7)
-    path = _save(fig, out_dir / "paper" / "fig6d_a2a_vs_local.png")
+    path = save_png(fig, out_dir / "paper" / "fig6d_a2a_vs_local.png")
     lines = ["### Fig. 6d: all-to-all latency vs local activation ratio", "",
              "Paper (App. A.2): NCCL all2allv latency falls as the local activation ratio rises from 0.2 to 0.9. "
              "Ours: each point is one system at one swept rate (simulated, uncalibrated); grey lines join the systems "

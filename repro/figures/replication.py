@@ -3,7 +3,7 @@
 Reads the finished jobs of experiment=replication_dp / replication_tp (LAR and all-to-all bytes vs extra expert
 memory, per attention mode and routing source, with the issue's targets checked) and experiment=multinode (EP 16 as
 2 x 8: inter- and intra-node dispatch bytes and the per-level all-to-all time estimate). Input: the one-row-per-job
-DataFrame of repro.figures.report.load_runs.
+DataFrame of repro.figures.jobs.load_runs.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from repro.atomic import atomic_write  # noqa: E402
+from repro.figures.render import save_png  # noqa: E402
 
 REPLICATION_SYSTEMS = ("semmoe_replicated", "semmoe_hottest", "eplb")
 MULTINODE_SYSTEMS = ("ep", "semmoe", "semmoe_hierarchical")
@@ -67,11 +67,7 @@ def fig_vs_memory(sel: pd.DataFrame, metric: str, path: Path) -> Path:
             ax.set_ylabel(metric.replace("_", " "))
             if row == 0 and col == len(models) - 1:
                 ax.legend(fontsize=7)
-    try:
-        atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=130, bbox_inches="tight"))
-    finally:
-        plt.close(fig)
-    return path
+    return save_png(fig, path)
 
 
 def replication_targets(sel: pd.DataFrame) -> pd.DataFrame:

@@ -17,20 +17,13 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
-from repro.atomic import atomic_write, atomic_write_text  # noqa: E402
+from repro.atomic import atomic_write_text  # noqa: E402
 from repro.figures.jobs import find_job_files, log, read_jobs, skipped_lines  # noqa: E402
+from repro.figures.paper import paper_section  # noqa: E402
+from repro.figures.render import markdown_table, save_png  # noqa: E402
+from repro.figures.replication import replication_section  # noqa: E402
 
 sns.set_theme(style="whitegrid", context="paper")
-
-
-def _save(fig, path: Path) -> Path:
-    """Write `fig` as a PNG at `path` atomically (a kill never leaves a truncated figure linked from the report)
-    and close it. The format is explicit: the temporary name's suffix is not .png."""
-    try:
-        atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=130, bbox_inches="tight"))
-    finally:
-        plt.close(fig)
-    return path
 
 
 def fig_per_layer(per_layer: pd.DataFrame, metric: str, path: Path) -> Path:
@@ -47,7 +40,7 @@ def fig_per_layer(per_layer: pd.DataFrame, metric: str, path: Path) -> Path:
             ax.set_title(f"{workload}, {mode.upper()}, D={devices}")
             ax.set_xlabel("model layer")
         axes[row][0].set_ylabel(metric.replace("_", " "))
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def fig_vs_ep(summary: pd.DataFrame, metric: str, path: Path) -> Path:
@@ -69,7 +62,7 @@ def fig_vs_ep(summary: pd.DataFrame, metric: str, path: Path) -> Path:
             ax.set_title(f"{workload}, Attention-{mode.upper()}")
             ax.set_xlabel("EP degree D")
         axes[row][0].set_ylabel(metric.replace("_", " "))
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def fig_traffic_heatmap(run_dir: Path, path: Path) -> Path:
@@ -80,7 +73,7 @@ def fig_traffic_heatmap(run_dir: Path, path: Path) -> Path:
                 cbar_kws={"label": "MiB"})
     ax.set_xlabel("destination device")
     ax.set_ylabel("source device")
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def fig_activation_heatmap(run_dir: Path, path: Path) -> Path:
@@ -95,7 +88,7 @@ def fig_activation_heatmap(run_dir: Path, path: Path) -> Path:
         ax.set_title(f"layer {layer_ids[layer]}")
         ax.set_xlabel("expert")
         ax.set_ylabel("64 most frequent tokens")
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def systems_table(summary: pd.DataFrame) -> str:
@@ -130,16 +123,6 @@ def systems_table(summary: pd.DataFrame) -> str:
     if (summary.get("kind") == "hindsight").any():
         notes.append("- kind `hindsight`: fitted on the evaluated routing itself; neither a deployable system nor a ceiling.")
     return text + ("\n\n" + "\n".join(notes) if notes else "")
-
-
-def markdown_table(df: pd.DataFrame) -> str:
-    """A GitHub markdown table; floats with 4 decimals."""
-    def cell(v):
-        return f"{v:.4f}" if isinstance(v, float) else str(v)
-
-    lines = ["| " + " | ".join(map(str, df.columns)) + " |", "|" + "---|" * len(df.columns)]
-    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in df.itertuples(index=False)]
-    return "\n".join(lines)
 
 
 def affinity_section(run_dir: Path) -> list[str]:
@@ -260,10 +243,6 @@ def write_report(runs_dir: str | Path, out_dir: str | Path) -> Path:
              "Systems are fitted on the profile split (20 % of requests), defaults tuned on the validate split "
              "(10 %), and numbers reported on the evaluate split (70 %) unless the evaluate_split column says otherwise.", ""]
     lines += tuned_section(Path(runs_dir))
-    # imported here: paper.py and replication.py build on this module's helpers
-    from repro.figures.paper import paper_section
-    from repro.figures.replication import replication_section
-
     lines += paper_section(summary, out_dir)
     lines += replication_section(summary, out_dir)
     for experiment, runs in summary.groupby("experiment", sort=True):
