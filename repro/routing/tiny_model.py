@@ -32,7 +32,6 @@ import logging
 import math
 import os
 import platform
-import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -42,6 +41,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from repro.atomic import atomic_dir
 from repro.errors import ConfigError, WorkloadError
 from repro.routing.hf_capture import capture_routing
 from repro.traces.format import RoutingTrace, with_meta
@@ -451,36 +451,33 @@ def load_or_train(
 
 
 def _write_entry(entry: Path, model, vocab: VocabMap, record: dict) -> bool:
-    """Write the cache entry into a temporary sibling, then rename it into place (readers never see half).
+    """Publish the cache entry in one rename (repro.atomic.atomic_dir): readers never see half an entry.
 
-    Returns False when another process renamed the same entry into place first: the first writer wins and is
-    never replaced (its key fixes every input of training, so its model is this one).
+    Returns False when another process published the same entry first: the first writer wins and is never
+    replaced (the key fixes every input of training, so its model is this one).
     """
     import safetensors.torch
 
-    tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
-    try:
+    def write_into(tmp: Path) -> None:
         safetensors.torch.save_model(model, str(tmp / "model.safetensors"))
         np.save(tmp / "vocab_map.npy", vocab.real_ids, allow_pickle=False)
         (tmp / "config.json").write_text(json.dumps(record, indent=1, default=str))
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's directory is owner-only; a shared cache must be readable
-        try:
-            os.rename(tmp, entry)  # atomic; fails, never replaces, when a complete entry is already there
-        except OSError as e:
-            if not all((entry / name).is_file() for name in ENTRY_FILES):
-                raise ConfigError(
-                    f"could not move the trained tiny model into the cache entry {entry} ({e.strerror or e}); "
-                    "delete whatever is at that path or set cache_dir= to another folder."
-                ) from e
-            log.info("tiny model cache entry %s was written by another process first; keeping that one", entry)
-            shutil.rmtree(tmp)
-            return False
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return True
+
+    try:
+        published = atomic_dir(entry, write_into)
+    except OSError as e:
+        raise ConfigError(
+            f"could not write the tiny model cache entry {entry} ({e.strerror or e}); free disk space, delete "
+            "whatever is at that path, or set cache_dir= to another folder."
+        ) from e
+    if not published:
+        if not all((entry / name).is_file() for name in ENTRY_FILES):
+            raise ConfigError(
+                f"{entry} appeared while the tiny model was trained but is not a complete cache entry; delete that "
+                "directory to retrain."
+            )
+        log.info("tiny model cache entry %s was written by another process first; keeping that one", entry)
+    return published
 
 
 def route_with_tiny_model(
