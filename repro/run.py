@@ -211,7 +211,8 @@ def routed_workload(cfg: dict, workload_cfg: dict, cache_dir: Path) -> tuple[Rou
         tokenizer=workload.tokenizer,
         vocab_size=workload.vocab_size,
     )
-    write_trace(trace, cached / "trace")
+    if trace.meta.extra.get("model_cached", True):  # routing of a model a time budget cut short is not reused
+        write_trace(trace, cached / "trace")
     return trace, split
 
 
@@ -414,6 +415,10 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict | None:
             "layer; check the trace's num_experts (balance and placement count them as idle experts)."
         ]
         log.warning(summary["warnings"][0])
+    # the routing's own warnings (e.g. a tiny model a time budget cut short) belong in metrics.json too
+    routing_warnings = dict.fromkeys(profile.meta.extra.get("warnings", []) + evaluation.meta.extra.get("warnings", []))
+    if routing_warnings:
+        summary["warnings"] = summary.get("warnings", []) + list(routing_warnings)
     with staging_dir(out_dir) as staging:  # every output is written here, then published into out_dir at once
         if config.get("exec"):  # run the plan on real ranks; writes exec_per_layer.csv / exec_per_rank.csv
             from repro.exec.trace_mode import run_exec_job
