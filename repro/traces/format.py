@@ -11,7 +11,9 @@ A trace is a directory:
     weights.npy         float16[N,L,k] (optional) gate weights
 
 Arrays are plain `.npy` files read with `mmap_mode="r"` and `allow_pickle=False`: nothing executes on load.
-Writes go to a temporary sibling directory that is renamed into place, so a reader never sees half a trace.
+Writes go to a temporary sibling directory that is renamed into place (repro.atomic.atomic_dir), so a reader
+never sees half a trace; concurrent writers of one path are safe (write_trace's if_exists), and write_trace never
+deletes what is not a trace (trace_dir_state).
 
 Legend: R requests, N tokens, L MoE layers, k experts per token.
 """
@@ -20,13 +22,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
+from repro.atomic import atomic_dir
 from repro.errors import TraceError
 
 FORMAT_VERSION = 1
@@ -69,17 +70,49 @@ class TraceMeta:
 
     @classmethod
     def from_json(cls, d: dict, where: str = "meta.json") -> TraceMeta:
+        if not isinstance(d, dict):
+            raise TraceError(f"{where} holds a JSON {type(d).__name__}, not an object; re-create the trace with repro.traces.")
+        d = dict(d)
+        d.pop("num_layers", None)  # derived from layer_ids
+        version = d.get("format_version", FORMAT_VERSION)
+        if version != FORMAT_VERSION:  # checked first: another version may have other fields
+            raise TraceError(f"{where} has format_version {version!r}; this suite reads {FORMAT_VERSION}.")
+        for name in ("layer_ids", "dense_layers"):
+            if name in d:
+                if not isinstance(d[name], list):
+                    raise TraceError(f"{where}: {name} is {d[name]!r}; it must be a list of integer model layer indices.")
+                d[name] = tuple(d[name])
         try:
-            d = dict(d)
-            d.pop("num_layers", None)
-            d["layer_ids"] = tuple(int(x) for x in d["layer_ids"])
-            d["dense_layers"] = tuple(int(x) for x in d.get("dense_layers", ()))
             meta = cls(**d)
-        except (KeyError, TypeError, ValueError) as e:
+        except TypeError as e:  # a missing or unknown key
             raise TraceError(f"{where} is not a valid trace meta ({e}); rewrite the trace with repro.traces.") from e
-        if meta.format_version != FORMAT_VERSION:
-            raise TraceError(f"{where} has format_version {meta.format_version}; this suite reads {FORMAT_VERSION}.")
+        check_meta_fields(meta, where)
         return meta
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def check_meta_fields(meta: TraceMeta, where: str = "trace meta") -> None:
+    """Raise TraceError naming the first meta field whose value has the wrong type (JSON lets any type through)."""
+    for name in ("num_experts", "top_k", "vocab_size", "format_version"):
+        value = getattr(meta, name)
+        if not _is_int(value):
+            raise TraceError(f"{where}: {name} is {value!r}; it must be an integer (fix it or re-create the trace).")
+    for name in ("model", "tokenizer", "source", "dataset"):
+        value = getattr(meta, name)
+        if not isinstance(value, str):
+            raise TraceError(f"{where}: {name} is {value!r}; it must be a string (fix it or re-create the trace).")
+    for name in ("layer_ids", "dense_layers"):
+        bad = [x for x in getattr(meta, name) if not _is_int(x) or x < 0]
+        if bad:
+            raise TraceError(
+                f"{where}: {name} holds {bad[0]!r}; it must list non-negative integer model layer indices "
+                "(fix it or re-create the trace)."
+            )
+    if not isinstance(meta.extra, dict):
+        raise TraceError(f"{where}: extra is {meta.extra!r}; it must be an object (fix it or re-create the trace).")
 
 
 @dataclass(frozen=True)
@@ -152,9 +185,26 @@ def make_trace(
         request_ids=tuple(str(x) for x in (request_ids if request_ids is not None else range(num_requests))),
         request_datasets=tuple(str(x) for x in (request_datasets or [meta.dataset] * num_requests)),
         request_labels=tuple(str(x) for x in (request_labels or [""] * num_requests)),
-        weights=None if weights is None else np.asarray(weights, dtype=np.float16),
+        weights=None if weights is None else _weights_float16(weights),
     )
     return trace.validate()
+
+
+FLOAT16_MAX = float(np.finfo(np.float16).max)  # 65504
+
+
+def _weights_float16(weights) -> np.ndarray:
+    """float16[N, L, k]; a finite value beyond float16's range would silently become inf, so it is refused here."""
+    w = np.asarray(weights)
+    if w.dtype != np.float16 and w.size and np.issubdtype(w.dtype, np.floating):
+        over = np.isfinite(w) & (np.abs(w) > FLOAT16_MAX)
+        if over.any():
+            where = np.unravel_index(int(np.argmax(over)), w.shape)
+            raise TraceError(
+                f"gate weight {float(w[where])!r} at (token, layer, slot) {tuple(int(i) for i in where)} is beyond "
+                f"the float16 range (|w| <= {FLOAT16_MAX:g}) of the trace format; export normalised gate weights."
+            )
+    return w.astype(np.float16, copy=False)
 
 
 def _cast(a, dtype, name: str) -> np.ndarray:
@@ -169,6 +219,7 @@ def _cast(a, dtype, name: str) -> np.ndarray:
 def validate(trace: RoutingTrace) -> None:
     """Raise TraceError naming the first inconsistency; return None when the trace is well formed."""
     m = trace.meta
+    check_meta_fields(m)
     if m.num_experts < 1 or m.top_k < 1 or m.top_k > m.num_experts:
         raise TraceError(f"meta has num_experts={m.num_experts}, top_k={m.top_k}; need 1 <= top_k <= num_experts.")
     if m.num_layers < 1:
@@ -184,6 +235,11 @@ def validate(trace: RoutingTrace) -> None:
         bad = int(np.argmax(np.diff(off) < 0))
         raise TraceError(f"offsets are not monotonic: offsets[{bad + 1}]={off[bad + 1]} < offsets[{bad}]={off[bad]}.")
     n = int(off[-1])
+    if n == 0:
+        raise TraceError(
+            f"the trace has {len(off) - 1} requests and no tokens; a trace needs at least one routed token "
+            "(re-create it from a non-empty workload)."
+        )
     if trace.token_ids.shape != (n,):
         raise TraceError(f"token_ids has shape {trace.token_ids.shape}; offsets[-1] says {n} tokens.")
     want = (n, m.num_layers, m.top_k)
@@ -200,16 +256,17 @@ def validate(trace: RoutingTrace) -> None:
     for name in ("request_ids", "request_datasets", "request_labels"):
         if len(getattr(trace, name)) != r:
             raise TraceError(f"{name} has {len(getattr(trace, name))} entries; the trace has {r} requests.")
-    if n:
-        lo, hi = int(trace.experts.min()), int(trace.experts.max())
-        if lo < 0 or hi >= m.num_experts:
-            bad = lo if lo < 0 else hi
-            raise TraceError(f"expert id {bad} is outside 0..{m.num_experts - 1} (meta.num_experts={m.num_experts}).")
-        _check_distinct_experts(trace.experts)
-        tlo, thi = int(trace.token_ids.min()), int(trace.token_ids.max())
-        if tlo < 0 or thi >= m.vocab_size:
-            bad = tlo if tlo < 0 else thi
-            raise TraceError(f"token id {bad} is outside 0..{m.vocab_size - 1} (meta.vocab_size={m.vocab_size}).")
+    lo, hi = int(trace.experts.min()), int(trace.experts.max())
+    if lo < 0 or hi >= m.num_experts:
+        bad = lo if lo < 0 else hi
+        raise TraceError(f"expert id {bad} is outside 0..{m.num_experts - 1} (meta.num_experts={m.num_experts}).")
+    _check_distinct_experts(trace.experts)
+    tlo, thi = int(trace.token_ids.min()), int(trace.token_ids.max())
+    if tlo < 0 or thi >= m.vocab_size:
+        bad = tlo if tlo < 0 else thi
+        raise TraceError(f"token id {bad} is outside 0..{m.vocab_size - 1} (meta.vocab_size={m.vocab_size}).")
+    if trace.weights is not None:
+        _check_finite_weights(trace.weights)
 
 
 DISTINCT_CHECK_ROWS = 1 << 16  # tokens per chunk of the duplicate-expert check (bounds the sorted copy's memory)
@@ -230,13 +287,93 @@ def _check_distinct_experts(experts: np.ndarray) -> None:
             )
 
 
-def write_trace(trace: RoutingTrace, path: str | os.PathLike) -> Path:
-    """Validate, then write atomically to directory `path` (replacing an existing trace there)."""
+def _check_finite_weights(weights: np.ndarray) -> None:
+    """NaN or inf gate weights (inf is also what an overflowing float16 cast leaves) would poison every weighted
+    metric; checked in chunks so a memory-mapped trace is not copied whole."""
+    for start in range(0, len(weights), DISTINCT_CHECK_ROWS):
+        finite = np.isfinite(np.asarray(weights[start : start + DISTINCT_CHECK_ROWS]))
+        if not finite.all():
+            token, layer, slot = np.argwhere(~finite)[0]
+            value = weights[start + token, layer, slot]
+            raise TraceError(
+                f"gate weight of token {start + token} at MoE layer index {layer} (slot {slot}) is {float(value)!r}; "
+                "weights must be finite and within float16 range (re-export them, or drop weights.npy)."
+            )
+
+
+TRACE_EXTRA_FILES = ("vocab.json",)  # files a trace directory may hold beside meta, requests and arrays
+TRACE_FILES = frozenset({"meta.json", "requests.json", *TRACE_EXTRA_FILES, *(f"{n}.npy" for n in ARRAY_DTYPES)})
+IF_EXISTS = ("replace", "keep", "error")
+
+
+def trace_dir_state(path: str | os.PathLike) -> tuple[str, str]:
+    """What is at `path`, for a writer: ("absent" | "empty" | "trace" | "other", why-not-a-trace or "").
+
+    A trace is a directory holding meta.json and every required array, and nothing a trace never holds; only
+    "absent", "empty" and "trace" may be written over. A symbolic link is "other": replacing it would not
+    replace what it points to.
+    """
+    path = Path(path)
+    if path.is_symlink():
+        return "other", f"is a symbolic link (to {os.readlink(path)})"
+    if not path.exists():
+        return "absent", ""
+    if not path.is_dir():
+        return "other", "is a file, not a directory"
+    try:
+        names = {entry.name for entry in os.scandir(path)}
+    except OSError as e:
+        return "other", f"cannot be listed ({e.strerror})"
+    if not names:
+        return "empty", ""
+    foreign = sorted(names - TRACE_FILES)
+    if foreign:
+        return "other", f"holds {foreign[0]!r}, which is not part of a routing trace"
+    missing = [f for f in ("meta.json", *(f"{n}.npy" for n in REQUIRED_ARRAYS)) if f not in names]
+    if missing:
+        return "other", f"lacks {missing[0]}, so it is not a complete routing trace"
+    return "trace", ""
+
+
+def check_trace_destination(path: str | os.PathLike, if_exists: str = "replace") -> str:
+    """Raise TraceError unless write_trace(..., if_exists) may write at `path`; returns trace_dir_state's kind."""
+    if if_exists not in IF_EXISTS:
+        raise TraceError(f"if_exists must be one of {IF_EXISTS}, got {if_exists!r}.")
+    kind, why = trace_dir_state(path)
+    if kind == "other":
+        raise TraceError(f"{path} {why}; nothing was written: choose a new or empty folder (it is never replaced).")
+    if kind == "trace" and if_exists == "error":
+        raise TraceError(f"{path} already holds a routing trace; nothing was written: choose another folder or replace it explicitly.")
+    return kind
+
+
+def write_trace(
+    trace: RoutingTrace,
+    path: str | os.PathLike,
+    *,
+    if_exists: str = "replace",
+    extra_files: dict[str, str] | None = None,
+) -> Path:
+    """Validate, then publish the trace directory at `path` in one atomic rename (a reader never sees half a trace).
+
+    `path` may be absent or an empty directory. When it already holds a routing trace, if_exists decides:
+    "replace" swaps ours in atomically and deletes the old one; "keep" is first-writer-wins, for caches that
+    several processes may fill at once: the trace already there (or published by a concurrent writer while we
+    wrote) is kept and ours discarded, unread and uncompared (the cache key is what makes them the same);
+    "error" refuses. Anything else at `path` (a file, a link, a folder that is not a trace) is refused with
+    TraceError and never deleted. extra_files ({name: text}, names from TRACE_EXTRA_FILES, e.g. vocab.json)
+    are written inside the same atomic publish.
+    """
     validate(trace)
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
+    extra_files = dict(extra_files or {})
+    unknown = sorted(set(extra_files) - set(TRACE_EXTRA_FILES))
+    if unknown:
+        raise TraceError(f"write_trace cannot add {unknown[0]!r} to a trace; its extra files are {TRACE_EXTRA_FILES}.")
+    if check_trace_destination(path, if_exists) == "trace" and if_exists == "keep":
+        return path
+
+    def write_into(tmp: Path) -> None:
         (tmp / "meta.json").write_text(json.dumps(trace.meta.to_json(), indent=1))
         (tmp / "requests.json").write_text(
             json.dumps(
@@ -249,40 +386,111 @@ def write_trace(trace: RoutingTrace, path: str | os.PathLike) -> Path:
         )
         for name in REQUIRED_ARRAYS + (("weights",) if trace.weights is not None else ()):
             np.save(tmp / f"{name}.npy", np.ascontiguousarray(getattr(trace, name)), allow_pickle=False)
-        if path.exists():
-            old = path.with_name(f".{path.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            path.rename(old)
-            tmp.rename(path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        for name, text in extra_files.items():
+            (tmp / name).write_text(text, encoding="utf-8")
+
+    try:
+        published = atomic_dir(path, write_into, replace=if_exists == "replace")
+    except OSError as e:
+        raise TraceError(f"cannot write the trace to {path} ({e}); check the folder's permissions and free space.") from e
+    if not published:  # another writer published first (or it appeared since the check): only a trace is reused
+        kind, why = trace_dir_state(path)
+        if kind != "trace":
+            raise TraceError(f"{path} {why}; nothing was written: choose a new or empty folder (it is never replaced).")
+        if if_exists == "error":
+            raise TraceError(f"{path} already holds a routing trace; nothing was written: choose another folder or replace it explicitly.")
     return path
 
 
+READ_ATTEMPTS = 20  # re-reads when the trace directory was swapped out while its files were being opened
+
+
 def read_trace(path: str | os.PathLike, mmap: bool = True) -> RoutingTrace:
-    """Read and validate the trace directory at `path` (arrays memory-mapped unless mmap=False)."""
+    """Read and validate the trace directory at `path` (arrays memory-mapped unless mmap=False).
+
+    Writers may replace the trace while we read it (write_trace publishes whole directories by rename or atomic
+    swap, and never changes a published one). So the directory is opened once and all its files opened through
+    that handle before any is read: the result is one writer's trace, never a mix, whatever is renamed meanwhile,
+    and memory maps stay valid after the old directory is deleted. Only when the writer deletes the old
+    directory between our opens is a file missing (even the optional weights.npy); then `path` names another
+    directory and the read is repeated.
+    """
     path = Path(path)
-    if not path.is_dir():
-        raise TraceError(f"{path} is not a trace directory; write one with repro.traces.write_trace or import one with python -m repro.traces.import.")
-    meta = TraceMeta.from_json(_read_json(path / "meta.json"), where=str(path / "meta.json"))
-    req = _read_json(path / "requests.json")
+    for _ in range(READ_ATTEMPTS):
+        before = _dir_identity(path)
+        try:
+            return _read_trace_once(path, mmap)
+        except _TraceReplaced:
+            continue
+        except TraceError:
+            if _dir_identity(path) == before:
+                raise
+    raise TraceError(f"{path} was replaced {READ_ATTEMPTS} times while being read; stop the processes rewriting it and retry.")
+
+
+class _TraceReplaced(TraceError):
+    """The directory opened was swapped out (and is being deleted) before all its files were opened."""
+
+
+def _dir_identity(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _read_trace_once(path: Path, mmap: bool) -> RoutingTrace:
+    names = ("meta.json", "requests.json", *(f"{n}.npy" for n in REQUIRED_ARRAYS + ("weights",)))
+    try:
+        dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as e:
+        raise TraceError(
+            f"{path} is not a trace directory ({e.strerror}); write one with repro.traces.write_trace or import one "
+            "with python -m repro.traces.import."
+        ) from e
+    files = {}
+    try:
+        for name in names:  # all opened before any is read: one directory's files, even if it is renamed meanwhile
+            try:
+                files[name] = os.fdopen(os.open(name, os.O_RDONLY, dir_fd=dir_fd), "rb")
+            except FileNotFoundError:
+                files[name] = None
+            except OSError as e:
+                raise TraceError(f"cannot open {path / name} ({e.strerror}); check its permissions.") from e
+        if None in files.values():  # an optional weights.npy, or a swapped-out directory being deleted under us
+            st = os.fstat(dir_fd)
+            if (st.st_dev, st.st_ino) != _dir_identity(path):
+                for f in files.values():
+                    if f is not None:
+                        f.close()
+                raise _TraceReplaced(f"{path} was replaced while being read.")
+    finally:
+        os.close(dir_fd)
+    try:
+        return _parse_trace(path, files, mmap)
+    finally:
+        for f in files.values():
+            if f is not None:
+                f.close()
+
+
+def _parse_trace(path: Path, files: dict, mmap: bool) -> RoutingTrace:
+    meta = TraceMeta.from_json(_read_json(path, "meta.json", files["meta.json"]), where=str(path / "meta.json"))
+    req = _read_json(path, "requests.json", files["requests.json"])
     arrays = {}
     for name in REQUIRED_ARRAYS + ("weights",):
-        f = path / f"{name}.npy"
-        if not f.exists():
+        f = files[f"{name}.npy"]
+        if f is None:
             if name == "weights":
                 arrays[name] = None
                 continue
             raise TraceError(f"{path} is missing {name}.npy; the trace is incomplete.")
         try:
-            arrays[name] = np.load(f, mmap_mode="r" if mmap else None, allow_pickle=False)
+            arrays[name] = _load_npy(f, mmap)
         except (ValueError, OSError, EOFError) as e:
-            raise TraceError(f"{f} is truncated or corrupted ({e}); re-create the trace.") from e
-    if not isinstance(req, dict) or not all(k in req for k in ("id", "dataset", "label")):
+            raise TraceError(f"{path / (name + '.npy')} is truncated or corrupted ({e}); re-create the trace.") from e
+    if not isinstance(req, dict) or not all(isinstance(req.get(k), list) for k in ("id", "dataset", "label")):
         raise TraceError(f"{path / 'requests.json'} must be an object with lists 'id', 'dataset', 'label'.")
     trace = RoutingTrace(
         meta=meta,
@@ -295,13 +503,31 @@ def read_trace(path: str | os.PathLike, mmap: bool = True) -> RoutingTrace:
     return trace
 
 
-def _read_json(f: Path):
+def _load_npy(f, mmap: bool) -> np.ndarray:
+    """The array in the open .npy file f; memory-mapped through the open file (np.load maps file names only)."""
+    if not mmap:
+        return np.load(f, allow_pickle=False)
+    version = np.lib.format.read_magic(f)
+    if version == (1, 0):
+        shape, fortran_order, dtype = np.lib.format.read_array_header_1_0(f)
+    elif version == (2, 0):
+        shape, fortran_order, dtype = np.lib.format.read_array_header_2_0(f)
+    else:
+        raise ValueError(f".npy format version {version} is not one np.save writes for these arrays")
+    if dtype.hasobject:
+        raise ValueError("an object array (a pickle) is not allowed")
+    if int(np.prod(shape)) == 0:
+        return np.empty(shape, dtype)
+    return np.memmap(f, dtype=dtype, mode="r", offset=f.tell(), shape=shape, order="F" if fortran_order else "C")
+
+
+def _read_json(path: Path, name: str, f):
+    if f is None:
+        raise TraceError(f"{path} is missing {name}; the trace is incomplete.")
     try:
-        return json.loads(f.read_text())
-    except FileNotFoundError as e:
-        raise TraceError(f"{f.parent} is missing {f.name}; the trace is incomplete.") from e
+        return json.loads(f.read().decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise TraceError(f"{f} is truncated or corrupted ({e}); re-create the trace.") from e
+        raise TraceError(f"{path / name} is truncated or corrupted ({e}); re-create the trace.") from e
 
 
 def with_meta(trace: RoutingTrace, **changes) -> RoutingTrace:

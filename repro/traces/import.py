@@ -4,6 +4,10 @@ The work is done by repro.traces.tabular.import_table_with_vocab (columns, valid
 there). On bad input this prints one sentence naming the first bad row and exits with status 2; nothing is
 written. With surface-string tokens the vocabulary built on import is saved as DIR/vocab.json (a JSON list:
 entry i is the string of token id i).
+
+DIR must be new or an empty folder; a folder already holding a routing trace is replaced only with --overwrite
+(atomically: readers see the old trace or the new one). Anything else there, and any DIR that holds the input
+file, is refused before the input is read: the importer never deletes what is not a trace.
 """
 
 from __future__ import annotations
@@ -13,16 +17,16 @@ import json
 import sys
 from pathlib import Path
 
-from repro.atomic import atomic_write_text
 from repro.errors import ReproError
-from repro.traces.format import write_trace
+from repro.traces.format import check_trace_destination, trace_dir_state, write_trace
 from repro.traces.tabular import import_table_with_vocab
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m repro.traces.import", description=__doc__.splitlines()[0])
     p.add_argument("input", type=Path, help="CSV, JSONL or Parquet file, one row per (request, position, layer)")
-    p.add_argument("--out", type=Path, required=True, help="trace directory to write (replaced if it exists)")
+    p.add_argument("--out", type=Path, required=True, help="trace directory to write (new or empty)")
+    p.add_argument("--overwrite", action="store_true", help="replace the routing trace already at --out")
     p.add_argument("--format", choices=["csv", "jsonl", "parquet"], help="default: from the file suffix")
     p.add_argument("--model", default="", help="model name for meta.model (default: 'imported')")
     p.add_argument("--num-experts", type=int, help="experts per layer (default: largest expert id + 1)")
@@ -40,9 +44,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_out(out: Path, input_file: Path, if_exists: str) -> None:
+    """Refuse, before any work, an --out that holds the input or that write_trace(if_exists) may not write."""
+    if input_file.resolve().is_relative_to(out.resolve()):
+        raise ReproError(
+            f"--out {out} contains the input file {input_file}, which writing the trace there would delete; "
+            "choose an --out folder outside it."
+        )
+    if trace_dir_state(out)[0] == "trace" and if_exists == "error":
+        raise ReproError(f"--out {out} already holds a routing trace; pass --overwrite to replace it or choose another folder.")
+    check_trace_destination(out, if_exists)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if_exists = "replace" if args.overwrite else "error"
     try:
+        check_out(args.out, args.input, if_exists)
         trace, vocab = import_table_with_vocab(
             args.input,
             format=args.format,
@@ -60,9 +78,8 @@ def main(argv: list[str] | None = None) -> int:
             weights_col=args.weights_col,
             label_col=args.label_col,
         )
-        write_trace(trace, args.out)
-        if vocab is not None:
-            atomic_write_text(args.out / "vocab.json", json.dumps(vocab, ensure_ascii=False))
+        vocab_file = {} if vocab is None else {"vocab.json": json.dumps(vocab, ensure_ascii=False)}
+        write_trace(trace, args.out, if_exists=if_exists, extra_files=vocab_file)
     except ReproError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -13,10 +13,10 @@ optional per-request class. Rows may come in any order; the importer sorts by (r
 requests kept in order of first appearance.
 
 Validation: every (request, position) has every layer exactly once, positions are 0..len-1, every expert list
-has the same length k with no repeated id and no negative id, weights (if any) match the experts, a token is
-the same at all its layers and a request has one label. A problem raises TraceError naming the FIRST bad row
-of the input (CSV: the line number in the file, the header being line 1; JSONL: the line number; Parquet:
-the 1-based row number) and what is wrong. Checks run vectorised over the whole table; line numbers are
+has the same length k with no repeated id and no negative id, weights (if any) match the experts and are finite
+within float16's range, a token is the same at all its layers and a request has one label. A problem raises
+TraceError naming the FIRST bad row of the input (CSV: the line number in the file, the header being line 1;
+JSONL: the line number; Parquet: the 1-based row number) and what is wrong. Checks run vectorised over the whole table; line numbers are
 worked out only on the error path.
 
 Legend: n rows of the table, N tokens (= n / L), L MoE layers, k experts per token, R requests.
@@ -34,7 +34,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from repro.errors import TraceError
-from repro.traces.format import RoutingTrace, TraceMeta, make_trace
+from repro.traces.format import FLOAT16_MAX, RoutingTrace, TraceMeta, make_trace
 
 SUFFIX_FORMATS = {".csv": "csv", ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
 INT_LIST_PATTERN = r"^\s*\[\s*(-?\d+\s*(,\s*-?\d+\s*)*)?\]\s*$"
@@ -124,6 +124,7 @@ def import_table_with_vocab(
     weights_nk = None
     if weights_col is not None:
         weights_nk = _list_column(table[weights_col], weights_col, integer=False, width=k, problems=problems)
+        _check_weights(weights_nk, weights_col, problems)
     labels = None
     if label_col is not None:
         labels = table[label_col].to_pandas().fillna("").astype(str).to_numpy()
@@ -306,6 +307,15 @@ def _check_expert_ids(experts_nk: np.ndarray, num_experts: int | None, name: str
     _first(problems, (experts_nk >= limit).any(axis=1), lambda r: f"{name} {experts_nk[r].tolist()} has an expert id not below {limit} ({flag})")
     ordered = np.sort(experts_nk, axis=1)
     _first(problems, (ordered[:, 1:] == ordered[:, :-1]).any(axis=1), lambda r: f"{name} {experts_nk[r].tolist()} repeats an expert")
+
+
+def _check_weights(weights_nk: np.ndarray, name: str, problems: list[_Problem]) -> None:
+    """float64[n, k] gate weights must survive the trace format's float16: finite and |w| <= 65504."""
+    finite = np.isfinite(weights_nk).all(axis=1)
+    _first(problems, ~finite, lambda r: f"{name} {weights_nk[r].tolist()} has a NaN or infinite weight")
+    _first(problems, finite & (np.abs(weights_nk) > FLOAT16_MAX).any(axis=1),
+           lambda r: f"{name} {weights_nk[r].tolist()} has a weight beyond the float16 range (|w| <= {FLOAT16_MAX:g}) "
+           "of the trace format")
 
 
 def _structure(request_codes, request_names, positions, layers, token_ids, token_name, labels, problems, request_col,
