@@ -212,7 +212,7 @@ def routed_workload(cfg: dict, workload_cfg: dict, cache_dir: Path) -> tuple[Rou
         vocab_size=workload.vocab_size,
     )
     if trace.meta.extra.get("model_cached", True):  # routing of a model a time budget cut short is not reused
-        write_trace(trace, cached / "trace")
+        write_trace(trace, cached / "trace", if_exists="keep")  # jobs racing on one entry: the first wins
     return trace, split
 
 
