@@ -27,6 +27,7 @@ import numpy as np
 import pandas as pd
 
 from repro.errors import ConfigError, ReproError, TraceError
+from repro.eval.time_cost import PARTS, TimeModel, time_estimate
 from repro.systems.base import Plan
 from repro.traces import RoutingTrace
 
@@ -409,7 +410,9 @@ class EvalResult:
     served: np.ndarray | None = None  # int64[L, D, E] activations of expert e served on d (replicated plans only)
 
 
-def evaluate(plan: Plan, trace: RoutingTrace, *, history: int = 2, progress: bool = False) -> EvalResult:
+def evaluate(
+    plan: Plan, trace: RoutingTrace, *, history: int = 2, progress: bool = False, time_model: TimeModel | None = None
+) -> EvalResult:
     """Exact accounting of `plan` on `trace` in the plan's attention mode.
 
     summary: lar, local_activations, remote_activations, total_activations, dispatch_bytes, combine_bytes,
@@ -424,8 +427,15 @@ def evaluate(plan: Plan, trace: RoutingTrace, *, history: int = 2, progress: boo
     devices get nothing) and the same with suffix _worst (max over layers), num_tokens, num_requests, num_layers,
     devices, top_k, num_experts, num_slots, bytes_per_token, attention, history, and every scalar of plan.info
     prefixed "plan_".
+    With a time_model (`repro.eval.time_cost.time_model`): time_estimate_s, the critical-path seconds of serving
+    the trace's MoE layers priced by the simulator's cost model, split into time_estimate_dispatch_s /
+    _experts_s / _combine_s, with time_estimate_steps and what was priced (hardware, shape, backend, step
+    tokens); per_layer then has columns time_dispatch_s, time_experts_s, time_combine_s.
     """
     home_NL = home_devices(plan, trace, history=history, progress=progress)
+    seconds = None
+    if time_model is not None:
+        seconds = time_estimate(time_model, home_NL, trace.experts, plan.parallel.attention)
     dispatch_LDE = plan.placement.dispatch_device()
     counts = account(
         home_NL,
@@ -446,7 +456,15 @@ def evaluate(plan: Plan, trace: RoutingTrace, *, history: int = 2, progress: boo
             home_NL, trace.experts, dispatch_LDE // plan.parallel.devices_per_node, plan.parallel.bytes_per_token,
             plan.parallel.devices,
         ).token_copies[:, :, : plan.parallel.num_nodes]
-    return summarise(plan, trace, counts, history=history, served=served, node_copies=node_copies)
+    result = summarise(plan, trace, counts, history=history, served=served, node_copies=node_copies)
+    if seconds is not None:
+        for part in PARTS:
+            result.summary[f"time_estimate_{part}_s"] = float(seconds[part].sum())
+            result.per_layer[f"time_{part}_s"] = seconds[part]
+        result.summary["time_estimate_s"] = float(sum(seconds[part].sum() for part in PARTS))
+        result.summary["time_estimate_steps"] = int(seconds["steps"])
+        result.summary.update(time_model.description)
+    return result
 
 
 def summarise(

@@ -3,7 +3,8 @@
 One file per algorithm, each readable on its own (its docstring has the shape legend and the method):
   cocluster.py  Algorithm 1, offline: balanced token-expert co-clustering -> expert placement.
   dp.py         Algorithm 2, Attention-DP: request scoring and the round-robin dev_mask assignment, online
-                (default) or jointly per mask window (batch_window, looks ahead).
+                or jointly per mask window (batch_window, looks ahead); and the time-aware online scheduler
+                that balances queued tokens instead of request counts (dp_scheduler=time).
   tp.py         Algorithm 3, online Attention-TP: predicted device per token and the align to equal slices.
   system.py     `SemMoE` (fit: Algorithm 1 on a profile, then the online tables) and `SemMoEPlan`.
 
@@ -28,6 +29,7 @@ from repro.systems.semmoe.cocluster import (
 )
 from repro.systems.semmoe.dp import (
     DP_ASSIGNS,
+    DP_SCHEDULERS,
     DP_SCORINGS,
     LEGACY_DP_ASSIGNS,
     VOTE_CHUNK_TOKENS,
@@ -37,6 +39,7 @@ from repro.systems.semmoe.dp import (
     packed_prompts,
     request_scores,
     request_votes,
+    token_balance_assign,
     window_exact_assign,
     window_lookahead,
 )
@@ -46,6 +49,7 @@ from repro.systems.semmoe.tp import align_to_slices, inverse_permutation, predic
 __all__ = [
     "CLUSTER_UNITS",
     "DP_ASSIGNS",
+    "DP_SCHEDULERS",
     "DP_SCORINGS",
     "LEGACY_DP_ASSIGNS",
     "SEARCH_CELLS",
@@ -74,6 +78,7 @@ __all__ = [
     "request_scores",
     "request_votes",
     "swap_random_experts",
+    "token_balance_assign",
     "window_exact_assign",
     "window_lookahead",
 ]
