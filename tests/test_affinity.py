@@ -23,7 +23,7 @@ from repro.affinity import (
 )
 from repro.affinity.tables import break_even_confidence, row_share_totals, token_table_occurrences
 from repro.errors import TraceError
-from repro.traces import TraceMeta, make_trace
+from repro.traces import RoutingTrace, TraceMeta, make_trace
 
 
 def tiny_trace(token_ids, experts, num_experts=4, vocab_size=16, lengths=None):
@@ -55,7 +55,11 @@ def test_confidence_of_an_empty_row_is_an_error():
 
 def test_empty_profile_is_a_trace_error():
     meta = TraceMeta(model="tiny", num_experts=4, top_k=2, layer_ids=(0,), vocab_size=8)
-    empty = make_trace(meta, [0], np.zeros(0, np.int32), np.zeros((0, 1, 2), np.int16))
+    with pytest.raises(TraceError, match="no tokens"):  # the trace format refuses it first
+        make_trace(meta, [0], np.zeros(0, np.int32), np.zeros((0, 1, 2), np.int16))
+    # built past validation: the affinity functions still refuse it themselves
+    empty = RoutingTrace(meta, np.zeros(1, np.int64), np.zeros(0, np.int32), np.zeros((0, 1, 2), np.int16),
+                         np.zeros(0, np.int32), (), (), ())
     with pytest.raises(TraceError, match="no tokens"):
         token_expert_counts(empty)
     with pytest.raises(TraceError, match="no tokens"):
