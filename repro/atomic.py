@@ -22,6 +22,7 @@ from pathlib import Path
 # temporary paths of writes in progress -> pid of the writing process (a forked child must not remove its parent's)
 _live_temps: dict[str, int] = {}
 _sigterm_installed = False
+_atexit_registered = False
 
 
 def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
@@ -182,11 +183,13 @@ def _remove_live_temps() -> None:
 def _install_sigterm_cleanup() -> None:
     """Install (once, from the main thread: Python allows signal handlers only there) a SIGTERM handler that
     removes unfinished temporaries, then does what the previous handler would have done."""
-    global _sigterm_installed
+    global _atexit_registered, _sigterm_installed
+    if not _atexit_registered:  # a SystemExit in the main thread does not unwind a daemon thread's write
+        _atexit_registered = True
+        atexit.register(_remove_live_temps)
     if _sigterm_installed or threading.current_thread() is not threading.main_thread():
         return
     _sigterm_installed = True
-    atexit.register(_remove_live_temps)  # a SystemExit or a crash of another thread unwinds past a daemon writer
     previous = signal.getsignal(signal.SIGTERM)
     if previous == signal.SIG_IGN or previous is None:  # ignored on purpose, or set outside Python: leave it
         return

@@ -291,7 +291,9 @@ def _check_finite_weights(weights: np.ndarray) -> None:
     """NaN or inf gate weights (inf is also what an overflowing float16 cast leaves) would poison every weighted
     metric; checked in chunks so a memory-mapped trace is not copied whole."""
     for start in range(0, len(weights), DISTINCT_CHECK_ROWS):
-        finite = np.isfinite(np.asarray(weights[start : start + DISTINCT_CHECK_ROWS]))
+        chunk = np.asarray(weights[start : start + DISTINCT_CHECK_ROWS])
+        # float16 is NaN or inf exactly when its 5 exponent bits are all set; integer ops are ~4x np.isfinite's speed
+        finite = (chunk.view(np.uint16) & 0x7C00) != 0x7C00
         if not finite.all():
             token, layer, slot = np.argwhere(~finite)[0]
             value = weights[start + token, layer, slot]
