@@ -50,3 +50,46 @@ def test_workload_and_model_configs_name_real_loaders():
 def test_config_typo_is_rejected_by_strict_mode():
     with pytest.raises(Exception, match="devcies"):
         compose_cfg("parallel.devcies=4")
+
+
+# ---- the config check (repro/config_schema.py) agrees with the shipped configs and the code ----------------------
+
+
+def resolved(*overrides, config_name="config") -> dict:
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return OmegaConf.to_container(compose(config_name, overrides=["logger=none", *overrides]), resolve=True)
+
+
+@pytest.mark.parametrize("experiment", options("experiment"))
+def test_every_experiment_passes_the_config_check(experiment):
+    from repro.config_schema import check_config
+
+    check_config(resolved(f"experiment={experiment}"))
+
+
+def test_every_option_of_every_group_passes_the_config_check():
+    from repro.config_schema import check_config
+
+    for group in ("model", "workload", "system", "hardware", "logger"):
+        for name in options(group):
+            check_config(resolved(f"{group}={name}"))
+    check_config(resolved("sim=default"))
+    check_config(resolved("+exec=default"))
+
+
+def test_config_check_tables_name_the_keys_the_code_reads():
+    import inspect
+    from dataclasses import fields
+
+    from repro.config_schema import EXEC, PARALLEL, SIM, SIM_SLO, WORKLOAD, systems_taking
+    from repro.exec.trace_mode import ExecConfig
+    from repro.parallel import ParallelConfig
+    from repro.sim.simulate import SIM_KEYS, SLO_KEYS
+    from repro.workloads import load_workload
+
+    assert set(PARALLEL) == {f.name for f in fields(ParallelConfig)}
+    assert set(EXEC) == {f.name for f in fields(ExecConfig)}
+    assert set(WORKLOAD) == set(inspect.signature(load_workload).parameters) - {"tokenizer", "seed"}
+    assert set(SIM) <= SIM_KEYS and set(SIM_SLO) == SLO_KEYS
+    assert systems_taking("replicas_per_device") == ["eplb", "semmoe_hottest", "semmoe_replicated"]
+    assert systems_taking("theta")[:2] == ["semmoe", "semmoe_exact"]

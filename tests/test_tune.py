@@ -1,9 +1,11 @@
 """repro.tune: defaults are chosen on the validate split; the evaluate split only reports them."""
 
 import json
+import re
 
 import numpy as np
 import pandas as pd
+import pytest
 from test_run import compose, synthetic_trace_dir
 
 from repro.traces import read_trace, write_trace
@@ -50,3 +52,28 @@ def test_choice_is_made_on_validate_and_blind_to_the_evaluate_split(tmp_path):
     assert again["chosen"]["values"] == result["chosen"]["values"]
     assert again["chosen"]["validate"] == result["chosen"]["validate"]
     assert again["chosen"]["evaluate"] != result["chosen"]["evaluate"]  # positive control: evaluate did change
+
+
+@pytest.mark.parametrize("override, message", [
+    ("tune.objective=a2a_bytes", "tune.objective must be one of ['lar']"),
+    ("+tune.constraints.nope=1.5", "tune.constraints.nope is not a metric"),
+    ("tune.space.tp={system.params.lookback:[]}", "tune.space.tp.system.params.lookback must be a non-empty list"),
+    ("parallel.devices=abc", "parallel.devices must be an integer"),
+])
+def test_a_bad_tune_config_is_refused_before_any_candidate_runs(tmp_path, monkeypatch, override, message):
+    import repro.tune
+    from repro.errors import ConfigError
+
+    def no_routing(*_):
+        raise AssertionError("routing was read before the config was checked")
+
+    monkeypatch.setattr(repro.tune, "build_traces", no_routing)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        tune_job(tune_config("/nonexistent/trace", override), tmp_path / "job")
+    assert not (tmp_path / "job").exists()
+
+
+def test_the_default_tune_config_is_sound():
+    from repro.tune import check_tune_config
+
+    check_tune_config(tune_config("/nonexistent/trace")["tune"])

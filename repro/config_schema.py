@@ -1,0 +1,527 @@
+"""The composed job config checked where it is read: every key known, every value of its type and range.
+
+    check_config(config)      # the resolved config dict of `python -m repro.run` / `repro.tune` / `repro.exec`
+
+Hydra's strict mode refuses a typo of an existing key, but `+key=value` adds any key, and values are whatever the
+command line parsed (`parallel.devices=abc` is a string, `4.0` a float). So one declarative table per group below
+says what each key may hold (type and range); a group's keys are the table's plus those its conf/<group>/*.yaml
+options define, so a key a yaml adds is known without editing this file, and a key that no option defines is
+refused. Groups that validate themselves keep doing it and are called from here (ParallelConfig, the routing
+producers' check_*_config, repro.sim's check_sim_config and load_hardware, repro.exec's check_exec_config);
+system parameters are checked against the system class's signature and annotations. Every problem is one
+ConfigError sentence naming the key, raised before any routing, training or output.
+
+CheckSweep (a Hydra callback in conf/config.yaml) runs check_config on every job of a multirun before the first
+one starts, so a sweep whose fifth job is invalid fails at once instead of after four finished jobs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import numbers
+import sys
+from dataclasses import dataclass, fields
+from functools import cache
+from pathlib import Path
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from repro.errors import ConfigError, ReproError, check_known_keys
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+EVALUATE_SPLITS = ("validate", "evaluate")
+
+
+# ---- what one key may hold ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Value:
+    """The allowed values of one config key: one of `types` ("int", "number", "str", "bool", "list", "dict",
+    "null"), numbers within [low, high] (open ends where low_open / high_open), strings among `choices` if given."""
+
+    types: tuple[str, ...]
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    choices: tuple = ()
+
+    def describe(self) -> str:
+        words = {"int": "an integer", "number": "a number", "str": "a string", "bool": "true or false",
+                 "list": "a list", "dict": "a mapping", "null": "null"}
+        parts = []
+        for t in self.types:
+            if t == "str" and self.choices:
+                parts.append(f"one of {list(self.choices)}")
+            elif t in ("int", "number") and (self.low is not None or self.high is not None):
+                parts.append(f"{words[t]} {self._range()}")
+            else:
+                parts.append(words[t])
+        return " or ".join(parts)
+
+    def _range(self) -> str:
+        if self.low is not None and self.high is not None:
+            return f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+        if self.low is not None:
+            return f"{'>' if self.low_open else '>='} {self.low:g}"
+        return f"{'<' if self.high_open else '<='} {self.high:g}"
+
+    def allows(self, value) -> bool:
+        return any(_matches(t, value, self) for t in self.types)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and value == value  # not NaN
+
+
+def _in_range(value, spec: Value) -> bool:
+    if spec.low is not None and (value < spec.low or (spec.low_open and value == spec.low)):
+        return False
+    return spec.high is None or not (value > spec.high or (spec.high_open and value == spec.high))
+
+
+def _matches(kind: str, value, spec: Value) -> bool:
+    if kind == "int":
+        return _is_int(value) and _in_range(value, spec)
+    if kind == "number":
+        return _is_number(value) and abs(value) != float("inf") and _in_range(value, spec)
+    if kind == "str":
+        return isinstance(value, str) and (not spec.choices or value in spec.choices)
+    return {"bool": lambda v: isinstance(v, bool), "list": lambda v: isinstance(v, list | tuple),
+            "dict": lambda v: isinstance(v, dict), "null": lambda v: v is None}[kind](value)
+
+
+def integer(low=None, high=None, null=False) -> Value:
+    return Value(("int",) + (("null",) if null else ()), low, high)
+
+
+def number(low=None, high=None, low_open=False, high_open=False, null=False) -> Value:
+    return Value(("number",) + (("null",) if null else ()), low, high, low_open, high_open)
+
+
+def text(choices=(), null=False) -> Value:
+    return Value(("str",) + (("null",) if null else ()), choices=tuple(choices))
+
+
+FLAG = Value(("bool",))
+MAPPING = Value(("dict",))
+OPTIONAL_MAPPING = Value(("dict", "null"))
+
+
+def check_value(key: str, value, spec: Value) -> None:
+    """Raise ConfigError unless `value` (of config key `key`, dotted) is one that `spec` allows."""
+    if spec.allows(value):
+        return
+    hint = ""
+    if "int" in spec.types and isinstance(value, float) and value.is_integer():
+        hint = f"; write {int(value)} without a decimal point"
+    raise ConfigError(f"{key} must be {spec.describe()}, got {value!r}{hint}.")
+
+
+def check_table(group: str, config: dict, table: dict[str, Value], known=()) -> None:
+    """Every key of config group `group` in `table` or `known`, and every value in `table` of its type and range."""
+    if not isinstance(config, dict):
+        raise ConfigError(f"{group} must be a mapping of keys to values, got {config!r}.")
+    check_known_keys(group, config, set(table) | set(known))
+    for key, spec in table.items():
+        if key in config:
+            check_value(f"{group}.{key}" if group else key, config[key], spec)
+
+
+@cache
+def option_keys(group: str) -> frozenset[str]:
+    """Dotted leaf paths that any conf/<group>/*.yaml option defines (a Hydra defaults list excluded)."""
+    paths: set[str] = set()
+
+    def walk(node, prefix: str) -> None:
+        for key, value in node.items():
+            if key == "defaults" and not prefix:
+                continue
+            path = f"{prefix}{key}"
+            paths.add(path)
+            if isinstance(value, dict):
+                walk(value, path + ".")
+
+    for file in sorted((CONF / group).glob("*.yaml")):
+        walk(OmegaConf.to_container(OmegaConf.load(file), resolve=False) or {}, "")
+    return frozenset(paths)
+
+
+def top_keys(paths) -> set[str]:
+    return {p.split(".")[0] for p in paths}
+
+
+# ---- the tables -----------------------------------------------------------------------------------------------
+
+ROOT = {
+    "name": text(),
+    "seed": integer(0),
+    "profile_fraction": number(0, 1, low_open=True, high_open=True),
+    "validate_fraction": number(0, 1, high_open=True),
+    "evaluate_split": text(EVALUATE_SPLITS),
+    "history": integer(0),
+    "cache_dir": text(),
+    "trace": text(null=True),
+    "profile_trace": text(null=True),
+}
+# config groups: required ones, and those a job may leave out (null or absent)
+GROUPS = ("model", "workload", "system", "parallel", "hardware", "logger")
+OPTIONAL_GROUPS = ("sim", "exec", "eval_workload", "train_workload", "tune")
+
+PARALLEL = {  # ParallelConfig's fields (tests check they agree); cross-field rules are ParallelConfig's own
+    "devices": integer(1),
+    "attention": text(("dp", "tp")),
+    "tokens_per_step": integer(1),
+    "bytes_per_token": integer(1),
+    "devices_per_node": integer(1),
+}
+WORKLOAD = {  # load_workload's arguments
+    "name": text(),
+    "source": text(("offline", "hub")),
+    "split": text(),
+    "num_requests": integer(1, null=True),
+    "balanced": FLAG,
+    "max_prompt_len": integer(1),
+    "min_prompt_len": integer(1),
+    "output_len": Value(("int", "list"), low=0),
+    "request_rate": number(0),
+    "path": text(null=True),
+    "label_field": text(null=True),
+}
+HARDWARE = {  # the numbers repro/run.py's a2a_seconds_estimate reads; the simulator's are load_hardware's
+    "name": text(),
+    "nodes": integer(1),
+    "devices_per_node": integer(1),
+    "gemm_tile_tokens": integer(1),
+    "a2a_bandwidth_gbps": number(0, low_open=True),
+    "a2a_latency_us": number(0),
+    "measured": OPTIONAL_MAPPING,
+}
+LOGGER = {
+    "name": text(("none", "wandb")),
+    "project": text(),
+    "mode": text(("offline", "online", "disabled")),
+}
+EXEC = {  # ExecConfig's fields; choices and cross-field rules are check_exec_config's
+    "mode": text(),
+    "world_size": integer(1, null=True),
+    "backend": text(),
+    "kernel_backend": text(),
+    "hidden_size": integer(1),
+    "intermediate_size": integer(1),
+    "dtype": text(),
+    "max_tokens": integer(1),
+    "timeout_s": number(0, low_open=True),
+    "barrier_timing": FLAG,
+    "atol": number(0, low_open=True, null=True),
+}
+SIM = {  # the numbers check_sim_config compares (it owns the keys, choices and cross-field rules)
+    "rates": Value(("list",)),
+    "num_requests": integer(1),
+    "max_batched_tokens": integer(1),
+    "max_running_requests": integer(1),
+    "max_block_iterations": integer(1),
+    "iteration_overhead_us": number(0),
+    "kv_capacity_tokens": integer(1, null=True),
+    "slo": MAPPING,
+}
+SIM_SLO = {
+    "multiplier": number(0, low_open=True),
+    "statistic": text(),
+    "ttft_s": number(0, low_open=True, null=True),
+    "tpot_s": number(0, low_open=True, null=True),
+    "e2e_s": number(0, low_open=True, null=True),
+    "attainment": number(0, 1, low_open=True),
+    "bisect_steps": integer(0),
+}
+REPLAY_MODEL = {  # route_with_replay's keys
+    "name": text(),
+    "kind": text(),
+    "tables": Value(("list", "str")),
+    "tokenizer": text(null=True),
+    "min_count": integer(1),
+    "layer_coupling": number(0),  # upper bound: replay.MAX_COUPLING, checked by the replay producer
+}
+
+
+# ---- groups ---------------------------------------------------------------------------------------------------
+
+
+def check_root(config: dict) -> None:
+    known = set(ROOT) | set(GROUPS) | set(OPTIONAL_GROUPS) | top_keys(option_keys_of_root())
+    unknown = sorted(set(config) - known)
+    if unknown:
+        raise ConfigError(
+            f"the config has no key(s) {unknown}; its top-level keys are {sorted(known)} (a `+key=value` override "
+            "adds a key, so check its spelling)."
+        )
+    missing = [g for g in GROUPS if not isinstance(config.get(g), dict)]
+    if missing:
+        raise ConfigError(f"config group(s) {missing} are missing or not mappings; choose an option, e.g. {missing[0]}=<name>.")
+    check_table("", {k: v for k, v in config.items() if k in ROOT}, ROOT)
+    if config.get("profile_fraction", 0.2) + config.get("validate_fraction", 0.0) >= 1:
+        raise ConfigError(
+            f"profile_fraction={config['profile_fraction']} + validate_fraction={config.get('validate_fraction', 0.0)} "
+            "leave no requests to evaluate; keep their sum below 1."
+        )
+    for group in OPTIONAL_GROUPS:
+        check_value(group, config.get(group), OPTIONAL_MAPPING)
+
+
+@cache
+def option_keys_of_root() -> frozenset[str]:
+    """Top-level keys that conf/config.yaml and conf/tune.yaml define."""
+    keys = set()
+    for file in ("config.yaml", "tune.yaml"):
+        node = OmegaConf.to_container(OmegaConf.load(CONF / file), resolve=False) or {}
+        keys |= set(node) - {"defaults", "hydra"}
+    return frozenset(keys)
+
+
+def check_parallel(parallel: dict):
+    from repro.parallel import ParallelConfig
+
+    check_table("parallel", parallel, PARALLEL, top_keys(option_keys("parallel")))
+    return ParallelConfig.from_config(parallel)
+
+
+def check_workload(group: str, workload: dict) -> None:
+    from repro.workloads import WORKLOADS
+
+    check_table(group, workload, WORKLOAD, top_keys(option_keys("workload")))
+    if workload.get("name") not in WORKLOADS:
+        raise ConfigError(f"{group}.name={workload.get('name')!r} is not a workload; choose one of {sorted(WORKLOADS)}.")
+    out = workload.get("output_len", 0)
+    if isinstance(out, list | tuple) and not (len(out) == 2 and all(_is_int(v) for v in out) and 0 <= out[0] <= out[1]):
+        raise ConfigError(f"{group}.output_len must be an integer >= 0 or a range [lo, hi] with 0 <= lo <= hi, got {out!r}.")
+    if workload.get("min_prompt_len", 1) > workload.get("max_prompt_len", 1024):
+        raise ConfigError(
+            f"{group}.min_prompt_len={workload['min_prompt_len']} exceeds max_prompt_len={workload['max_prompt_len']}; "
+            "lower min_prompt_len or raise max_prompt_len."
+        )
+
+
+def check_model(model: dict) -> None:
+    """The routing producer's own check of its keys and values (the same one it runs before routing)."""
+    from repro.routing import PRODUCERS
+
+    kind = model.get("kind")
+    if kind not in PRODUCERS:
+        raise ConfigError(f"model.kind={kind!r} is not a routing producer; choose one of {sorted(PRODUCERS)}.")
+    if kind == "tiny":
+        from repro.routing.tiny_model import check_tiny_config
+
+        check_tiny_config(model)
+    elif kind == "synthetic":
+        from repro.routing.synthetic import check_synthetic_config
+
+        check_synthetic_config(model)
+    elif kind == "hf":
+        from repro.routing.hf_capture import HF_DEFAULTS
+
+        check_known_keys("model (kind=hf)", model, HF_DEFAULTS)
+        for key in ("batch_tokens",):
+            check_value(f"model.{key}", model.get(key, HF_DEFAULTS[key]), integer(1))
+        check_value("model.max_new_tokens", model.get("max_new_tokens", 0), integer(0))
+        check_value("model.trust_remote_code", model.get("trust_remote_code", False), FLAG)
+    elif kind == "replay":
+        check_table("model", model, REPLAY_MODEL)
+
+
+# ---- systems: parameters from the class signature -------------------------------------------------------------
+
+
+@cache
+def system_class(name: str):
+    from repro.systems import REGISTRY
+
+    module, cls_name = REGISTRY[name].split(":")
+    return getattr(importlib.import_module(module), cls_name)
+
+
+@cache
+def system_parameters(name: str) -> tuple[dict[str, str], bool]:
+    """({parameter: annotation string}, whether it takes any other keyword too) of system `name`.
+
+    A class whose __init__ forwards **params to its base (semmoe_replicated -> SemMoE) takes its base's parameters
+    as well; the walk up the MRO stops at the first __init__ without **params.
+    """
+    params: dict[str, str] = {}
+    forwards = False  # the last __init__ seen passes **params on
+    for klass in system_class(name).__mro__:
+        if "__init__" not in vars(klass) or klass.__module__ in ("builtins", "typing", "abc"):
+            continue
+        forwards = False
+        for p in inspect.signature(klass).parameters.values():
+            if p.kind is p.VAR_KEYWORD:
+                forwards = True
+            elif p.kind is not p.VAR_POSITIONAL:
+                annotation = p.annotation if isinstance(p.annotation, str) else getattr(p.annotation, "__name__", "")
+                params.setdefault(p.name, annotation)
+        if not forwards:
+            return params, False
+    return params, forwards  # no __init__ of its own: it takes nothing; else **params reached the end: anything
+
+
+ANNOTATION_TYPES = {"int": "int", "float": "number", "str": "str", "bool": "bool", "None": "null", "dict": "dict",
+                    "list": "list", "tuple": "list"}
+
+
+def annotation_value(annotation: str) -> Value | None:
+    """The Value an annotation such as 'int', 'float | None' or 'list[str] | tuple[str, ...]' allows; None: unknown."""
+    kinds = []
+    for part in annotation.split("|"):
+        base = part.strip().split("[")[0]
+        if base not in ANNOTATION_TYPES:
+            return None
+        kinds.append(ANNOTATION_TYPES[base])
+    return Value(tuple(dict.fromkeys(kinds))) if kinds else None
+
+
+def systems_taking(param: str) -> list[str]:
+    from repro.systems import REGISTRY
+
+    return [name for name in sorted(REGISTRY) if param in system_parameters(name)[0]]
+
+
+def check_system(system: dict) -> None:
+    from repro.systems import REGISTRY
+
+    check_table("system", system, {"name": text(), "params": OPTIONAL_MAPPING})
+    name = system.get("name")
+    if name not in REGISTRY:
+        raise ConfigError(f"unknown system {name!r}; choose one of {sorted(REGISTRY)}.")
+    params = system.get("params") or {}
+    accepted, open_ended = system_parameters(name)
+    unknown = sorted(set(params) - set(accepted))
+    if unknown and not open_ended:
+        takers = systems_taking(unknown[0])
+        hint = (f"only {', '.join(takers)} take {unknown[0]!r}: set it for those systems alone (a multirun sweeps it "
+                f"over them, e.g. -m system={','.join(takers)} system.params.{unknown[0]}=...)" if takers
+                else f"no system takes {unknown[0]!r}")
+        raise ConfigError(f"system {name!r} has no parameter(s) {unknown}; {hint}; its parameters are {sorted(accepted)}.")
+    for key, value in params.items():
+        spec = annotation_value(accepted.get(key, ""))
+        if spec is not None:
+            check_value(f"system.params.{key}", value, spec)
+
+
+def check_hardware(hardware: dict) -> None:
+    from repro.sim.hardware import REQUIRED, load_hardware
+
+    check_table("hardware", hardware, HARDWARE, top_keys(option_keys("hardware")) | top_keys(REQUIRED))
+    known = option_keys("hardware") | set(REQUIRED)
+
+    def walk(node: dict, prefix: str) -> None:
+        for key, value in node.items():
+            path = f"{prefix}{key}"
+            if path not in known:
+                raise ConfigError(f"hardware has no key {path!r}; a profile's keys are those of conf/hardware/h200.yaml.")
+            if isinstance(value, dict) and path != "measured":
+                walk(value, path + ".")
+
+    walk(hardware, "")
+    load_hardware(hardware)  # every number the simulator reads positive (or >= 0 where 0 means none)
+
+
+def check_sim(sim: dict) -> None:
+    from repro.sim import check_sim_config
+    from repro.sim.simulate import SIM_KEYS, SLO_KEYS
+
+    check_table("sim", sim, SIM, SIM_KEYS)
+    for rate in sim.get("rates", []):
+        check_value("sim.rates[...]", rate, number(0, low_open=True))
+    check_table("sim.slo", sim.get("slo") or {}, SIM_SLO, SLO_KEYS)
+    check_sim_config(sim)
+
+
+def check_exec(exec_cfg: dict, parallel) -> None:
+    from repro.exec.trace_mode import ExecConfig, check_exec_config
+
+    check_table("exec", exec_cfg, EXEC, [f.name for f in fields(ExecConfig)])
+    check_exec_config(exec_cfg, parallel)
+
+
+# ---- the whole config -----------------------------------------------------------------------------------------
+
+
+def check_config(config: dict) -> None:
+    """Raise one ConfigError sentence for the first unknown key or ill-typed / out-of-range value of a resolved
+    job config (the dict of OmegaConf.to_container(cfg, resolve=True)); return None when it is sound."""
+    check_root(config)
+    parallel = check_parallel(config["parallel"])
+    check_workload("workload", config["workload"])
+    for group in ("eval_workload", "train_workload"):
+        if config.get(group):
+            check_workload(group, config[group])
+    if config.get("trace"):  # nothing is routed: the model's keys only, without importing its producer (torch)
+        check_known_keys("model", config["model"], top_keys(option_keys("model")))
+    else:
+        check_model(config["model"])
+    check_system(config["system"])
+    check_hardware(config["hardware"])
+    check_table("logger", config["logger"], LOGGER, top_keys(option_keys("logger")))
+    if config.get("sim"):
+        check_sim(config["sim"])
+    if config.get("exec"):
+        check_exec(config["exec"], parallel)
+    if config.get("tune"):
+        from repro.tune import check_tune_config
+
+        check_tune_config(config["tune"])
+
+
+# ---- multirun: every job checked before the first runs --------------------------------------------------------
+
+try:
+    from hydra.experimental.callback import Callback
+except ImportError:  # pragma: no cover - hydra is a dependency; keep the module importable without it
+    Callback = object
+
+
+def sweep_jobs(config) -> list[list[str]]:
+    """The override lists of every job Hydra's basic sweeper will launch for this multirun config."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    params = [f"{k}={v}" for k, v in (config.hydra.sweeper.get("params") or {}).items()]
+    parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
+    overrides = parser.parse_overrides(params + list(config.hydra.overrides.task))
+    return [list(job) for batch in BasicSweeper.split_arguments(overrides, None) for job in batch]
+
+
+def job_config(master, overrides: list[str]) -> dict:
+    """The resolved task config (no `hydra` node) of one sweep job, as the job itself will see it."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    cfg = GlobalHydra.instance().config_loader().load_sweep_config(master, overrides)
+    task = OmegaConf.to_container(cfg, resolve=False)
+    task.pop("hydra", None)
+    return OmegaConf.to_container(OmegaConf.create(task), resolve=True)
+
+
+class CheckSweep(Callback):
+    """Hydra callback: before a multirun launches anything, check_config every job; the first bad one ends the
+    sweep with one `error:` line naming the job (exit code 2), as a single run would."""
+
+    def on_multirun_start(self, config, **kwargs) -> None:
+        if not str(config.hydra.sweeper.get("_target_", "")).endswith("BasicSweeper"):
+            return  # another sweeper chooses its jobs as it goes: each job checks itself when it starts
+        for overrides in sweep_jobs(config):
+            try:
+                task = job_config(config, overrides)
+            except OmegaConfBaseException:
+                continue  # an interpolation that does not resolve here: the job reports it itself
+            try:
+                check_config(task)
+            except ReproError as e:
+                print(f"error: sweep job [{' '.join(overrides)}]: {e}", file=sys.stderr)
+                raise SystemExit(2) from None

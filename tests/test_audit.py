@@ -1,0 +1,147 @@
+"""Issue 18's bad-input audit of the config / CLI boundary, kept as a test: each bad value gets one ConfigError
+sentence that names the key (checked on the composed config, as the app composes it), refused before anything
+runs; a few cases end to end through `python -m repro.run` / `repro.tune` (exit 2, one `error:` line, nothing
+written)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+from test_run import synthetic_trace_dir
+
+from repro.config_schema import check_config
+from repro.errors import ConfigError, TraceError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def composed(*overrides, config_name: str = "config") -> dict:
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name, overrides=["logger=none", *overrides])
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+# (config, overrides, what the sentence must contain): one row per case of the audit
+BAD_VALUES = [
+    ("config", ["parallel.devices=abc"], "parallel.devices must be an integer >= 1, got 'abc'"),
+    ("config", ["parallel.devices=2.5"], "parallel.devices must be an integer >= 1, got 2.5."),
+    ("config", ["parallel.devices=4.0"], "parallel.devices must be an integer >= 1, got 4.0; write 4"),
+    ("config", ["parallel.devices=0"], "parallel.devices must be an integer >= 1, got 0"),
+    ("config", ["parallel.attention=xp"], "parallel.attention must be one of ['dp', 'tp']"),
+    ("config", ["profile_fraction=abc"], "profile_fraction must be a number in (0, 1), got 'abc'"),
+    ("config", ["profile_fraction=1.5"], "profile_fraction must be a number in (0, 1)"),
+    ("config", ["validate_fraction=0.8"], "leave no requests to evaluate"),
+    ("config", ["seed=abc"], "seed must be an integer >= 0"),
+    ("config", ["history=-1"], "history must be an integer >= 0, got -1."),
+    ("config", ["hardware.nodes=abc"], "hardware.nodes must be an integer >= 1, got 'abc'"),
+    ("config", ["hardware.a2a_bandwidth_gbps=0"], "hardware.a2a_bandwidth_gbps must be a number > 0"),
+    ("config", ["hardware.gpu.hbm_gbps=-1"], "gpu.hbm_gbps must be a positive number"),
+    ("config", ["+exec=default", "exec.timeout_s=-1"], "exec.timeout_s must be a number > 0, got -1"),
+    ("config", ["+exec=default", "exec.max_tokens=abc"], "exec.max_tokens must be an integer >= 1"),
+    ("config", ["+workload.x=1"], "workload has no key(s) ['x']"),
+    ("config", ["workload.num_requests=abc"], "workload.num_requests must be an integer >= 1 or null"),
+    ("config", ["+nosuchkey=1"], "the config has no key(s) ['nosuchkey']"),
+    ("config", ["+hardware.x=1"], "hardware has no key(s) ['x']"),
+    ("config", ["+hardware.gpu.x=1"], "hardware has no key 'gpu.x'"),
+    ("config", ["+parallel.devics=4"], "parallel has no key(s) ['devics']"),
+    ("config", ["+model.foo=1"], "unknown keys ['foo']"),
+    ("config", ["model.num_layers=abc"], "model.num_layers='abc' must be a positive integer"),
+    ("config", ["logger=wandb", "logger.mode=xx"], "logger.mode must be one of"),
+    ("config", ["system=semmoe", "system.params.lookback=2.5"], "system.params.lookback must be an integer, got 2.5"),
+    ("config", ["system=semmoe", "system.params.theta=abc"], "system.params.theta must be a number, got 'abc'"),
+    # a parameter only some systems take (a multirun over systems passes it to all with ++)
+    ("config", ["system=ep", "++system.params.replicas_per_device=2"],
+     "system 'ep' has no parameter(s) ['replicas_per_device']; only eplb, semmoe_hottest, semmoe_replicated take"),
+    ("config", ["+system.params.thta=0.3"], "no system takes 'thta'"),
+    ("config", ["sim=default", "sim.rates=abc"], "sim.rates must be a list, got 'abc'"),
+    ("config", ["sim=default", "sim.rates=[10,-1]"], "sim.rates[...] must be a number > 0, got -1"),
+    ("config", ["sim=default", "sim.slo.attainment=abc"], "sim.slo.attainment must be a number in (0, 1]"),
+    ("tune", ["tune.objective=nope"], "tune.objective must be one of ['lar']"),
+    ("tune", ["+tune.constraints.nope=1"], "tune.constraints.nope is not a metric"),
+    ("tune", ["tune.constraints.token_imbalance_max_mean=abc"], "tune.constraints.token_imbalance_max_mean must be a number > 0"),
+    ("tune", ["tune.space.tp={system.params.theta:[]}"], "tune.space.tp.system.params.theta must be a non-empty list"),
+]
+
+
+@pytest.mark.parametrize("config_name, overrides, message", BAD_VALUES, ids=[" ".join(r[1]) for r in BAD_VALUES])
+def test_bad_value_is_one_sentence_naming_the_key(config_name, overrides, message):
+    config = composed(*overrides, config_name=config_name)
+    with pytest.raises(ConfigError) as error:
+        check_config(config)
+    sentence = str(error.value)
+    assert message in sentence
+    assert "\n" not in sentence and sentence.endswith(".")
+
+
+@pytest.mark.parametrize("config_name", ["config", "tune"])
+def test_the_shipped_defaults_pass(config_name):
+    """Positive control: the rows above fail because of their override, not because the check refuses everything."""
+    check_config(composed(config_name=config_name))
+
+
+def test_meta_value_types_are_one_sentence(tmp_path):
+    """meta.json value types: a string where an integer belongs is a TraceError naming the field, not a traceback."""
+    from repro.traces import read_trace
+
+    trace_dir = synthetic_trace_dir(tmp_path / "t")
+    meta = json.loads((trace_dir / "meta.json").read_text())
+    (trace_dir / "meta.json").write_text(json.dumps(dict(meta, num_experts="16")))
+    with pytest.raises(TraceError, match="num_experts"):
+        read_trace(trace_dir)
+
+
+# ---- end to end: exit code 2, one `error:` line, no traceback, nothing written ------------------------------
+
+
+def run_module(module: str, *args, cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, WANDB_MODE="disabled", REPRO_CACHE=str(cwd / "cache"), HYDRA_FULL_ERROR="0")
+    return subprocess.run([sys.executable, "-m", module, *args, "logger=none"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def assert_one_error_line(res: subprocess.CompletedProcess, fragment: str) -> None:
+    assert res.returncode == 2, res.stderr[-2000:]
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and fragment in errors[0], res.stderr[-2000:]
+    assert "Traceback" not in res.stderr
+
+
+RESULT_FILES = ("metrics.json", "per_layer.csv", "plan", "tuned.json", "candidates.csv", "multirun.yaml")
+
+
+def written_results(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.name in RESULT_FILES)
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("parallel.devices=abc", "parallel.devices must be an integer"),
+    ("+hardware.x=1", "hardware has no key(s) ['x']"),
+])
+def test_run_refuses_a_bad_value_with_one_line(tmp_path, override, fragment):
+    trace = synthetic_trace_dir(tmp_path / "trace")
+    res = run_module("repro.run", f"trace={trace}", override, f"hydra.run.dir={tmp_path / 'job'}", cwd=tmp_path)
+    assert_one_error_line(res, fragment)
+    assert written_results(tmp_path) == []
+
+
+def test_a_multirun_is_checked_before_its_first_job(tmp_path):
+    """eplb (first in the sweep) takes replicas_per_device, ep does not: the sweep stops before eplb runs."""
+    trace = synthetic_trace_dir(tmp_path / "trace")
+    res = run_module("repro.run", "-m", f"trace={trace}", "system=eplb,ep", "++system.params.replicas_per_device=2",
+                     f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
+    assert_one_error_line(res, "system 'ep' has no parameter(s) ['replicas_per_device']")
+    assert "error: sweep job [" in res.stderr
+    assert not (tmp_path / "sweep").exists()
+
+
+def test_tune_refuses_an_unknown_constraint_before_any_candidate(tmp_path):
+    trace = synthetic_trace_dir(tmp_path / "trace")
+    res = run_module("repro.tune", f"trace={trace}", "+tune.constraints.nope=1", f"hydra.run.dir={tmp_path / 'job'}",
+                     cwd=tmp_path)
+    assert_one_error_line(res, "tune.constraints.nope is not a metric")
+    assert written_results(tmp_path) == []
