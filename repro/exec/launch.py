@@ -15,6 +15,12 @@ Two ways to run the same worker:
   as JSON bytes over the group (nothing is unpickled). `init_from_env` starts the group early when the ranks
   must talk before the worker runs.
 
+Kills: no rank outlives its driver. Each spawned rank asks Linux to SIGKILL it when the driver dies
+(prctl PR_SET_PDEATHSIG) and also exits when its parent pid changes (checked at start and every second, the only
+guard off Linux); the multiprocessing resource tracker then exits too, as its pipe closes. A SIGTERM to the driver
+while `launch` runs terminates the ranks (SIGKILL after TERMINATE_GRACE_S), then re-delivers the SIGTERM to the
+handler that was there before (by default the driver then dies of it, status -15 / 143).
+
 Faults: every collective of the group times out after `timeout_s`. If a rank raises or dies (os._exit, a kill),
 its peers fail in their next collective (connection closed, or the timeout), `launch` waits for them at most
 `timeout_s` more, stops any still running, and raises ReproError naming the rank that failed first and its error.
@@ -24,11 +30,15 @@ get cuda device rank % device_count (`worker_device(backend, rank)`; `launch` ne
 
 from __future__ import annotations
 
+import ctypes
 import datetime as dt
 import json
 import multiprocessing as mp
 import os
 import queue
+import signal
+import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -39,6 +49,11 @@ import torch.distributed as dist
 from repro.errors import ConfigError, ReproError
 
 DIST_BACKENDS = ("gloo", "nccl")
+TERMINATE_GRACE_S = 3.0  # after a SIGTERM to the driver, how long its ranks get to exit before SIGKILL
+PARENT_POLL_S = 1.0  # how often a rank checks that its driver is still its parent
+ORPHAN_EXIT_CODE = 1  # a rank whose driver is gone exits with this (nobody reads it)
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+HAS_PDEATHSIG = sys.platform.startswith("linux")
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -70,7 +85,8 @@ def launch(
     """Spawn `world_size` ranks, run worker(rank, world_size, **kwargs) in each, return their dicts in rank order.
 
     Raises ReproError naming the first failed rank and its error sentence when any rank raises or dies; no rank
-    is left running and the call returns within about 2 x timeout_s of the failure.
+    is left running and the call returns within about 2 x timeout_s of the failure. A SIGTERM while it runs stops
+    the ranks first and is then re-delivered to the previous handler (by default the process dies of it).
     """
     check_backend(backend, world_size)
     if backend == "nccl" and world_size > torch.cuda.device_count():
@@ -85,21 +101,27 @@ def launch(
     processes = [
         context.Process(
             target=_spawned_rank,
-            args=(worker, rank, world_size, backend, store.port, timeout_s, kwargs, results),
+            args=(worker, rank, world_size, backend, store.port, timeout_s, kwargs, results, os.getpid()),
             daemon=True,
         )
         for rank in range(world_size)
     ]
-    for process in processes:
-        process.start()
+    sigterms: list[int] = []  # the handler only appends: no lock a signal could interrupt
+    previous_handler = _catch_sigterm(sigterms)
     try:
-        outcomes = _collect(processes, results, timeout_s)
-    finally:
         for process in processes:
-            if process.is_alive():
-                process.kill()
-            process.join()
+            if not sigterms:
+                process.start()
+        outcomes = _collect(processes, results, timeout_s, sigterms)
+    finally:
+        _stop_ranks(processes, TERMINATE_GRACE_S if sigterms else 0.0)
+        if previous_handler is not None:
+            signal.signal(signal.SIGTERM, previous_handler)
         del store
+    if sigterms:
+        del processes, results  # frees the queue's semaphores now: dying of the signal skips that cleanup
+        signal.raise_signal(signal.SIGTERM)  # the handler we replaced decides; by default this process ends here
+        raise ReproError(f"exec driver received SIGTERM and stopped its {world_size} ranks before they finished.")
     failures = {rank: outcome for rank, outcome in outcomes.items() if outcome[0] != "ok"}
     if failures:
         raise ReproError(_failure_sentence(failures, world_size))
@@ -146,7 +168,29 @@ def _init(backend: str, rank: int, world_size: int, timeout_s: float, store) -> 
     )
 
 
-def _spawned_rank(worker, rank, world_size, backend, port, timeout_s, kwargs, results) -> None:
+def _die_with_parent(parent_pid: int) -> None:
+    """Make this rank end when `parent_pid` (the driver that spawned it) ends, however the driver ends.
+
+    Linux: the kernel sends SIGKILL when the parent dies (PR_SET_PDEATHSIG). Everywhere: exit now if the parent is
+    already gone (it may die while this rank imports torch, before the prctl), and a daemon thread exits when the
+    parent pid changes (re-parented to init or a subreaper).
+    """
+    if HAS_PDEATHSIG:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # best effort: the pid check below still guards
+    if os.getppid() != parent_pid:
+        os._exit(ORPHAN_EXIT_CODE)
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_POLL_S)
+        os._exit(ORPHAN_EXIT_CODE)
+
+    threading.Thread(target=watch, name="exec-parent-watch", daemon=True).start()
+
+
+def _spawned_rank(worker, rank, world_size, backend, port, timeout_s, kwargs, results, parent_pid) -> None:
+    _die_with_parent(parent_pid)
     try:
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=dt.timedelta(seconds=timeout_s))
         _init(backend, rank, world_size, timeout_s, store)
@@ -180,12 +224,41 @@ def _error_sentence(e: BaseException) -> str:
 # ---- in the driver -------------------------------------------------------------------------------------------
 
 
-def _collect(processes, results, timeout_s: float) -> dict:
+def _catch_sigterm(sigterms: list[int]):
+    """Record SIGTERMs in `sigterms` instead of dying of them, so launch can stop its ranks first; returns the
+    handler to restore, or None when nothing was installed (not the main thread, SIGTERM ignored, or a handler
+    installed outside Python, which we could not restore)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None  # signal.signal works only there; PR_SET_PDEATHSIG still stops the ranks if the driver dies
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous is None or previous == signal.SIG_IGN:
+        return None
+    signal.signal(signal.SIGTERM, lambda signum, frame: sigterms.append(signum))
+    return previous
+
+
+def _stop_ranks(processes, grace_s: float) -> None:
+    """End every started rank still running: SIGTERM and up to grace_s to exit when grace_s > 0, then SIGKILL."""
+    started = [p for p in processes if p.pid is not None]
+    if grace_s > 0:
+        for process in started:
+            if process.is_alive():
+                process.terminate()
+        deadline = time.monotonic() + grace_s
+        for process in started:
+            process.join(max(0.0, deadline - time.monotonic()))
+    for process in started:
+        if process.is_alive():
+            process.kill()
+        process.join()
+
+
+def _collect(processes, results, timeout_s: float, sigterms: list[int]) -> dict:
     """{rank: ("ok", dict) | ("error", sentence, is_comm_error, t) | ("died", sentence, False, t)}; returns when
-    every rank reported, or timeout_s after the first failure."""
+    every rank reported, timeout_s after the first failure, or at once when `sigterms` is no longer empty."""
     outcomes: dict = {}
     first_failure = None
-    while len(outcomes) < len(processes):
+    while len(outcomes) < len(processes) and not sigterms:
         if first_failure is not None and time.monotonic() - first_failure > timeout_s:
             break
         try:
