@@ -97,6 +97,50 @@ def test_dp_assignment_ignores_all_evaluated_routing(system):
     np.testing.assert_array_equal(home_devices(plan, scrambled(evaluation, 0)), home)
 
 
+TIME_SCHEDULER = {"dp_scheduler": "time", "dp_balance_weight": 0.5}
+
+
+def with_generated(trace, generated, seed=2):
+    """The same prompts (ids, lengths) followed by generated[r] new tokens of request r with random ids and routing."""
+    rng = np.random.default_rng(seed)
+    prompt = np.asarray(trace.prefill_len, dtype=np.int64)
+    pieces_ids, pieces_experts = [], []
+    for r in range(trace.num_requests):
+        start = trace.offsets[r]
+        pieces_ids += [trace.token_ids[start : start + prompt[r]], rng.integers(60, size=generated[r])]
+        fresh = np.argsort(rng.random((generated[r], trace.num_layers, trace.meta.num_experts)), axis=2)
+        pieces_experts += [trace.experts[start : start + prompt[r]], fresh[:, :, : trace.meta.top_k]]
+    offsets = np.concatenate([[0], np.cumsum(prompt + generated)])
+    return make_trace(trace.meta, offsets, np.concatenate(pieces_ids), np.concatenate(pieces_experts), prefill_len=prompt)
+
+
+def test_time_scheduler_ignores_evaluated_routing_and_generated_tokens():
+    """dp_scheduler=time: a request's rank comes from its prompt and the earlier requests only: scrambling the
+    evaluated routing, or changing how many tokens each request generates (unknown at arrival; the scheduler
+    uses the profile's expected count), moves no rank; streamed one request at a time it gives the same ranks."""
+    profile, evaluation = split_trace(routed_trace(), 0.3, np.random.default_rng(0))
+    plan = fitted("semmoe", profile, 4, "dp", **TIME_SCHEDULER)
+    home = home_devices(plan, evaluation)
+    np.testing.assert_array_equal(home_devices(plan, scrambled(evaluation, 0)), home)
+    rng = np.random.default_rng(4)
+    ranks = []
+    for generated in (np.zeros(evaluation.num_requests, np.int64), rng.integers(0, 40, evaluation.num_requests)):
+        decoded = with_generated(evaluation, generated)
+        plan.reset()
+        ranks.append(plan.assign_requests(decoded.token_ids, decoded.offsets, decoded.prefill_len))
+    np.testing.assert_array_equal(ranks[0], ranks[1])
+    np.testing.assert_array_equal(ranks[0], home[evaluation.offsets[:-1], 0])
+    plan.reset()
+    one_by_one = [plan.assign_requests(evaluation.token_ids[evaluation.offsets[r] : evaluation.offsets[r + 1]],
+                                       evaluation.offsets[r : r + 2] - evaluation.offsets[r], evaluation.prefill_len[r : r + 1])
+                  for r in range(evaluation.num_requests)]
+    np.testing.assert_array_equal(np.concatenate(one_by_one), ranks[0])
+    # positive control: the scheduler does read prompts (rewriting them moves ranks)
+    rewritten = make_trace(evaluation.meta, evaluation.offsets, (np.asarray(evaluation.token_ids) * 7 + 3) % 60,
+                           evaluation.experts, prefill_len=evaluation.prefill_len)
+    assert not np.array_equal(home_devices(plan, rewritten), home)
+
+
 @pytest.mark.parametrize("attention", ["dp", "tp"])
 def test_the_app_fits_deployed_systems_on_the_profile_only(tmp_path, attention):
     """Through the app: scrambling the routing of the evaluate split leaves every deployed plan unchanged;

@@ -313,6 +313,20 @@ def test_online_is_the_default_in_code_and_config():
     assert SemMoE(**params).dp_token_price == 0.0
 
 
+def test_time_scheduler_is_the_configured_default_and_the_paper_one_stays_selectable():
+    """conf/system/semmoe.yaml runs dp_scheduler=time (chosen on validate, see its comment); the class default and
+    system=semmoe_paper run the paper's Algorithm 2, which refuses a time weight."""
+    from omegaconf import OmegaConf
+
+    params = OmegaConf.to_container(OmegaConf.load("conf/system/semmoe.yaml"))["params"]
+    assert params["dp_scheduler"] == "time" and params["dp_balance_weight"] > 0
+    assert SemMoE(**params).dp_scheduler == "time" and SemMoE().dp_scheduler == "paper"
+    paper = OmegaConf.to_container(OmegaConf.load("conf/system/semmoe_paper.yaml"))["params"]
+    assert make_system("semmoe_paper", **{**params, **paper}).dp_scheduler == "paper"
+    with pytest.raises(ConfigError, match="semmoe_paper runs the paper's DP scheduler"):
+        make_system("semmoe_paper", dp_scheduler="time")
+
+
 def stream(token_ids, lengths):
     """(token_ids, offsets, prefill_len) of an all-prompt request stream."""
     return np.asarray(token_ids), np.concatenate([[0], np.cumsum(lengths)]), np.asarray(lengths)

@@ -12,6 +12,8 @@ from repro.systems.base import Placement, Plan, System, even_counts
 REGISTRY: dict[str, str] = {
     "ep": "repro.systems.ep:VanillaEP",
     "semmoe": "repro.systems.semmoe:SemMoE",
+    # the paper's Attention-DP scheduler (Algorithm 2) for the reproduction verdict; semmoe defaults to dp_scheduler=time
+    "semmoe_paper": "repro.systems.semmoe:SemMoEPaper",
     # beyond the paper: r extra slots per device filled by co-clustering, or with the hottest experts (baseline)
     "semmoe_replicated": "repro.systems.semmoe.replicate:SemMoEReplicated",
     "semmoe_hottest": "repro.systems.semmoe.replicate:SemMoEHottest",

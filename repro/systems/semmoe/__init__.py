@@ -43,7 +43,7 @@ from repro.systems.semmoe.dp import (
     window_exact_assign,
     window_lookahead,
 )
-from repro.systems.semmoe.system import CLUSTER_UNITS, SemMoE, SemMoEPlan
+from repro.systems.semmoe.system import CLUSTER_UNITS, SemMoE, SemMoEPaper, SemMoEPlan
 from repro.systems.semmoe.tp import align_to_slices, inverse_permutation, predict_devices
 
 __all__ = [
@@ -56,6 +56,7 @@ __all__ = [
     "VOTE_CHUNK_TOKENS",
     "CoclusterResult",
     "SemMoE",
+    "SemMoEPaper",
     "SemMoEPlan",
     "SparseAffinity",
     "align_to_slices",

@@ -653,6 +653,22 @@ class SemMoEHierarchical(SemMoE):
         super().__init__(**{**params, "hierarchical": True})
 
 
+class SemMoEPaper(SemMoE):
+    """`system=semmoe_paper`: Sem-MoE with the paper's Attention-DP scheduler (Algorithm 2, dp_scheduler="paper"),
+    for the reproduction verdict; system=semmoe's configured default is the time-aware scheduler."""
+
+    name = "semmoe_paper"
+
+    def __init__(self, **params):
+        check_semmoe_params(self.name, params)
+        if params.get("dp_scheduler", "paper") != "paper" or params.get("dp_balance_weight", 0.0):
+            raise ConfigError(
+                f"system=semmoe_paper runs the paper's DP scheduler; got dp_scheduler={params.get('dp_scheduler')!r}, "
+                f"dp_balance_weight={params.get('dp_balance_weight')}: use system=semmoe for the time-aware one."
+            )
+        super().__init__(**{**params, "dp_scheduler": "paper", "dp_balance_weight": 0.0})
+
+
 def check_semmoe_params(name: str, params: dict, own: tuple[str, ...] = ()) -> None:
     """Raise a ConfigError naming the known parameters when a system built on SemMoE gets an unknown one."""
     known = set(inspect.signature(SemMoE).parameters)
