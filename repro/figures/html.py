@@ -5,12 +5,15 @@
 
 Every local image becomes a base64 `data:` URI, the style sheet is embedded, and nothing is fetched from the
 network (no CDN script, font or image). Hyperlinks are kept as they are: they load nothing when the page opens.
+Every section heading gets an anchor (id) and a table of contents after the title links to them; wide tables
+scroll sideways inside their own box instead of being cut.
 """
 
 from __future__ import annotations
 
 import base64
 import html
+import re
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
@@ -27,7 +30,8 @@ CSS = """
 body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; line-height: 1.45; color: #1f2328;
        max-width: 1200px; margin: 2em auto; padding: 0 1em; }
 h1, h2, h3 { line-height: 1.2; } h2 { border-bottom: 1px solid #d0d7de; padding-bottom: .2em; margin-top: 2em; }
-table { border-collapse: collapse; display: block; overflow-x: auto; margin: 1em 0; font-size: 0.85em; }
+.table-scroll { overflow-x: auto; max-width: 100%; margin: 1em 0; }
+table { border-collapse: collapse; font-size: 0.85em; }
 th, td { border: 1px solid #d0d7de; padding: 3px 8px; text-align: right; white-space: nowrap; }
 th { background: #f6f8fa; position: sticky; top: 0; } tr:nth-child(even) td { background: #fafbfc; }
 td:first-child, th:first-child { text-align: left; }
@@ -35,6 +39,9 @@ code { background: #f6f8fa; padding: 0 .25em; border-radius: 3px; font-size: 0.9
 pre { background: #f6f8fa; padding: .8em; overflow-x: auto; font-size: 0.8em; }
 pre code { padding: 0; }
 img { max-width: 100%; height: auto; }
+nav.toc { background: #f6f8fa; border: 1px solid #d0d7de; padding: .5em 1.2em; font-size: 0.9em; }
+nav.toc ul { margin: .2em 0; padding-left: 1.2em; }
+h2[id], h3[id] { scroll-margin-top: 1em; }
 """
 
 
@@ -60,6 +67,46 @@ def image_data_uri(src: str, base_dir: Path) -> str:
     return f"data:{mime};base64,{base64.b64encode(path.read_bytes()).decode('ascii')}"
 
 
+def _slug(text: str, taken: set[str]) -> str:
+    """A URL fragment for a heading ("Fig. 4: latency" -> "fig-4-latency"), unique among `taken` (updated)."""
+    base = re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "section"
+    slug, n = base, 2
+    while slug in taken:
+        slug, n = f"{base}-{n}", n + 1
+    taken.add(slug)
+    return slug
+
+
+def _anchor_headings(tokens) -> list[tuple[int, str, str]]:
+    """Give every h2 / h3 an id; returns [(level, id, heading text)] in page order for the table of contents."""
+    taken, toc = set(), []
+    for i, token in enumerate(tokens):
+        if token.type == "heading_open" and token.tag in ("h2", "h3"):
+            text = "".join(c.content for c in tokens[i + 1].children or () if c.type in ("text", "code_inline"))
+            slug = _slug(text, taken)
+            token.attrSet("id", slug)
+            toc.append((int(token.tag[1]), slug, text))
+    return toc
+
+
+def _toc_html(toc: list[tuple[int, str, str]]) -> str:
+    """A nested list of links to the h2 sections and their h3 subsections; "" for fewer than two sections."""
+    if len(toc) < 2:
+        return ""
+    parts, open_sub = ['<nav class="toc"><strong>Contents</strong>\n<ul>'], False
+    for level, slug, text in toc:
+        link = f'<a href="#{slug}">{html.escape(text)}</a>'
+        if level == 3 and not open_sub and len(parts) > 1:
+            parts[-1] = parts[-1].removesuffix("</li>") + "\n<ul>"
+            open_sub = True
+        elif level == 2 and open_sub:
+            parts.append("</ul></li>")
+            open_sub = False
+        parts.append(f"<li>{link}</li>")
+    parts.append("</ul></li>" if open_sub else "")
+    return "\n".join(parts) + "\n</ul></nav>\n"
+
+
 def markdown_to_html(report_md: Path) -> str:
     """The markdown file as one HTML page: tables rendered, local images inlined, CSS embedded."""
     report_md = Path(report_md)
@@ -73,7 +120,12 @@ def markdown_to_html(report_md: Path) -> str:
         for child in token.children or ():
             if child.type == "image":
                 child.attrSet("src", image_data_uri(str(child.attrGet("src")), report_md.parent))
+    toc = _toc_html(_anchor_headings(tokens))
     body = md.renderer.render(tokens, md.options, {})
+    body = body.replace("<table>", '<div class="table-scroll"><table>').replace("</table>", "</table></div>")
+    if toc:  # after the title, or first when there is none
+        head, sep, rest = body.partition("</h1>\n")
+        body = head + sep + toc + rest if sep else toc + body
     return (f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
             f'<meta name="viewport" content="width=device-width, initial-scale=1">\n'
             f"<title>{html.escape(title)}</title>\n<style>{CSS}</style>\n</head>\n<body>\n{body}</body>\n</html>\n")

@@ -15,14 +15,18 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import OmegaConf
 
 from repro.errors import ReproError
 
 log = logging.getLogger("repro.figures")
 
 # copied from a job's config into its summary row and each of its per_layer rows
-PER_LAYER_KEYS = ("experiment", "run_dir", "devices", "attention", "system", "eval_workload", "workload", "model_name")
+PER_LAYER_KEYS = ("experiment", "run_dir", "devices", "attention", "system", "kind", "eval_workload", "workload",
+                  "model_name", "job", "lookback")
 
 
 @dataclass(frozen=True)
@@ -130,6 +134,48 @@ def load_runs(runs_dir: str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     """read_jobs without the skipped list: (one row per finished job, one row per job and MoE layer)."""
     summary, per_layer, _ = read_jobs(runs_dir)
     return summary, per_layer
+
+
+def planned_jobs(sweep_dir: str | Path) -> int | None:
+    """How many jobs the Hydra multirun that wrote sweep_dir/multirun.yaml launched: the product of the sizes of
+    its sweeper params and command-line sweeps (a command-line sweep replaces the param of the same key, as Hydra's
+    basic sweeper does). None when there is no multirun.yaml or its sweep cannot be counted (e.g. glob())."""
+    path = Path(sweep_dir) / "multirun.yaml"
+    if not path.is_file():
+        return None
+    try:
+        cfg = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+        hydra = cfg.get("hydra") or {}
+        params = [f"{k}={v}" for k, v in ((hydra.get("sweeper") or {}).get("params") or {}).items()]
+        task = list((hydra.get("overrides") or {}).get("task") or [])
+        sizes = {}
+        for override in OverridesParser.create().parse_overrides(params + task):
+            sweep = override.is_sweep_override()
+            sizes[override.key_or_group] = len(list(override.sweep_string_iterator())) if sweep else 1
+    except Exception as error:  # noqa: BLE001 (a sweep that cannot be counted is reported as unknown, not fatal)
+        log.warning("cannot count the jobs of the sweep in %s (%s); its completeness is not checked.", path, error)
+        return None
+    return int(np.prod(list(sizes.values()), dtype=np.int64)) if sizes else 1
+
+
+def sweep_notes(summary: pd.DataFrame, skipped: list[SkippedJob]) -> dict[str, str]:
+    """{experiment: "partial sweep: n of N jobs finished (k skipped as unreadable)"} for each experiment whose
+    sweep folders' multirun.yaml planned more jobs than the finished ones found in them."""
+    notes = {}
+    skipped_dirs = [job.metrics_path.parent.parent for job in skipped]
+    for experiment, runs in summary.groupby("experiment", sort=True):
+        sweep_dirs = sorted({Path(d).parent for d in runs["run_dir"]})
+        planned = [planned_jobs(d) for d in sweep_dirs]
+        if not any(n is not None for n in planned):
+            continue
+        counted = [d for d, n in zip(sweep_dirs, planned, strict=True) if n is not None]
+        found = sum(Path(d).parent in counted for d in runs["run_dir"])
+        total = sum(n for n in planned if n is not None)
+        if found < total:
+            unreadable = sum(d in counted for d in skipped_dirs)
+            notes[experiment] = (f"partial sweep: {found} of the {total} jobs its multirun launched have finished"
+                                 + (f" ({unreadable} skipped as unreadable)" if unreadable else ""))
+    return notes
 
 
 def skipped_lines(skipped: list[SkippedJob], runs_dir: str | Path) -> list[str]:

@@ -1,5 +1,5 @@
 """The paper's figures and tables (arXiv 2503.04398 §4) regenerated from finished jobs under runs/, each beside
-the paper's value or claim (../shared/reference/paper.md §4), with the config and routing source that made it.
+the paper's value or claim (the paper's §4), with the config and routing source that made it.
 
     lines = paper_section(summary, out_dir)      # summary = repro.figures.jobs.load_runs(runs_dir)[0]
 
@@ -24,11 +24,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from repro.figures.palette import MOE_PART_COLORS, system_color  # noqa: E402
 from repro.figures.render import markdown_table, save_png  # noqa: E402
 from repro.sim.metrics import paper_slo, throughput_under_slo  # noqa: E402
 
 SYSTEMS = ("ep", "eplb", "moetuner", "semmoe")  # plot order; ep is the paper's vanilla EP (SGLang + DeepEP)
-COLORS = {"ep": "#4c72b0", "eplb": "#8c8c8c", "moetuner": "#dd8452", "semmoe": "#c44e52"}
 MOE_PARTS = ("gate", "dispatch", "experts", "combine")  # the paper's Fig. 1 split of one MoE layer
 PANEL = ["experiment", "sim_shape", "model_name", "eval_workload", "attention", "devices", "sim_hardware"]
 
@@ -171,15 +171,20 @@ def fig1_breakdown(summary: pd.DataFrame, out_dir: Path) -> list[str]:
     for ax, (row, per_rate) in zip(axes, panels, strict=True):
         x = np.arange(len(per_rate))
         bottom = np.zeros(len(per_rate))
-        for part, color in zip(MOE_PARTS, ("#937860", "#4c72b0", "#55a868", "#8172b3"), strict=True):
+        for part in MOE_PARTS:
             us = per_rate[f"moe_{part}_s"].to_numpy() * 1e6
-            ax.bar(x, us, bottom=bottom, color=color, label=part)
+            ax.bar(x, us, bottom=bottom, color=MOE_PART_COLORS[part], label=part)
             bottom += us
-        for xi, top, share in zip(x, bottom, per_rate["a2a_share"], strict=True):
-            ax.text(xi, top, f"{100 * share:.0f}%", ha="center", va="bottom", fontsize=6)
         ax.set_xticks(x, [f"{r:g}" for r in per_rate["rate"]], rotation=45, fontsize=7)
         ax.set_xlabel("request rate (req/s)")
-        ax.set_ylabel("µs per MoE layer (uncalibrated)")
+        ax.set_ylabel("time per MoE layer (µs, uncalibrated)")
+        share = ax.twinx()  # the result (a share) on its own axis, beside the paper's value
+        share.plot(x, per_rate["a2a_share"] * 100, "o-", color="k", ms=3, label="all-to-all share (ours)")
+        share.axhline(PAPER_A2A_SHARE * 100, color="#b00020", ls="--", lw=1,
+                      label=f"paper: {PAPER_A2A_SHARE * 100:.1f} % (R1)")
+        share.set_ylim(0, 100)
+        share.set_ylabel("all-to-all share of the MoE layer (%)")
+        share.grid(False)
         ax.set_title(_title(row), fontsize=8)
         lightest, heaviest = per_rate.iloc[0], per_rate.iloc[-1]
         rows.append({"experiment": row["experiment"], "shape": row["sim_shape"], "workload": row["eval_workload"],
@@ -189,7 +194,8 @@ def fig1_breakdown(summary: pd.DataFrame, out_dir: Path) -> list[str]:
                      "MoE layer µs (lightest)": f"{_layer_seconds(per_rate).iloc[0] * 1e6:.1f}",
                      "paper": _pct(PAPER_A2A_SHARE)})
         configs.append(config_line(row))
-    axes[0].legend(fontsize=7, loc="upper left")
+    bars, lines = axes[0].get_legend_handles_labels(), share.get_legend_handles_labels()  # the same in every panel
+    fig.legend(bars[0] + lines[0], bars[1] + lines[1], loc="outside right center", fontsize=7)
     path = save_png(fig, out_dir / "paper" / "fig1_moe_breakdown.png")
     return ["### Fig. 1: MoE-layer time breakdown of vanilla EP, all-to-all share", "",
             "Share = (dispatch + combine) / (gate + dispatch + experts + combine) of one MoE layer, mean over the "
@@ -224,7 +230,7 @@ def fig4_latency_throughput(summary: pd.DataFrame, out_dir: Path) -> list[str]:
         for ax, (latency, stat) in zip(axes, FIG4_STATS, strict=True):
             column = f"{latency}_{stat}_s"
             for system, per_rate in tables.items():
-                ax.plot(per_rate["throughput_rps"], per_rate[column] * 1e3, "o-", ms=3, color=COLORS[system], label=system)
+                ax.plot(per_rate["throughput_rps"], per_rate[column] * 1e3, "o-", ms=3, color=system_color(system), label=system)
             if "ep" in tables:
                 ax.axhline(paper_slo(tables["ep"], latency, stat, multiplier) * 1e3, ls="--", color="k", lw=0.8,
                            label=f"SLO {multiplier:g}x ep lightest")
@@ -385,10 +391,10 @@ def fig5a_lar_vs_moe_latency(summary: pd.DataFrame, out_dir: Path) -> list[str]:
             at_rate = at_rate.sort_values("lar")
             ax.plot(at_rate["lar"], at_rate["layer_us"], "-", color="0.8", lw=0.7, zorder=1)
         for system, per_rate in tables.items():
-            ax.scatter(per_rate["lar"], _layer_seconds(per_rate) * 1e6, s=sizes[: len(per_rate)], color=COLORS[system],
+            ax.scatter(per_rate["lar"], _layer_seconds(per_rate) * 1e6, s=sizes[: len(per_rate)], color=system_color(system),
                        label=system, alpha=0.8)
         ax.set_xlabel("local activation rate (LAR)")
-        ax.set_ylabel("MoE layer µs (uncalibrated)")
+        ax.set_ylabel("time per MoE layer (µs, uncalibrated)")
         ax.set_title(_title(row) + "\n(marker size = rate; grey joins one rate)", fontsize=8)
         ax.legend(fontsize=7)
         if {"ep", "semmoe"} <= set(tables):
@@ -428,16 +434,22 @@ def fig5b_lar_imbalance(summary: pd.DataFrame, out_dir: Path) -> list[str]:
             groups.append((key, group.set_index("system").loc[[s for s in SYSTEMS if s in set(group["system"])]]))
     if not groups:
         return []
-    metrics = (("lar", "LAR"), ("expert_load_imbalance_max_mean", "expert load max/mean"),
-               ("token_imbalance_max_mean", "token load max/mean"))
+    metrics = (("lar", "local activation rate (LAR)"), ("expert_load_imbalance_max_mean", "expert load, max / mean"),
+               ("token_imbalance_max_mean", "tokens per device, max / mean"))
     fig, axes = plt.subplots(len(groups), 3, figsize=(11, 2.6 * len(groups)), squeeze=False, layout="constrained")
     rows, notes = [], []
     for axrow, ((experiment, model, workload, attention), group) in zip(axes, groups, strict=True):
         for ax, (column, label) in zip(axrow, metrics, strict=True):
-            ax.bar(group.index, group[column], color=[COLORS[s] for s in group.index])
+            ax.bar(group.index, group[column], color=[system_color(s) for s in group.index])
             for x, v in enumerate(group[column]):
                 ax.text(x, v, f"{v:.3f}", ha="center", va="bottom", fontsize=7)
             ax.set_ylabel(label)
+            if column == "lar":  # R7: Sem-MoE's LAR is 15.4 % above MoETuner's; drawn over our moetuner
+                where = list(group.index).index("semmoe")
+                ax.hlines(group.at["moetuner", "lar"] * (1 + PAPER_FIG5B_LAR_GAIN), where - 0.4, where + 0.4,
+                          colors="#b00020", linestyles="--", label="paper: moetuner's LAR +15.4 %")
+                ax.set_ylim(0, 1)
+                ax.legend(fontsize=6, loc="upper left")
         axrow[0].set_title(f"{experiment}: {model}, {workload}, {attention.upper()} EP{group['devices'].iloc[0]}", fontsize=8,
                            loc="left")
         best = group.drop(index="semmoe")["lar"].max()
@@ -557,18 +569,19 @@ def fig6b_heatmap_kurtosis(summary: pd.DataFrame, out_dir: Path) -> list[str]:
         counts = amap["counts"][0]
         share = counts / np.maximum(counts.sum(axis=1, keepdims=True), 1)
         ax = axes[0][col]
-        ax.imshow(share, aspect="auto", cmap="mako_r", interpolation="nearest")
+        image = ax.imshow(share, aspect="auto", cmap="mako_r", interpolation="nearest", vmin=0)
         ax.grid(False)
+        fig.colorbar(image, ax=ax, label="share of the token's activations", shrink=0.8)
         ax.set_title(f"{job['model_name']} on {job['eval_workload']}, MoE layer {int(amap['layer_ids'][0])}", fontsize=8)
         ax.set_xlabel("expert")
         ax.set_ylabel(f"{share.shape[0]} most frequent tokens")
         kurt, spikes = z["token_kurtosis"], float(z["kurtosis_spikes"])
         ax = axes[1][col]
-        ax.hist(kurt, bins=40, color="#4c72b0")
-        ax.axvline(8, color="k", ls="--", lw=0.8, label="8 (paper)")
-        ax.axvline(spikes, color="#c44e52", ls=":", lw=1.2, label=f"k equal spikes {spikes:.1f}")
+        ax.hist(kurt, bins=40, color="0.55")
+        ax.axvline(8, color="#b00020", ls="--", lw=1, label="paper: most tokens > 8")
+        ax.axvline(spikes, color="k", ls=":", lw=1.2, label=f"k equal spikes {spikes:.1f}")
         ax.set_xlabel(f"per-token kurtosis, MoE layer {int(z['layer_ids'][0])}")
-        ax.set_ylabel("token ids")
+        ax.set_ylabel("token ids (count)")
         ax.legend(fontsize=7)
         rows.append({"routing": job["model_name"], "workload": job["eval_workload"], "token ids": len(kurt),
                      "kurtosis p50": f"{np.median(kurt):.2f}" if len(kurt) else "n/a",
@@ -623,7 +636,7 @@ def fig6c_interlayer(summary: pd.DataFrame, out_dir: Path) -> list[str]:
         masses = np.array([successor_mass(c, top_k) for c in co])
         ax = axes[1][col]
         x = np.arange(len(ids))
-        ax.plot(x, masses[:, 0], "o-", color="#c44e52", label="top-k successors of the layer-l expert")
+        ax.plot(x, masses[:, 0], "o-", color="k", label="top-k successors of the layer-l expert")
         ax.plot(x, masses[:, 1], "s--", color="0.5", label="top-k of layer l+1 alone")
         ax.set_xticks(x, [f"{a}->{b}" for a, b in ids], fontsize=7, rotation=45)
         ax.set_ylim(0, 1)
@@ -663,9 +676,9 @@ def fig6d_a2a_vs_local(summary: pd.DataFrame, out_dir: Path) -> list[str]:
             ax.plot(at_rate["lar"], at_rate["a2a_us"], "-", color="0.8", lw=0.7, zorder=1)
         for system in tables:
             sel = frame[frame["system"] == system]
-            ax.scatter(sel["lar"], sel["a2a_us"], s=14, color=COLORS[system], label=system, zorder=2)
-        ax.set_xlabel("local activation rate")
-        ax.set_ylabel("dispatch + combine µs per MoE layer (uncalibrated)")
+            ax.scatter(sel["lar"], sel["a2a_us"], s=14, color=system_color(system), label=system, zorder=2)
+        ax.set_xlabel("local activation rate (LAR)")
+        ax.set_ylabel("dispatch + combine per MoE layer (µs, uncalibrated)")
         ax.set_title(_title(row) + "\n(grey: same rate)", fontsize=8)
         ax.legend(fontsize=7)
         if {"ep", "semmoe"} <= set(tables):
@@ -679,13 +692,13 @@ def fig6d_a2a_vs_local(summary: pd.DataFrame, out_dir: Path) -> list[str]:
         seconds = exec_runs["exec_dispatch_seconds"] + exec_runs["exec_combine_seconds"]
         for (experiment, attention), sel in exec_runs.assign(a2a=seconds).groupby(["experiment", "attention"]):
             sel = sel.sort_values("lar")
-            ax.plot(sel["lar"], sel["a2a"] * 1e3, "o-", label=f"{experiment} {attention}")
+            ax.plot(sel["lar"], sel["a2a"] * 1e3, "-", color="0.75", lw=0.8, zorder=1)
+            ax.scatter(sel["lar"], sel["a2a"] * 1e3, s=16, c=[system_color(s) for s in sel["system"]], zorder=2)
             for _, r in sel.iterrows():
-                ax.annotate(r["system"], (r["lar"], r["a2a"] * 1e3), fontsize=6)
-        ax.set_xlabel("local activation rate")
-        ax.set_ylabel("measured dispatch + combine ms (gloo, CPU)")
+                ax.annotate(f"{r['system']} ({experiment}, {attention})", (r["lar"], r["a2a"] * 1e3), fontsize=6)
+        ax.set_xlabel("local activation rate (LAR)")
+        ax.set_ylabel("measured dispatch + combine (ms, gloo on CPU)")
         ax.set_title("repro.exec: real ranks on this CPU machine", fontsize=8)
-        ax.legend(fontsize=7)
     path = save_png(fig, out_dir / "paper" / "fig6d_a2a_vs_local.png")
     lines = ["### Fig. 6d: all-to-all latency vs local activation ratio", "",
              "Paper (App. A.2): NCCL all2allv latency falls as the local activation ratio rises from 0.2 to 0.9. "
@@ -738,7 +751,8 @@ def paper_section(summary: pd.DataFrame, out_dir: str | Path) -> list[str]:
     if not body:
         return []
     return ["## The paper's figures and tables, regenerated (arXiv 2503.04398 §4)", "",
-            "Each beside the paper's value or claim (../shared/reference/paper.md §4). Routing that came from a "
+            "Each beside the paper's value or claim (arXiv 2503.04398 §4; in the figures as a red dashed line or "
+            "marker where the paper gives one on the same axis). Routing that came from a "
             "small, replayed or synthetic model rather than the paper's is said so in bold at each result; "
             "simulated absolute times are uncalibrated, so ratios between systems are the result. Table 1 and "
             "Tables 3-4 are in the per-experiment sections below.", "", *headline(summary), *body]

@@ -17,7 +17,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from repro.figures.render import save_png  # noqa: E402
+from repro.figures.palette import series_style  # noqa: E402
+from repro.figures.render import FRACTIONS, metric_axis, save_png  # noqa: E402
 
 REPLICATION_SYSTEMS = ("semmoe_replicated", "semmoe_hottest", "eplb")
 MULTINODE_SYSTEMS = ("ep", "semmoe", "semmoe_hierarchical")
@@ -60,11 +61,14 @@ def fig_vs_memory(sel: pd.DataFrame, metric: str, path: Path) -> Path:
         for col, model in enumerate(models):
             ax = axes[row][col]
             cell = sel[(sel["attention"] == mode) & (sel["model_name"] == model)]
+            label, scale = metric_axis(metric)
             for system, line in cell.groupby("system", sort=True):
-                ax.plot(100 * line["extra_memory"], line[metric], marker="o", label=system)
+                ax.plot(100 * line["extra_memory"], line[metric] * scale, **series_style(system))
             ax.set_title(f"{model}, {mode.upper()}, D={int(cell['devices'].iloc[0]) if len(cell) else '?'}")
-            ax.set_xlabel("extra expert memory (%)")
-            ax.set_ylabel(metric.replace("_", " "))
+            ax.set_xlabel("extra expert memory (% of the experts' weights)")
+            ax.set_ylabel(label)
+            if metric in FRACTIONS:
+                ax.set_ylim(0, 1)
             if row == 0 and col == len(models) - 1:
                 ax.legend(fontsize=7)
     return save_png(fig, path)

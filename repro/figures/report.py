@@ -18,59 +18,133 @@ import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
 from repro.atomic import atomic_write_text  # noqa: E402
-from repro.figures.jobs import find_job_files, log, read_jobs, skipped_lines  # noqa: E402
+from repro.figures.jobs import find_job_files, log, read_jobs, skipped_lines, sweep_notes  # noqa: E402
+from repro.figures.palette import series_style  # noqa: E402
 from repro.figures.paper import paper_section  # noqa: E402
-from repro.figures.render import markdown_table, save_png  # noqa: E402
+from repro.figures.render import FRACTIONS, markdown_table, metric_axis, save_png  # noqa: E402
 from repro.figures.replication import replication_section  # noqa: E402
 
-sns.set_theme(style="whitegrid", context="paper")
+# Hydra override keys (last dotted part) that a figure's panels and colours already tell apart; the others name a
+# job within a panel
+PANEL_OVERRIDES = {"devices", "attention", "system", "model", "workload", "eval_workload"}
 
 
-def fig_per_layer(per_layer: pd.DataFrame, metric: str, path: Path) -> Path:
-    """`metric` per MoE layer: rows = attention mode, columns = EP degree, hue = system (first workload only)."""
-    workload = sorted(per_layer["eval_workload"].unique())[0]
-    per_layer = per_layer[per_layer["eval_workload"] == workload]
-    modes, degrees = sorted(per_layer["attention"].unique()), sorted(per_layer["devices"].unique())
-    fig, axes = plt.subplots(len(modes), len(degrees), figsize=(3.6 * len(degrees), 3.0 * len(modes)),
-                             squeeze=False, sharey=True, layout="constrained")
-    for row, mode in enumerate(modes):
-        for ax, devices in zip(axes[row], degrees, strict=True):
-            sel = per_layer[(per_layer["attention"] == mode) & (per_layer["devices"] == devices)]
-            sns.lineplot(data=sel, x="layer_id", y=metric, hue="system", marker="o", ax=ax, legend=ax is axes[0][-1])
-            ax.set_title(f"{workload}, {mode.upper()}, D={devices}")
-            ax.set_xlabel("model layer")
-        axes[row][0].set_ylabel(metric.replace("_", " "))
+def _overrides(job: str) -> dict[str, str]:
+    """A job folder's name (Hydra's override dirname, "parallel.devices=4,system=ep") as {key: value}."""
+    items = {}
+    for item in str(job).split(","):
+        key, sep, value = item.partition("=")
+        if sep:
+            items[key.lstrip("+~")] = value
+    return items
+
+
+def _series_extra(job: str) -> str:
+    """The job's overrides that no panel shows ("lookback=2"), short keys; "" when none."""
+    return ", ".join(f"{k.split('.')[-1]}={v}" for k, v in _overrides(job).items() if k.split(".")[-1] not in PANEL_OVERRIDES)
+
+
+def _panel_name(keys: dict) -> str:
+    parts = [f"{v}" if k != "attention" else f"Attention-{str(v).upper()}" for k, v in keys.items() if k != "devices"]
+    return ", ".join(parts + ([f"EP {keys['devices']}"] if "devices" in keys else []))
+
+
+def _plot_series(ax, jobs: pd.DataFrame, x: str, y: str, scale: float) -> None:
+    """One line per series of `jobs` (rows: x, y, system, kind, job), in the palette's colour and line style; a
+    series is a system plus the overrides that tell its jobs apart (lookback=0 vs 2), never an average of jobs."""
+    jobs = jobs.assign(extra=[_series_extra(j) for j in jobs["job"]])
+    for (system, kind), same_system in jobs.groupby(["system", "kind"], sort=True, dropna=False):
+        variants = sorted(same_system["extra"].unique())
+        for variant, (extra, line) in enumerate(same_system.groupby("extra", sort=True)):
+            # jobs of one system that differ in something else: same colour family, own marker and shade
+            style = series_style(system, kind, variant=variant if len(variants) > 1 else 0)
+            if len(variants) > 1 and extra:
+                style["label"] += f" [{extra}]"
+            line = line.sort_values(x)
+            ax.plot(line[x], line[y] * scale, ms=3.5, **style)
+
+
+def _legend(fig, axes) -> None:
+    """One legend for the whole figure, right of the panels (a series drawn in several panels is listed once)."""
+    handles = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault(label, handle)
+    if handles:
+        fig.legend(handles.values(), handles.keys(), loc="outside right center", fontsize=7)
+
+
+def _finish_axis(ax, metric: str, ylabel: bool) -> None:
+    label, _ = metric_axis(metric)
+    if ylabel:
+        ax.set_ylabel(label)
+    if metric in FRACTIONS:
+        ax.set_ylim(0, 1)  # fixed, so panels and figures compare at a glance (no auto-zoom)
+
+
+def fig_per_layer(per_layer: pd.DataFrame, metric: str, path: Path, note: str = "") -> Path:
+    """`metric` per MoE layer, one line per job: a row of panels per routing source (model) x evaluated workload x
+    attention mode present, a column per EP degree. Models with different layer counts get their own panels, so
+    no line averages layers of different models. `note` (e.g. "partial sweep") goes in the title."""
+    label_keys = [k for k in ("model_name", "eval_workload", "attention") if k in per_layer]
+    rows = sorted({tuple(r) for r in per_layer[label_keys].itertuples(index=False)}, key=str)
+    degrees = sorted(per_layer["devices"].unique())
+    fig, axes = plt.subplots(len(rows), len(degrees), figsize=(3.8 * len(degrees), 2.9 * len(rows)),
+                             squeeze=False, sharey=metric in FRACTIONS, layout="constrained")
+    _, scale = metric_axis(metric)
+    for r, values in enumerate(rows):
+        in_row = (per_layer[label_keys] == pd.Series(values, index=label_keys)).all(axis=1)
+        for c, devices in enumerate(degrees):
+            ax = axes[r][c]
+            sel = per_layer[in_row & (per_layer["devices"] == devices)]
+            _plot_series(ax, sel, "layer_id", metric, scale)
+            ax.set_title(_panel_name({**dict(zip(label_keys, values, strict=True)), "devices": devices}), fontsize=8)
+            ax.set_xlabel("model layer index (MoE layers)")
+            ax.xaxis.get_major_locator().set_params(integer=True)
+            _finish_axis(ax, metric, c == 0)
+    _legend(fig, axes.ravel())
+    if note:
+        fig.suptitle(note, fontsize=9, color="#b00020")
     return save_png(fig, path)
 
 
-def fig_vs_ep(summary: pd.DataFrame, metric: str, path: Path) -> Path:
-    """Overall `metric` against EP degree: columns = attention mode, rows = evaluated workload, hue = system."""
+def fig_vs_ep(summary: pd.DataFrame, metric: str, path: Path, note: str = "") -> Path:
+    """Overall `metric` against EP degree, one line per series (system + the overrides that tell its jobs apart):
+    a row of panels per routing source x evaluated workload, a column per attention mode; 1/D (the LAR of
+    uniform placement) dotted on LAR panels."""
+    label_keys = ["model_name", "eval_workload"]
+    rows = sorted({tuple(r) for r in summary[label_keys].itertuples(index=False)}, key=str)
     modes = sorted(summary["attention"].unique())
-    workloads = sorted(summary["eval_workload"].unique())
-    fig, axes = plt.subplots(len(workloads), len(modes), figsize=(4.2 * len(modes), 3.2 * len(workloads)),
-                             squeeze=False, sharey=True, layout="constrained")
+    fig, axes = plt.subplots(len(rows), len(modes), figsize=(4.4 * len(modes), 3.3 * len(rows)),
+                             squeeze=False, sharey=metric in FRACTIONS, layout="constrained")
+    _, scale = metric_axis(metric)
     d = np.array(sorted(summary["devices"].unique()))
-    for row, workload in enumerate(workloads):
-        for ax, mode in zip(axes[row], modes, strict=True):
-            sel = summary[(summary["attention"] == mode) & (summary["eval_workload"] == workload)]
-            sns.lineplot(data=sel, x="devices", y=metric, hue="system", marker="o", ax=ax)
+    for r, values in enumerate(rows):
+        in_row = (summary[label_keys] == pd.Series(values, index=label_keys)).all(axis=1)
+        for c, mode in enumerate(modes):
+            ax = axes[r][c]
+            _plot_series(ax, summary[in_row & (summary["attention"] == mode)], "devices", metric, scale)
             if metric == "lar":
-                ax.plot(d, 1.0 / d, "k:", label="1/D")
-                ax.legend(fontsize="small")
+                ax.plot(d, 1.0 / d, ":", color="0.4", label="1/D (uniform placement)")
             ax.set_xscale("log", base=2)
             ax.set_xticks(d, [str(x) for x in d])
-            ax.set_title(f"{workload}, Attention-{mode.upper()}")
-            ax.set_xlabel("EP degree D")
-        axes[row][0].set_ylabel(metric.replace("_", " "))
+            ax.minorticks_off()
+            ax.set_title(_panel_name({"model_name": values[0], "eval_workload": values[1], "attention": mode}),
+                         fontsize=8)
+            ax.set_xlabel("EP degree D (devices)")
+            _finish_axis(ax, metric, c == 0)
+    _legend(fig, axes.ravel())
+    if note:
+        fig.suptitle(note, fontsize=9, color="#b00020")
     return save_png(fig, path)
 
 
 def fig_traffic_heatmap(run_dir: Path, path: Path) -> Path:
     """Dispatch bytes from each source device to each destination device, summed over MoE layers."""
     traffic = np.load(Path(run_dir) / "traffic.npy").sum(axis=0)
-    fig, ax = plt.subplots(figsize=(4.2, 3.6))
+    fig, ax = plt.subplots(figsize=(4.6, 3.8))
     sns.heatmap(traffic / 2**20, annot=traffic.shape[0] <= 8, fmt=".0f", cmap="rocket_r", ax=ax,
-                cbar_kws={"label": "MiB"})
+                cbar_kws={"label": "dispatch MiB, summed over MoE layers"})
     ax.set_xlabel("destination device")
     ax.set_ylabel("source device")
     return save_png(fig, path)
@@ -81,13 +155,14 @@ def fig_activation_heatmap(run_dir: Path, path: Path) -> Path:
     with np.load(Path(run_dir) / "activation_map.npz", allow_pickle=False) as z:
         counts, layer_ids = z["counts"], z["layer_ids"]
     picks = sorted({0, len(layer_ids) - 1})
-    fig, axes = plt.subplots(1, len(picks), figsize=(4.2 * len(picks), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(picks), figsize=(4.6 * len(picks), 4.2), squeeze=False, layout="constrained")
     for ax, layer in zip(axes[0], picks, strict=True):
         share = counts[layer] / np.maximum(counts[layer].sum(axis=1, keepdims=True), 1)
-        sns.heatmap(share, cmap="mako_r", vmin=0, vmax=share.max(), ax=ax, yticklabels=False)
-        ax.set_title(f"layer {layer_ids[layer]}")
+        sns.heatmap(share, cmap="mako_r", vmin=0, vmax=share.max(), ax=ax, yticklabels=False,
+                    cbar_kws={"label": "share of the token's activations"})
+        ax.set_title(f"model layer {layer_ids[layer]}")
         ax.set_xlabel("expert")
-        ax.set_ylabel("64 most frequent tokens")
+        ax.set_ylabel(f"{share.shape[0]} most frequent tokens")
     return save_png(fig, path)
 
 
@@ -232,14 +307,57 @@ def _config_block(run_dir: str) -> str:
     return "```json\n" + json.dumps(keep, indent=1) + "\n```"
 
 
+def experiment_section(experiment: str, runs: pd.DataFrame, layers: pd.DataFrame, out_dir: Path,
+                       partial: str = "") -> list[str]:
+    """Markdown lines of one experiment: its systems table, figures (PNGs under out_dir/<experiment>/), the
+    sections only some experiments have, and its config. `partial`: the sweep_notes sentence, when incomplete."""
+    heading = f"## Experiment `{experiment}`" + (" (partial sweep)" if partial else "")
+    swept = [c for c in ("system", "devices", "attention", "eval_workload", "model_name") if runs[c].nunique() > 1]
+    lines = [heading, ""]
+    if partial:
+        lines += [f"**{partial[0].upper() + partial[1:]}**: the figures and tables below show only those; rerun "
+                  "the sweep to complete it.", ""]
+    lines += [f"{len(runs)} jobs; swept: {', '.join(swept) or 'nothing'}.", "", systems_table(runs), ""]
+    note = f"{experiment}: {partial}" if partial else ""
+    figs = []
+    if len(layers):
+        figs.append(("LAR per MoE layer", fig_per_layer(layers, "lar", out_dir / experiment / "lar_per_layer.png", note)))
+        figs.append(("All-to-all dispatch bytes per MoE layer",
+                     fig_per_layer(layers, "dispatch_bytes", out_dir / experiment / "bytes_per_layer.png", note)))
+    if runs["devices"].nunique() > 1:
+        figs.append(("LAR vs EP degree", fig_vs_ep(runs, "lar", out_dir / experiment / "lar_vs_ep.png", note)))
+        figs.append(("All-to-all bytes vs EP degree",
+                     fig_vs_ep(runs, "a2a_bytes", out_dir / experiment / "bytes_vs_ep.png", note)))
+    biggest = runs.sort_values(["devices", "attention"]).iloc[-1]
+    if (Path(biggest["run_dir"]) / "traffic.npy").exists():
+        figs.append((f"Device x device traffic ({biggest['system']}, D={biggest['devices']}, {biggest['attention']})",
+                     fig_traffic_heatmap(Path(biggest["run_dir"]), out_dir / experiment / "traffic_heatmap.png")))
+    if (Path(biggest["run_dir"]) / "activation_map.npz").exists():
+        figs.append(("Token x expert activation map (evaluation split)",
+                     fig_activation_heatmap(Path(biggest["run_dir"]), out_dir / experiment / "activation_heatmap.png")))
+    for title, path in figs:
+        lines += [f"### {title}", "", f"![{title}]({path.relative_to(out_dir)})", ""]
+    lines += routing_sources_section(runs) if experiment.startswith("routing_sources") else []
+    lines += exec_section(runs)
+    lines += affinity_section(Path(runs["run_dir"].iloc[0]))
+    lines += ["Config of the jobs (first job shown; swept keys vary):", "", _config_block(runs["run_dir"].iloc[0]), ""]
+    return lines
+
+
 def write_report(runs_dir: str | Path, out_dir: str | Path) -> Path:
-    """Render every figure for every experiment found under runs_dir and write out_dir/REPORT.md."""
+    """Render every figure for every experiment found under runs_dir and write out_dir/REPORT.md.
+
+    The report is a list of sections, each a function of the loaded jobs returning markdown lines ([] when its
+    jobs are absent); a new section is one more entry below."""
     summary, per_layer, skipped = read_jobs(runs_dir)
     out_dir = Path(out_dir)
+    partial = sweep_notes(summary, skipped)
     lines = ["# Report", "", f"Generated by `make figures` from `{runs_dir}/` ({len(summary)} finished jobs).", "",
              *skipped_lines(skipped, runs_dir),
+             *[f"- **{experiment}**: {note}." for experiment, note in partial.items()], *([""] if partial else []),
              "Every row says its kind: `system` (deployable, fitted on the profile split), `bound` (a proven ceiling, "
-             "with the constraint it holds under) or `hindsight` (fitted on the evaluated routing, not a ceiling). "
+             "with the constraint it holds under; dashed in the figures) or `hindsight` (fitted on the evaluated "
+             "routing, not a ceiling; dash-dotted). Each system has one colour in every figure. "
              "Systems are fitted on the profile split (20 % of requests), defaults tuned on the validate split "
              "(10 %), and numbers reported on the evaluate split (70 %) unless the evaluate_split column says otherwise.", ""]
     lines += tuned_section(Path(runs_dir))
@@ -247,29 +365,7 @@ def write_report(runs_dir: str | Path, out_dir: str | Path) -> Path:
     lines += replication_section(summary, out_dir)
     for experiment, runs in summary.groupby("experiment", sort=True):
         layers = per_layer[per_layer["experiment"] == experiment] if len(per_layer) else per_layer
-        lines += [f"## Experiment `{experiment}`", ""]
-        swept = [c for c in ("system", "devices", "attention", "eval_workload") if runs[c].nunique() > 1]
-        lines += [f"{len(runs)} jobs; swept: {', '.join(swept) or 'nothing'}.", "", systems_table(runs), ""]
-        figs = []
-        if len(layers):
-            figs.append(("LAR per MoE layer", fig_per_layer(layers, "lar", out_dir / experiment / "lar_per_layer.png")))
-            figs.append(("All-to-all dispatch bytes per MoE layer",
-                         fig_per_layer(layers, "dispatch_bytes", out_dir / experiment / "bytes_per_layer.png")))
-        if runs["devices"].nunique() > 1:
-            figs.append(("LAR vs EP degree", fig_vs_ep(runs, "lar", out_dir / experiment / "lar_vs_ep.png")))
-            figs.append(("All-to-all bytes vs EP degree", fig_vs_ep(runs, "a2a_bytes", out_dir / experiment / "bytes_vs_ep.png")))
-        biggest = runs.sort_values(["devices", "attention"]).iloc[-1]
-        figs.append((f"Device x device traffic ({biggest['system']}, D={biggest['devices']}, {biggest['attention']})",
-                     fig_traffic_heatmap(Path(biggest["run_dir"]), out_dir / experiment / "traffic_heatmap.png")))
-        if (Path(biggest["run_dir"]) / "activation_map.npz").exists():
-            figs.append(("Token x expert activation map (evaluation split)",
-                         fig_activation_heatmap(Path(biggest["run_dir"]), out_dir / experiment / "activation_heatmap.png")))
-        for title, path in figs:
-            lines += [f"### {title}", "", f"![{title}]({path.relative_to(out_dir)})", ""]
-        lines += routing_sources_section(runs) if experiment.startswith("routing_sources") else []
-        lines += exec_section(runs)
-        lines += affinity_section(Path(runs["run_dir"].iloc[0]))
-        lines += ["Config of the jobs (first job shown; swept keys vary):", "", _config_block(runs["run_dir"].iloc[0]), ""]
+        lines += experiment_section(experiment, runs, layers, out_dir, partial.get(experiment, ""))
     report = out_dir / "REPORT.md"
     atomic_write_text(report, "\n".join(lines))
     return report
