@@ -115,14 +115,16 @@ def bench_solver(quick: bool, seed: int = 0) -> dict:
 
 
 def bench_dp_scheduler(
-    quick: bool, devices: int = 8, prompt_len: int = 1024, seed: int = 1, load_aware_lambda: float = 0.0
+    quick: bool, devices: int = 8, prompt_len: int = 1024, seed: int = 1, load_aware_lambda: float = 0.0,
+    dp_scheduler: str = "paper",
 ) -> dict:
-    """Requests per second of Algorithm 2 (score + round-robin mask, or the load-aware variant) on 1k-token
-    prompts, one process."""
+    """Requests per second of Algorithm 2 (score + round-robin mask, or the load-aware variant), or of the
+    time-aware token-balance scheduler (dp_scheduler="time"), on 1k-token prompts, one process."""
     rng = np.random.default_rng(seed)
     profile = planted_trace(rng, num_requests=200, request_len=256, num_layers=4, num_experts=256, top_k=8,
                             vocab_size=129_280, num_topics=16)
-    system = SemMoE(n_steps=2, load_aware_lambda=load_aware_lambda, dp_window=1 if load_aware_lambda == 0 else 10**9)
+    system = SemMoE(n_steps=2, load_aware_lambda=load_aware_lambda, dp_window=1 if load_aware_lambda == 0 else 10**9,
+                    dp_scheduler=dp_scheduler, dp_balance_weight=0.5 if dp_scheduler == "time" else 0.0)
     plan = system.fit(profile, ParallelConfig(devices=devices, attention="dp"), np.random.default_rng(seed))
     num_requests = 512 if quick else 8192
     token_ids = rng.integers(129_280, size=num_requests * prompt_len).astype(np.int32)
@@ -136,7 +138,7 @@ def bench_dp_scheduler(
         plan.assign_requests(token_ids, offsets, prefill)
         best = min(best, time.perf_counter() - started)
     rate = num_requests / best
-    name = f"dp{devices}" + ("_load_aware" if load_aware_lambda else "")
+    name = f"dp{devices}" + ("_load_aware" if load_aware_lambda else "") + ("_time" if dp_scheduler == "time" else "")
     return {f"{name}_prompt_len": prompt_len, f"{name}_requests_per_s": rate,
             f"{name}_target_met": rate >= 50_000 if not quick else None}
 
@@ -167,6 +169,7 @@ def run(quick: bool) -> dict:
     results.update(bench_dp_scheduler(quick))
     results.update(bench_dp_scheduler(quick, devices=32))
     results.update(bench_dp_scheduler(quick, load_aware_lambda=0.01))
+    results.update(bench_dp_scheduler(quick, dp_scheduler="time"))
     results.update(bench_tp_reshuffle(quick))
     results.update(bench_solver(quick))
     return results
