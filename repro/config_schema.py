@@ -403,8 +403,8 @@ def check_system(system: dict) -> None:
     unknown = sorted(set(params) - set(accepted))
     if unknown and not open_ended:
         takers = systems_taking(unknown[0])
-        hint = (f"only {', '.join(takers)} take {unknown[0]!r}: set it for those systems alone (a multirun sweeps it "
-                f"over them, e.g. -m system={','.join(takers)} system.params.{unknown[0]}=...)" if takers
+        hint = (f"only {', '.join(takers)} take {unknown[0]!r}: set it for those systems alone (a multirun over them: "
+                f"-m system={','.join(takers)} ++system.params.{unknown[0]}=VALUE)" if takers
                 else f"no system takes {unknown[0]!r}")
         raise ConfigError(f"system {name!r} has no parameter(s) {unknown}; {hint}; its parameters are {sorted(accepted)}.")
     for key, value in params.items():
