@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -42,6 +43,10 @@ class ParallelConfig:
     devices_per_node: int = 8
 
     def __post_init__(self) -> None:
+        for name in ("devices", "tokens_per_step", "bytes_per_token", "devices_per_node"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):  # "abc", 2.5 and 4.0 alike
+                raise ConfigError(f"parallel.{name} must be an integer, got {value!r}.")
         if self.devices < 1:
             raise ConfigError(f"parallel.devices must be >= 1, got {self.devices}.")
         if self.attention not in ATTENTION_MODES:

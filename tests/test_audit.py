@@ -145,3 +145,12 @@ def test_tune_refuses_an_unknown_constraint_before_any_candidate(tmp_path):
                      cwd=tmp_path)
     assert_one_error_line(res, "tune.constraints.nope is not a metric")
     assert written_results(tmp_path) == []
+
+
+@pytest.mark.parametrize("devices", ["abc", 2.5, 4.0, True])
+def test_parallel_config_built_in_code_refuses_a_non_integer(devices):
+    """The same refusal where code builds a ParallelConfig itself (engines, benches), not only through the app."""
+    from repro.parallel import ParallelConfig
+
+    with pytest.raises(ConfigError, match=r"parallel\.devices must be an integer, got"):
+        ParallelConfig(devices=devices)
