@@ -7,7 +7,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from repro.errors import ConfigError
-from repro.eval import account, evaluate, load_shape, moe_layer_seconds, time_model
+from repro.eval import account, evaluate, home_devices, load_shape, moe_layer_seconds, time_model
 from repro.eval.accounting import served_activations
 from repro.eval.time_cost import PARTS, dp_steps
 from repro.parallel import ParallelConfig
@@ -95,6 +95,7 @@ def test_evaluate_reports_the_time_estimate_and_its_split():
     parts = [summary[f"time_estimate_{part}_s"] for part in PARTS]
     assert summary["time_estimate_s"] == pytest.approx(sum(parts)) and min(parts) > 0
     assert summary["time_estimate_shape"] == "deepseek_v2_lite" and summary["time_estimate_step_tokens"] == 64
+    assert summary["time_estimate_hardware"] == "h200 (1 x 8)"
     # the same trace with every request on one rank: one rank serves every step alone, so it takes longer
     lazy = AllOnRankZero(plan.placement, plan.parallel)
     lazy_summary = evaluate(lazy, trace, time_model=model).summary
@@ -112,8 +113,6 @@ def test_one_step_equals_pricing_the_whole_trace_as_one_batch():
         run = Plan(plan.placement, parallel)
         model = time_model(run, trace, H200, load_shape("deepseek_v2_lite"))
         result = evaluate(run, trace, time_model=model)
-        from repro.eval import home_devices
-
         home_NL = np.asarray(home_devices(run, trace))
         traffic = batch_traffic(np.zeros(trace.num_tokens, dtype=np.int64), home_NL, np.asarray(trace.experts),
                                 model.slot_table, model.slots_per_device, 1, model.devices_per_node)
@@ -123,6 +122,22 @@ def test_one_step_equals_pricing_the_whole_trace_as_one_batch():
         for part in PARTS:
             np.testing.assert_allclose(result.per_layer[f"time_{part}_s"], seconds[part][0], err_msg=attention)
         assert result.summary["time_estimate_steps"] == 1
+
+
+def test_the_plans_topology_is_priced_with_the_profiles_links():
+    """EP 16 over nodes of 4 on the one-node h200 profile: priced as 4 nodes, the cross-node copies over RDMA
+    (40 GB/s, much slower than NVLink), so dispatch takes longer than on one 16-GPU node."""
+    _, trace = random_case(seed=4, num_experts=32, devices=16)
+    rng = np.random.default_rng(0)
+    placement = Placement.from_expert_device(np.stack([rng.permutation(np.arange(32) % 16) for _ in range(3)]), 16)
+    seconds = {}
+    for per_node in (4, 16):
+        plan = Plan(placement, ParallelConfig(devices=16, attention="dp", tokens_per_step=256, devices_per_node=per_node))
+        model = time_model(plan, trace, H200, load_shape("deepseek_v2_lite"))
+        summary = evaluate(plan, trace, time_model=model).summary
+        seconds[per_node] = summary["time_estimate_dispatch_s"]
+        assert summary["time_estimate_hardware"] == f"h200 ({16 // per_node} x {per_node})"
+    assert seconds[4] > seconds[16]
 
 
 def test_bad_time_model_inputs_raise_one_clear_error():

@@ -70,23 +70,27 @@ def time_model(plan: Plan, trace: RoutingTrace, hardware: dict, shape: dict, *, 
                step_tokens: int | None = None) -> TimeModel:
     """A TimeModel pricing `plan` on `trace` with the simulator's cost model.
 
-    hardware: a conf/hardware/*.yaml profile dict; shape: a conf/sim/shape/*.yaml dict (`load_shape`). The trace's
+    hardware: a conf/hardware/*.yaml profile dict, priced on the plan's topology (parallel.devices over
+    parallel.devices_per_node); shape: a conf/sim/shape/*.yaml dict (`load_shape`). The trace's
     MoE layers and experts are priced with the shape's sizes (the simulator's routing_map "trace" when they
     differ, stated in the description). backend: an all-to-all backend of repro.sim.costs (nccl: the evaluator's
     per-rank deduplicated copies). step_tokens: tokens per rank per step in Attention-DP, per step in
     Attention-TP; default parallel.tokens_per_step.
     """
     parallel = plan.parallel
-    hw = load_hardware(hardware)
+    if not isinstance(hardware, dict):
+        raise ConfigError(f"hardware must be a mapping (a conf/hardware/*.yaml profile), got {type(hardware).__name__}.")
+    # the job's topology (parallel.devices over parallel.devices_per_node) with the profile's GPU and link speeds,
+    # so an EP degree beyond the profile's node count is still priced (its RDMA numbers apply across nodes)
+    hw = load_hardware(dict(hardware, nodes=parallel.num_nodes, devices_per_node=parallel.devices_per_node))
     model = ModelShape.from_config(shape)
     mapping = routing_map(model, trace, "trace")
-    if parallel.devices > hw.num_devices:
-        raise ConfigError(f"parallel.devices={parallel.devices} exceeds the {hw.num_devices} GPUs of hardware {hw.name}.")
     step = parallel.tokens_per_step if step_tokens is None else step_tokens
     if not isinstance(step, int | np.integer) or step < parallel.devices:
         raise ConfigError(f"the time estimate's step_tokens must be an integer >= parallel.devices, got {step!r}.")
     cost = CostModel(model, hw, mapping, parallel.devices, parallel.attention, backend)
-    description = {"time_estimate_hardware": hw.name, "time_estimate_shape": model.name,
+    description = {"time_estimate_hardware": f"{hw.name} ({hw.nodes} x {hw.devices_per_node})",
+                   "time_estimate_shape": model.name,
                    "time_estimate_backend": backend, "time_estimate_step_tokens": int(step),
                    "time_estimate_routing_map": mapping.description}
     return TimeModel(cost, dispatch_slots(plan.placement), plan.placement.slots_per_device, parallel.devices_per_node,
