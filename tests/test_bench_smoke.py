@@ -1,0 +1,24 @@
+"""Every bench/bench_*.py runs in quick mode through `python -m bench` and writes its result file.
+
+gpu_check needs CUDA and is not a bench_ module; the benchmarks' numbers are not checked here (they are
+measurements), only that each one runs to the end and records `ok` with its results.
+"""
+
+import json
+
+import pytest
+
+from bench.__main__ import discover, main
+
+
+@pytest.mark.parametrize("name", discover())
+def test_bench_runs_quick_and_writes_its_result(name, tmp_path):
+    assert main(["--only", name, "--quick", "--out", str(tmp_path)]) == 0
+    record = json.loads((tmp_path / f"{name}.json").read_text())
+    assert record["ok"] and record["quick"] and record["results"], record.get("error")
+    assert f"## {name} (quick" in (tmp_path / "SUMMARY.md").read_text()
+
+
+def test_bench_rejects_an_unknown_name(tmp_path):
+    assert main(["--only", "no_such_bench", "--out", str(tmp_path)]) == 2
+    assert not (tmp_path / "SUMMARY.md").exists()
