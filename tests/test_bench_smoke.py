@@ -11,6 +11,7 @@ import pytest
 from bench.__main__ import discover, main
 
 
+@pytest.mark.slow  # ~15-95 s each on the shared 2-core machine; still part of make test
 @pytest.mark.parametrize("name", discover())
 def test_bench_runs_quick_and_writes_its_result(name, tmp_path):
     assert main(["--only", name, "--quick", "--out", str(tmp_path)]) == 0
