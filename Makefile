@@ -57,16 +57,24 @@ gpu-check:
 	$(PY) -m bench.gpu_check --out bench/results/gpu_check
 
 # Real engines on a GPU server (never in CI): serve a fitted plan behind the semantic DP router, then sweep rates.
-# PLAN is a job dir under runs/ (its plan/ folder), MODEL a local checkpoint or hub id the engine can load.
-PLAN ?= runs/paper_dp/parallel.devices=8,system=semmoe,workload=mmlu
+# PLAN (required) is a job dir under runs/ whose plan was fitted on routing of MODEL itself (captured with
+# python -m repro.engines.capture, then repro.run trace=...), MODEL a local checkpoint or hub id the engine loads;
+# the plan is checked against MODEL's config.json (MODEL_CONFIG=path overrides; SERVE_ARGS adds serve flags, e.g.
+# --allow-synthetic-plan). No default PLAN: none of the suite's offline jobs is fitted on a real model's routing.
 MODEL ?= deepseek-ai/DeepSeek-V2-Lite
+MODEL_CONFIG ?=
+SERVE_ARGS ?=
 TOKENIZER ?= hf:$(MODEL)
 RATES ?= 2,4,8,16,32
+NEED_PLAN = @test -n "$(PLAN)" || { echo "make $@ needs PLAN=<job dir under runs/ fitted on routing of MODEL=$(MODEL)>, e.g. make $@ PLAN=runs/<experiment>/<job> MODEL=$(MODEL)" >&2; exit 2; }
 serve-sglang:
-	$(PY) -m repro.engines.bench_serving serve --engine sglang --plan $(PLAN) --model-path $(MODEL)
+	$(NEED_PLAN)
+	$(PY) -m repro.engines.bench_serving serve --engine sglang --plan $(PLAN) --model-path $(MODEL) $(if $(MODEL_CONFIG),--model-config $(MODEL_CONFIG)) $(SERVE_ARGS)
 serve-vllm:
-	$(PY) -m repro.engines.bench_serving serve --engine vllm --plan $(PLAN) --model-path $(MODEL)
+	$(NEED_PLAN)
+	$(PY) -m repro.engines.bench_serving serve --engine vllm --plan $(PLAN) --model-path $(MODEL) $(if $(MODEL_CONFIG),--model-config $(MODEL_CONFIG)) $(SERVE_ARGS)
 bench-serving:
+	$(NEED_PLAN)
 	$(PY) -m repro.engines.bench_serving sweep --url http://127.0.0.1:8080 --router-metrics http://127.0.0.1:8080/metrics \
 	  --rates $(RATES) --out runs/serve_real/$(notdir $(PLAN)) workload=mmlu tokenizer=$(TOKENIZER) num_requests=500 output_len=128
 # SGLang's pure-Python EPLB / expert-location modules on a CPU for tests/test_engines_crosscheck.py (engines.md §3)

@@ -43,10 +43,28 @@ def write_job(root: Path, plan: Plan, model: dict | None = None, attention: str 
     return root
 
 
-def toy_job(tmp_path: Path, **kwargs) -> tuple[Path, Placement]:
+def toy_job(tmp_path: Path, model: dict | None = None, attention: str = "dp", **kwargs) -> tuple[Path, Placement]:
     placement = toy_placement(**kwargs)
-    plan = Plan(placement, ParallelConfig(devices=placement.num_devices, tokens_per_step=64))
-    return write_job(tmp_path / "job", plan), placement
+    plan = Plan(placement, ParallelConfig(devices=placement.num_devices, attention=attention, tokens_per_step=64))
+    return write_job(tmp_path / "job", plan, model, attention), placement
+
+
+def toy_model_dir(tmp_path: Path, **overrides) -> Path:
+    """A local model folder holding the toy's HF config.json (DeepSeek spelling), as an engine would load it."""
+    folder = tmp_path / "models" / "toy_moe"
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {"model_type": "deepseek_v2", "num_hidden_layers": 4, "n_routed_experts": NUM_EXPERTS,
+              "first_k_dense_replace": 1, "num_experts_per_tok": TOP_K, **overrides}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def real_job(tmp_path: Path, **kwargs) -> tuple[Path, Path, Placement]:
+    """(job, model folder, placement): a job whose routing was captured from the toy model with its own tokenizer."""
+    model_dir = toy_model_dir(tmp_path)
+    model = {"name": "", "kind": "hf", "checkpoint": str(model_dir), "tokenizer": f"hf:{model_dir}"}
+    job, placement = toy_job(tmp_path, model=model, **kwargs)
+    return job, model_dir, placement
 
 
 def test_export_from_job_dir_matches_hand_built_rows(tmp_path):
@@ -64,10 +82,12 @@ def test_export_from_job_dir_matches_hand_built_rows(tmp_path):
 
 
 def test_replicated_plan_uses_redundant_slots_and_launch_says_so(tmp_path, capsys):
-    job, placement = toy_job(tmp_path, redundant=4)
+    job, model_dir, placement = real_job(tmp_path, redundant=4)
     out = tmp_path / "loc.json"
-    assert sglang.main(["launch", str(job), "--out", str(out), "--model-path", "m"]) == 0
-    command = capsys.readouterr().out.strip().splitlines()[-1].split()
+    assert sglang.main(["launch", str(job), "--out", str(out), "--model-path", str(model_dir)]) == 0
+    captured = capsys.readouterr()
+    assert "!!" not in captured.err  # real routing, the model's own tokenizer: nothing to warn about
+    command = captured.out.strip().splitlines()[-1].split()
     assert command[command.index("--ep-num-redundant-experts") + 1] == "4"
     assert command[command.index("--ep-size") + 1] == command[command.index("--tp-size") + 1] == str(DEVICES)
     assert command[command.index("--attn-dp-size") + 1] == str(DEVICES)
@@ -80,11 +100,127 @@ def test_replicated_plan_uses_redundant_slots_and_launch_says_so(tmp_path, capsy
 
 
 def test_attention_tp_launch_has_no_attention_dp(tmp_path, capsys):
-    placement = toy_placement()
-    plan = Plan(placement, ParallelConfig(devices=DEVICES, attention="tp", tokens_per_step=64))
-    job = write_job(tmp_path / "job", plan, attention="tp")
-    assert sglang.main(["launch", str(job), "--out", str(tmp_path / "l.json"), "--model-path", "m"]) == 0
+    job, model_dir, _ = real_job(tmp_path, attention="tp")
+    assert sglang.main(["launch", str(job), "--out", str(tmp_path / "l.json"), "--model-path", str(model_dir)]) == 0
     assert "--attn-dp-size" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "config_overrides, words",
+    [
+        ({"n_routed_experts": 16}, "places 8 experts per layer but model"),  # the 16-vs-64 case of `make serve-sglang`
+        ({"num_experts_per_tok": 4}, "top-2 routing"),
+        ({"first_k_dense_replace": 2}, "the plan has 3 layers and model"),
+    ],
+)
+def test_launch_refuses_a_model_of_another_shape(tmp_path, capsys, config_overrides, words):
+    model_dir = toy_model_dir(tmp_path, **config_overrides)
+    job, _ = toy_job(tmp_path, model={**MODEL, "kind": "hf", "tokenizer": f"hf:{model_dir}"})
+    out = tmp_path / "loc.json"
+    assert sglang.main(["launch", str(job), "--out", str(out), "--model-path", str(model_dir)]) == 2
+    err = capsys.readouterr().err
+    assert words in err and err.count("\n") == 1  # one sentence
+    assert not out.exists()
+
+
+def test_launch_needs_the_models_shape_and_compares_whole_layouts(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty_cache"))
+    job, _ = toy_job(tmp_path)
+    out = tmp_path / "loc.json"
+    allow = ["--allow-synthetic-plan", "--allow-tokenizer-mismatch"]
+    assert sglang.main(["launch", str(job), "--out", str(out), "--model-path", "org/unknown-model", *allow]) == 2
+    assert "cannot tell the shape of model 'org/unknown-model'" in capsys.readouterr().err
+    # a known hub id without a config.json at hand: its simulator shape (64 experts) refuses the 8-expert toy
+    assert sglang.main(["launch", str(job), "--out", str(out), "--model-path", "deepseek-ai/DeepSeek-V2-Lite", *allow]) == 2
+    assert "places 8 experts per layer but model 'deepseek_v2_lite' has 64" in capsys.readouterr().err
+    # the synthetic job describes a 4-layer model; a 6-layer model whose layers 1-3 are MoE too is another model
+    model_dir = toy_model_dir(tmp_path, num_hidden_layers=6)
+    assert sglang.main(["launch", str(job), "--out", str(out), "--model-path", str(model_dir), *allow]) == 2
+    assert "fitted for a model of 4 layers with MoE layers 1-3 but" in capsys.readouterr().err
+    # ... unless the rows are mapped explicitly (a plan covering some MoE layers)
+    assert sglang.main(["launch", str(job), "--out", str(out), "--model-path", str(model_dir), *allow,
+                        "--layer-ids", "1,3,5"]) == 0
+    assert not (tmp_path / "empty_cache").exists()
+
+
+def test_model_layout_from_the_hf_cache_and_known_ids(tmp_path, monkeypatch):
+    from repro.engines.layout import served_model_layout
+
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--org--toy" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps({"num_hidden_layers": 5, "num_local_experts": 4}))
+    (cache / "models--org--toy" / "refs").mkdir()
+    (cache / "models--org--toy" / "refs" / "main").write_text("abc123")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    layout = served_model_layout("org/toy")
+    assert (layout.num_hidden_layers, layout.num_experts, layout.moe_layer_ids) == (5, 4, (0, 1, 2, 3, 4))
+    assert served_model_layout("Qwen/Qwen3-30B-A3B").num_experts == 128
+    assert served_model_layout(str(toy_model_dir(tmp_path))).moe_layer_ids == (1, 2, 3)
+    with pytest.raises(ConfigError, match="not both"):
+        served_model_layout("org/toy", tmp_path / "c.json", "deepseek_v3")
+
+
+def _trace_meta(folder: Path, **fields) -> Path:
+    folder.mkdir(parents=True)
+    meta = {"model": "toy", "num_experts": NUM_EXPERTS, "top_k": TOP_K, "layer_ids": [1, 2, 3], "vocab_size": 100,
+            "tokenizer": "", "source": "", "dataset": "mmlu", **fields}
+    (folder / "meta.json").write_text(json.dumps(meta))
+    return folder
+
+
+@pytest.mark.parametrize("kind", ["synthetic", "tiny", "replay", "trace:synthetic", "trace:replay", "hf_random"])
+def test_launch_refuses_plans_fitted_on_synthetic_routing_unless_allowed(tmp_path, capsys, kind):
+    model_dir = toy_model_dir(tmp_path)
+    model = {**MODEL, "kind": kind, "tokenizer": f"hf:{model_dir}"}
+    if kind == "hf_random":
+        model = {**MODEL, "kind": "hf", "tokenizer": f"hf:{model_dir}", "from_config": {"config_class": "X"}}
+    job, _ = toy_job(tmp_path, model=model)
+    if kind.startswith("trace:"):  # a trace= job: the profile trace's meta.json says where its routing came from
+        trace = _trace_meta(tmp_path / "trace", source=kind[6:], tokenizer=f"hf:{model_dir}")
+        config = yaml.safe_load((job / "config.yaml").read_text())
+        config.update(trace=str(trace), model={"kind": "hf", "tokenizer": f"hf:{model_dir}"})  # not what is read
+        (job / "config.yaml").write_text(yaml.safe_dump(config))
+    out = tmp_path / "loc.json"
+    argv = ["launch", str(job), "--out", str(out), "--model-path", str(model_dir)]
+    assert sglang.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "routing" in err and "--allow-synthetic-plan" in err and err.count("\n") == 1
+    assert not out.exists()
+    assert sglang.main([*argv, "--allow-synthetic-plan"]) == 0
+    err = capsys.readouterr().err
+    assert "!!" in err and "--allow-synthetic-plan" in err and "not on routing of" in err
+    assert out.exists()
+
+
+def test_launch_refuses_another_tokenizer_unless_allowed(tmp_path, capsys):
+    model_dir = toy_model_dir(tmp_path)
+    job, _ = toy_job(tmp_path, model={"kind": "hf", "checkpoint": str(model_dir), "tokenizer": "hf:other/model"})
+    out = tmp_path / "loc.json"
+    argv = ["launch", str(job), "--out", str(out), "--model-path", str(model_dir)]
+    assert sglang.main(argv) == 2
+    assert "tokenizer 'hf:other/model'" in capsys.readouterr().err and not out.exists()
+    assert sglang.main([*argv, "--allow-tokenizer-mismatch"]) == 0
+    assert "!!" in capsys.readouterr().err
+    # a real capture with the model's tokenizer passes; a bare plan folder cannot be told and is warned about
+    trace = _trace_meta(tmp_path / "trace", source="capture:sglang", tokenizer="hf:org/toy_moe")
+    config = yaml.safe_load((job / "config.yaml").read_text())
+    (job / "config.yaml").write_text(yaml.safe_dump({**config, "trace": str(trace)}))
+    assert sglang.main(argv) == 0 and "!!" not in capsys.readouterr().err
+    (job / "config.yaml").unlink()
+    assert sglang.main([*argv, "--ep-size", str(DEVICES)]) == 0
+    assert "cannot tell what routing" in capsys.readouterr().err
+
+
+def test_tokenizer_matches_the_model():
+    from repro.engines.layout import tokenizer_matches
+
+    assert tokenizer_matches("hf:deepseek-ai/DeepSeek-V2-Lite", "deepseek-ai/DeepSeek-V2-Lite")
+    assert tokenizer_matches("hf:deepseek-ai/DeepSeek-V2-Lite", "/models/dsv2", "deepseek-ai/DeepSeek-V2-Lite")
+    assert tokenizer_matches("mixtral", "mistralai/Mixtral-8x7B-Instruct-v0.1")
+    assert tokenizer_matches("qwen", "Qwen/Qwen3-30B-A3B") and tokenizer_matches("olmoe", "allenai/OLMoE-1B-7B-0924")
+    assert not tokenizer_matches("mixtral", "deepseek-ai/DeepSeek-V2-Lite", "deepseek_v2_lite")
+    assert not tokenizer_matches("hf:Qwen/Qwen3-30B-A3B", "deepseek-ai/DeepSeek-V2-Lite")
 
 
 LAYOUT = ModelLayout("toy", 4, (1, 2, 3), NUM_EXPERTS, TOP_K)

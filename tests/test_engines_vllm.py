@@ -18,7 +18,7 @@ import numpy as np
 import pydantic
 import pytest
 import torch
-from test_engines_sglang import DEVICES, NUM_EXPERTS, toy_job
+from test_engines_sglang import DEVICES, NUM_EXPERTS, real_job, toy_job
 
 from repro.engines import vllm as vllm_engine
 from repro.errors import ConfigError
@@ -156,13 +156,30 @@ def test_plugin_refuses_other_versions_and_bad_files(tmp_path, fake_vllm, monkey
 
 
 def test_launch_command_and_entry_point(tmp_path, capsys):
-    job, _ = toy_job(tmp_path, redundant=4)
-    assert vllm_engine.main(["launch", str(job), "--out", str(tmp_path / "p.json"), "--model", "m"]) == 0
+    job, model_dir, _ = real_job(tmp_path, redundant=4)
+    assert vllm_engine.main(["launch", str(job), "--out", str(tmp_path / "p.json"), "--model", str(model_dir)]) == 0
     command = capsys.readouterr().out.strip().splitlines()[-1]
-    assert command.startswith(f"{vllm_engine.ENV_PLACEMENT}={(tmp_path / 'p.json').resolve()} vllm serve m")
+    assert command.startswith(f"{vllm_engine.ENV_PLACEMENT}={(tmp_path / 'p.json').resolve()} vllm serve {model_dir}")
     eplb = json.loads(command.split("--eplb-config ")[1].split(" --")[0].strip("'"))
     assert eplb == {"policy": "semmoe", "num_redundant_experts": 4, "step_interval": 64, "use_async": False}
     assert "--data-parallel-size 4" in command and "--enable-expert-parallel" in command
     entry = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["vllm.general_plugins"]
     module, _, function = entry["semmoe_placement"].partition(":")
     assert getattr(sys.modules.get(module) or __import__(module, fromlist=[function]), function) is vllm_engine.register
+
+
+def test_launch_checks_the_plan_against_the_served_model(tmp_path, capsys):
+    job, _ = toy_job(tmp_path)  # fitted on synthetic routing, mixtral token ids
+    out = tmp_path / "p.json"
+    argv = ["launch", str(job), "--out", str(out), "--model", "deepseek-ai/DeepSeek-V2-Lite"]
+    assert vllm_engine.main(argv) == 2
+    assert "places 8 experts per layer but model 'deepseek_v2_lite' has 64" in capsys.readouterr().err
+    _, model_dir, _ = real_job(tmp_path / "real")
+    argv = ["launch", str(job), "--out", str(out), "--model", str(model_dir)]
+    assert vllm_engine.main(argv) == 2
+    assert "--allow-synthetic-plan" in capsys.readouterr().err and not out.exists()
+    assert vllm_engine.main([*argv, "--allow-synthetic-plan"]) == 2  # and the tokenizer is not the model's
+    assert "--allow-tokenizer-mismatch" in capsys.readouterr().err and not out.exists()
+    assert vllm_engine.main([*argv, "--allow-synthetic-plan", "--allow-tokenizer-mismatch"]) == 0
+    assert capsys.readouterr().err.count("!! the plan in") == 2 and out.exists()  # both overrides, both shouted
+    assert vllm_engine.main(["export", str(job), "--out", str(tmp_path / "e.json")]) == 0  # export serves nothing

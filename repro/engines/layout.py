@@ -9,23 +9,44 @@ Where a layout comes from, most direct first: the model's own HF `config.json` (
 simulator shape (conf/sim/shape/<name>.yaml), or a finished job's config.yaml (its `sim.shape`, or a synthetic
 routing model's layer range).
 
+Serving a plan on a real model (`served_model_layout`, `plan_routing`, `check_serving`): the model's layout comes
+from its config.json (--model-config, the local model folder, or the Hugging Face cache) or a known hub id's
+simulator shape, never from the job, and the plan must match it in experts, top-k and MoE layers. A plan fitted
+on synthetic routing (model.kind synthetic / tiny / replay, or a trace whose meta `source` says so) or on token
+ids of another tokenizer than the model's is refused unless the caller explicitly allows it.
+
 Legend: L plan rows (MoE layers the plan covers), E logical experts, P physical slots per layer, D EP ranks.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import yaml
 
-from repro.errors import ConfigError
+from repro.errors import ConfigError, ReproError
 from repro.parallel import ParallelConfig
 from repro.systems.base import Placement, Plan
 
 CONF_SHAPES = Path(__file__).resolve().parents[2] / "conf" / "sim" / "shape"
+# hub ids (lower case) whose shape the suite knows (conf/sim/shape), for when no config.json is at hand
+KNOWN_MODELS = {
+    "deepseek-ai/deepseek-v2-lite": "deepseek_v2_lite", "deepseek-ai/deepseek-v2-lite-chat": "deepseek_v2_lite",
+    "deepseek-ai/deepseek-v3": "deepseek_v3", "deepseek-ai/deepseek-v3-base": "deepseek_v3",
+    "deepseek-ai/deepseek-v3-0324": "deepseek_v3",
+    "mistralai/mixtral-8x7b-v0.1": "mixtral_8x7b", "mistralai/mixtral-8x7b-instruct-v0.1": "mixtral_8x7b",
+    "allenai/olmoe-1b-7b-0924": "olmoe_1b_7b", "allenai/olmoe-1b-7b-0924-instruct": "olmoe_1b_7b",
+    "qwen/qwen3-30b-a3b": "qwen3_30b_a3b", "qwen/qwen3-30b-a3b-base": "qwen3_30b_a3b",
+    "moonshotai/moonlight-16b-a3b": "moonlight_16b_a3b", "moonshotai/moonlight-16b-a3b-instruct": "moonlight_16b_a3b",
+}
+# routing that no real model produced: a plan fitted on it says nothing about serving a real model
+SYNTHETIC_SOURCES = ("synthetic", "tiny_model", "replay", "random_init")
+# the suite's named tokenizers (repro.workloads.tokenizers) and words in the names of the models that use them
+TOKENIZER_FAMILIES = {"mixtral": ("mixtral", "mistral"), "qwen": ("qwen",), "olmoe": ("olmoe", "olmo")}
 
 
 @dataclass(frozen=True)
@@ -226,8 +247,11 @@ def load_plan(
         )
     if layer_ids is None:
         job_layout = layout_from_job(config) if config else None
+        traced = plan_routing(config).layer_ids if config and config.get("trace") else None
         if job_layout is not None and len(job_layout.moe_layer_ids) == p2l.shape[0]:
             layer_ids = job_layout.moe_layer_ids
+        elif traced is not None and len(traced) == p2l.shape[0]:  # a trace names the model layer of each row
+            layer_ids = traced
         elif len(layout.moe_layer_ids) == p2l.shape[0]:
             layer_ids = layout.moe_layer_ids
         else:
@@ -249,3 +273,152 @@ def load_plan(
 def _span(ids) -> str:
     ids = list(ids)
     return f"{ids[0]}-{ids[-1]}" if ids == list(range(ids[0], ids[-1] + 1)) else ",".join(map(str, ids))
+
+
+# ---- serving a plan on a real model --------------------------------------------------------------------------
+
+
+def _hf_cache_config(repo_id: str) -> Path | None:
+    """config.json of hub model `repo_id` in the local Hugging Face cache (the snapshot refs/main names), or None."""
+    hub = os.environ.get("HF_HUB_CACHE") or os.path.join(
+        os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface"), "hub")
+    folder = Path(hub) / ("models--" + repo_id.replace("/", "--"))
+    ref = folder / "refs" / "main"
+    if ref.is_file():
+        config = folder / "snapshots" / ref.read_text().strip() / "config.json"
+        if config.is_file():
+            return config
+    found = sorted(folder.glob("snapshots/*/config.json"))
+    return found[0] if found else None
+
+
+def served_model_layout(model_path: str, model_config: str | Path | None = None, shape: str | None = None) -> ModelLayout:
+    """The layout of the model an engine serves from `model_path` (HF id or local folder).
+
+    Most direct first: --model-config (its config.json), --shape (a simulator shape), <model_path>/config.json,
+    the Hugging Face cache's config.json of a hub id, the shape of a hub id in KNOWN_MODELS. None of them: a
+    ConfigError, since a plan cannot be checked against a model whose shape is unknown.
+    """
+    if model_config and shape:
+        raise ConfigError("pass --model-config or --shape, not both.")
+    if model_config:
+        return ModelLayout.from_hf_config(model_config)
+    if shape:
+        return ModelLayout.from_shape(shape)
+    local = Path(model_path) / "config.json"
+    if local.is_file():
+        return ModelLayout.from_hf_config(local)
+    cached = _hf_cache_config(model_path) if model_path.count("/") == 1 and not Path(model_path).exists() else None
+    if cached is not None:
+        return ModelLayout.from_hf_config(cached)
+    if model_path.lower().rstrip("/") in KNOWN_MODELS:
+        return ModelLayout.from_shape(KNOWN_MODELS[model_path.lower().rstrip("/")])
+    raise ConfigError(
+        f"cannot tell the shape of model {model_path!r} (no config.json in that folder or the Hugging Face cache, "
+        f"and not a known hub id); pass --model-config <its config.json> or --shape <name in conf/sim/shape>."
+    )
+
+
+@dataclass(frozen=True)
+class PlanRouting:
+    """What a plan was fitted on: the routing's source (trace meta `source` spelling; None: unknown), the
+    tokenizer of its token ids, the model, top-k and model layer ids (None when unknown), and where this was read."""
+
+    source: str | None
+    tokenizer: str | None
+    model: str | None
+    top_k: int | None
+    layer_ids: tuple[int, ...] | None
+    where: str
+
+    @property
+    def synthetic(self) -> bool:
+        return self.source in SYNTHETIC_SOURCES
+
+
+MODEL_KIND_SOURCES = {"tiny": "tiny_model", "synthetic": "synthetic", "replay": "replay", "hf": "hf_capture"}
+
+
+def plan_routing(config: dict | None) -> PlanRouting:
+    """The routing a finished job's plan was fitted on, from its config.yaml: the profile trace's meta.json for a
+    trace= job (profile_trace, else trace), else the routing model (model.kind; an hf model built from_config has
+    random weights)."""
+    if not config:
+        return PlanRouting(None, None, None, None, None, "no job config.yaml beside the plan")
+    if config.get("trace"):
+        from repro.traces import TraceMeta
+
+        path = Path(config.get("profile_trace") or config["trace"]) / "meta.json"
+        try:
+            meta = TraceMeta.from_json(json.loads(path.read_text()), where=str(path))
+        except (OSError, ValueError, ReproError) as e:
+            return PlanRouting(None, None, None, None, None, f"the job's trace {path} is unreadable ({e})")
+        return PlanRouting(meta.source or None, meta.tokenizer or None, meta.model, meta.top_k, meta.layer_ids,
+                           f"trace {path.parent}")
+    model = config.get("model") or {}
+    kind = model.get("kind")
+    source = MODEL_KIND_SOURCES.get(kind, kind)
+    if kind == "hf" and model.get("from_config"):
+        source = "random_init"
+    top_k = model.get("top_k")
+    return PlanRouting(source, model.get("tokenizer") or None, model.get("checkpoint") or model.get("name"),
+                       int(top_k) if isinstance(top_k, int) else None, None, f"job model.kind={kind}")
+
+
+def tokenizer_matches(tokenizer: str, model_path: str, model_name: str = "") -> bool:
+    """Whether token ids of `tokenizer` ("hf:<repo or folder>" or a suite name such as "mixtral") are the ids the
+    model served from `model_path` (config name `model_name`) reads: same repo or folder name, or a named
+    tokenizer of the model's family."""
+    names = {Path(x.rstrip("/")).name.casefold() for x in (model_path, model_name) if x}
+    if tokenizer.startswith("hf:"):
+        path = tokenizer[3:].rstrip("/")
+        if Path(path).exists() and Path(model_path).exists():
+            return Path(path).resolve() == Path(model_path).resolve()
+        return Path(path).name.casefold() in names
+    words = TOKENIZER_FAMILIES.get(tokenizer, (tokenizer,))
+    return any(word in name for word in words for name in names)
+
+
+def check_serving(saved: SavedPlan, model_path: str, *, explicit_layer_ids: bool = False, allow_synthetic: bool = False,
+                  allow_other_tokenizer: bool = False) -> list[str]:
+    """Warnings for serving `saved` on the real model at `model_path`, or a ConfigError (one sentence) when it
+    must not be: its top-k or whole-model layout differs from the served model's (`saved.layout`, which
+    load_plan already matched in experts and plan-row layers), it was fitted on synthetic routing (unless
+    allow_synthetic) or on token ids of another tokenizer (unless allow_other_tokenizer). The allowed cases and
+    the unknowable ones come back as warnings, for the caller to print loudly."""
+    layout, routing, where = saved.layout, plan_routing(saved.job_config), saved.source
+    if routing.top_k is not None and layout.top_k is not None and routing.top_k != layout.top_k:
+        raise ConfigError(
+            f"the plan in {where} was fitted on top-{routing.top_k} routing ({routing.where}) but {model_path} routes "
+            f"each token to {layout.top_k} experts; fit the plan on this model's routing."
+        )
+    job_layout = layout_from_job(saved.job_config) if saved.job_config else None
+    if job_layout is not None and not explicit_layer_ids and (
+            job_layout.num_hidden_layers, job_layout.moe_layer_ids) != (layout.num_hidden_layers, layout.moe_layer_ids):
+        raise ConfigError(
+            f"the plan in {where} was fitted for a model of {job_layout.num_hidden_layers} layers with MoE layers "
+            f"{_span(job_layout.moe_layer_ids)} but {model_path} has {layout.num_hidden_layers} with MoE layers "
+            f"{_span(layout.moe_layer_ids)}; fit the plan for this model (or map its rows with --layer-ids)."
+        )
+    warnings = []
+    if routing.source is None:
+        warnings.append(f"cannot tell what routing the plan in {where} was fitted on ({routing.where}); make sure it "
+                        f"is routing of {model_path} itself before trusting any measurement.")
+    elif routing.synthetic:
+        message = (f"the plan in {where} was fitted on {routing.source} routing ({routing.where}), not on routing of "
+                   f"{model_path}, so serving it measures an arbitrary placement")
+        if not allow_synthetic:
+            raise ConfigError(message + "; capture real routing (python -m repro.engines.capture) and fit on it with "
+                              "repro.run trace=<it>, or pass --allow-synthetic-plan.")
+        warnings.append(message + " (--allow-synthetic-plan).")
+    if not routing.tokenizer:
+        warnings.append(f"cannot tell which tokenizer the plan in {where} was fitted with ({routing.where}); its token "
+                        f"tables are meaningful only with {model_path}'s own.")
+    elif not tokenizer_matches(routing.tokenizer, model_path, layout.name):
+        message = (f"the plan in {where} was fitted on token ids of tokenizer {routing.tokenizer!r} but {model_path} "
+                   "reads its own tokenizer's ids, so the plan's token tables score other tokens")
+        if not allow_other_tokenizer:
+            raise ConfigError(message + f"; fit it on a workload tokenized with tokenizer=hf:{model_path}, or pass "
+                              "--allow-tokenizer-mismatch.")
+        warnings.append(message + " (--allow-tokenizer-mismatch).")
+    return warnings

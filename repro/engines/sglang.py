@@ -3,7 +3,7 @@ that the server really uses it.
 
     python -m repro.engines.sglang export  runs/paper_dp/<job> --out placement.json [--model-config config.json]
     python -m repro.engines.sglang check   placement.json --model-config config.json --ep-size 8
-    python -m repro.engines.sglang launch  runs/paper_dp/<job> --out placement.json --model-path deepseek-ai/...
+    python -m repro.engines.sglang launch  runs/<job> --out placement.json --model-path deepseek-ai/DeepSeek-V2-Lite
     python -m repro.engines.sglang served  placement.json --dump expert_distribution_recorder_*.pt
 
 Format A of `--init-expert-location` (sglang/srt/eplb/expert_location.py, `init_by_mapping`): a JSON object
@@ -22,6 +22,10 @@ the wrong table silently scrambles the trace. Two checks, both loud: `compare_se
 a recorder dump says the server used (`last_physical_to_logical_map`, exact); `placement_evidence` tells from
 returned physical ids alone, against a reference popularity, whether they follow the plan or the trivial map.
 
+`launch` serves the plan on a real model, so it reads that model's shape (its config.json, or a known hub id)
+and refuses a plan of another shape, or one fitted on synthetic routing or another tokenizer's ids unless
+--allow-synthetic-plan / --allow-tokenizer-mismatch (repro.engines.layout.check_serving).
+
 Legend: Lh model (hidden) layers, L MoE layers, E logical experts, P physical slots, D EP ranks, N tokens,
 k experts per token.
 """
@@ -37,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from repro.atomic import atomic_write_text
-from repro.engines.layout import ModelLayout, SavedPlan, load_plan, parse_layer_ids
+from repro.engines.layout import ModelLayout, SavedPlan, check_serving, load_plan, parse_layer_ids, served_model_layout
 from repro.errors import ConfigError, ReproError, TraceError
 
 LOCATION_KEY = "physical_to_logical_map"
@@ -246,6 +250,26 @@ def load_saved(args) -> SavedPlan:
     return load_plan(args.plan, ep_size=args.ep_size, layout=_layout(args), layer_ids=layer_ids)
 
 
+def _serving_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--allow-synthetic-plan", action="store_true",
+                   help="serve a plan fitted on synthetic / tiny-model / replayed routing anyway (warned loudly)")
+    p.add_argument("--allow-tokenizer-mismatch", action="store_true",
+                   help="serve a plan fitted on another tokenizer's token ids anyway (warned loudly)")
+
+
+def load_for_serving(args, model_path: str) -> SavedPlan:
+    """The plan of a CLI invocation that serves it on the real model at `model_path`: the model's own layout
+    (repro.engines.layout.served_model_layout), the plan checked against it (check_serving), warnings shouted."""
+    layer_ids = parse_layer_ids(args.layer_ids) if args.layer_ids else None
+    layout = served_model_layout(model_path, args.model_config, args.shape)
+    saved = load_plan(args.plan, ep_size=args.ep_size, layout=layout, layer_ids=layer_ids)
+    for warning in check_serving(saved, model_path, explicit_layer_ids=layer_ids is not None,
+                                 allow_synthetic=args.allow_synthetic_plan,
+                                 allow_other_tokenizer=args.allow_tokenizer_mismatch):
+        shout(warning)
+    return saved
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m repro.engines.sglang", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -260,6 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--port", type=int, default=30000)
     launch.add_argument("--attention", choices=["dp", "tp"], help="default: the job's parallel.attention")
     _layout_args(launch)
+    _serving_args(launch)
     check = sub.add_parser("check", help="apply SGLang's rules to an --init-expert-location JSON")
     check.add_argument("location", type=Path)
     check.add_argument("--num-redundant-experts", type=int, help="the server's --ep-num-redundant-experts")
@@ -275,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command in ("export", "launch"):
-            saved = load_saved(args)
+            saved = load_for_serving(args, args.model_path) if args.command == "launch" else load_saved(args)
             rows = export_location(saved, args.out)
             placement = saved.placement
             print(

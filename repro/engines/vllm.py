@@ -1,7 +1,7 @@
 """vLLM: a plan's placement installed as a custom EPLB policy through the `vllm.general_plugins` entry point.
 
     python -m repro.engines.vllm export runs/paper_dp/<job> --out placement.json [--model-config config.json]
-    python -m repro.engines.vllm launch runs/paper_dp/<job> --out placement.json --model Qwen/Qwen3-30B-A3B
+    python -m repro.engines.vllm launch runs/<job> --out placement.json --model Qwen/Qwen3-30B-A3B
     # prints: SEMMOE_VLLM_PLACEMENT=/abs/placement.json vllm serve ... --enable-eplb --eplb-config '{"policy": "semmoe", ...}'
 
 Supported vLLM: exactly SUPPORTED_VLLM (0.33.0); the hooks below are internals that move between releases.
@@ -22,6 +22,9 @@ does nothing (and imports nothing), so installing this package never changes a v
 vLLM's maps cover MoE layers only (`EplbModelState.physical_to_logical_map` [num_moe_layers, P]), unlike
 SGLang's all-layer rows; slot p lives on EP rank p // (P / ep_size) in both. MoE layers the plan does not cover
 get vLLM's own initial map: [0 .. E-1] then expert i % E for redundant slot E + i.
+
+`launch` checks the plan against the served model's shape and refuses a plan fitted on synthetic routing or on
+another tokenizer's ids unless told otherwise (repro.engines.layout.check_serving, as `sglang launch`).
 
 Legend: Lm MoE layers of the model, E logical experts, P physical slots, D EP ranks.
 """
@@ -202,7 +205,7 @@ def _allow_policy_name(name: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from repro.engines.sglang import _layout_args
+    from repro.engines.sglang import _layout_args, _serving_args
 
     p = argparse.ArgumentParser(prog="python -m repro.engines.vllm", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -216,15 +219,16 @@ def build_parser() -> argparse.ArgumentParser:
             cmd.add_argument("--port", type=int, default=8000)
             cmd.add_argument("--attention", choices=["dp", "tp"], help="default: the job's parallel.attention")
             cmd.add_argument("--step-interval", type=int, default=64, help="EPLB step_interval")
+            _serving_args(cmd)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    from repro.engines.sglang import load_saved
+    from repro.engines.sglang import load_for_serving, load_saved
 
     args = build_parser().parse_args(argv)
     try:
-        saved = load_saved(args)
+        saved = load_for_serving(args, args.model) if args.command == "launch" else load_saved(args)
         document = export_placement(saved, args.out)
     except ReproError as e:
         print(f"error: {e}", file=sys.stderr)
