@@ -23,6 +23,8 @@ per window of W = w x D consecutive requests, so every window spreads exactly w 
     maximum-weight assignment of score x prompt length, minus dp_token_price x prompt length x the rank's
     relative excess of queued prompt tokens (`window_exact_assign`). A request's decision thus waits for,
     and depends on, up to W - 1 later requests (`window_lookahead`).
+Arrival times are not in the traces yet, so the look-ahead is reported in requests; once they exist, the
+queueing delay batch_window adds to request r is arrival(last request of r's window) - arrival(r).
 
 The time-aware scheduler (dp_scheduler "time", beyond the paper; the two above are dp_scheduler "paper"): a layer
 finishes when its busiest rank does, and a rank's all-to-all and expert work grow with its tokens, not its
@@ -31,8 +33,6 @@ request, at arrival, takes its best rank by score - dp_balance_weight x (rank's 
 mean request tokens (`token_balance_assign`), a request's tokens being its prompt plus the expected decode tokens
 (the profile's mean generated tokens per request, or a configured number). No mask: counts may differ, tokens
 are what is balanced. Weight 0 is pure affinity; a large weight is least-queued-tokens first.
-Arrival times are not in the traces yet, so the look-ahead is reported in requests; once they exist, the
-queueing delay batch_window adds to request r is arrival(last request of r's window) - arrival(r).
 """
 
 from __future__ import annotations
