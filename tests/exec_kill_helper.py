@@ -3,10 +3,13 @@
 drive(PID_DIR, MODE): an exec driver that launches 2 gloo ranks which record their pids in PID_DIR, then block
 until killed: rank 0 sleeps in Python and on SIGTERM writes PID_DIR/rank0.sigterm and exits; rank 1 waits inside
 a gloo collective, where no Python handler runs, so only SIGKILL ends it. MODE "own_handler" installs a SIGTERM handler that
-exits with OWN_HANDLER_EXIT before launching.
+exits with OWN_HANDLER_EXIT before launching. MODE "slow_rank_import" makes each rank, while it still unpickles
+its task (before any code of launch runs in it), write PID_DIR/importing{pid} and sleep: the window in which only
+the driver's guardian can stop it.
 spawn_orphan(...): start a child guarded by _die_with_parent(this pid), print its pid, and exit.
 """
 
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -16,6 +19,11 @@ from pathlib import Path
 
 OWN_HANDLER_EXIT = 7
 TESTS = str(Path(__file__).resolve().parent)
+SLOW_IMPORT_ENV = "EXEC_KILL_SLOW_IMPORT_DIR"
+
+if multiprocessing.current_process().name != "MainProcess" and os.environ.get(SLOW_IMPORT_ENV):  # a spawned rank
+    Path(os.environ[SLOW_IMPORT_ENV], f"importing{os.getpid()}").touch()
+    time.sleep(60)
 
 
 def blocking_rank(rank: int, world_size: int, pid_dir: str) -> dict:
@@ -38,6 +46,8 @@ def drive(pid_dir: str, mode: str) -> None:
 
     if mode == "own_handler":
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(OWN_HANDLER_EXIT))
+    if mode == "slow_rank_import":
+        os.environ[SLOW_IMPORT_ENV] = pid_dir
     launch(blocking_rank, 2, backend="gloo", timeout_s=120, pid_dir=pid_dir)
 
 

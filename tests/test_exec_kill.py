@@ -1,7 +1,7 @@
 """No process of repro.exec outlives its driver: SIGKILL or SIGTERM the driver of 2 gloo ranks (one sleeping, one
-blocked in a collective) and every process it started (the ranks, the multiprocessing resource tracker) is gone
-within a few seconds; a rank whose driver died before it was guarded, or where PR_SET_PDEATHSIG is unavailable,
-exits on its own. Linux only: liveness and parentage come from /proc.
+blocked in a collective, or both still starting) and every process it started (the ranks, the multiprocessing
+resource tracker, the guardian) is gone within a few seconds; a rank whose driver died before it was guarded, or
+where PR_SET_PDEATHSIG is unavailable, exits on its own. Linux only: liveness and parentage come from /proc.
 """
 
 import os
@@ -63,16 +63,20 @@ def python(code: str, **kwargs) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", prefix + code], **kwargs)
 
 
-def start_driver(tmp_path: Path, mode: str) -> tuple[subprocess.Popen, dict[int, str], list[int]]:
-    """A driver of 2 blocking ranks; returns it once both ranks run, with its children and the rank pids."""
+def start_driver(tmp_path: Path, mode: str, ready: str = "rank*.pid") -> tuple[subprocess.Popen, dict[int, str]]:
+    """A driver of 2 blocking ranks; returns it with its children once 2 files `ready` exist (both ranks run)."""
     driver = python(f"h.drive({str(tmp_path)!r}, {mode!r})", stderr=subprocess.PIPE)
     deadline = time.monotonic() + 60  # three interpreters import torch: ~5 s idle, far more on a busy machine
-    while len(pid_files := sorted(tmp_path.glob("rank*.pid"))) < 2:
+    while len(list(tmp_path.glob(ready))) < 2:
         if driver.poll() is not None or time.monotonic() > deadline:
             driver.kill()
             pytest.fail(f"the driver's ranks did not start: {driver.communicate()[1].decode()[-2000:]}")
         time.sleep(0.05)
-    return driver, children(driver.pid), [int(f.read_text()) for f in pid_files]
+    return driver, children(driver.pid)
+
+
+def rank_pids(started: dict[int, str]) -> list[int]:
+    return [pid for pid, cmd in started.items() if "multiprocessing.spawn" in cmd]
 
 
 @pytest.mark.parametrize(
@@ -84,9 +88,10 @@ def start_driver(tmp_path: Path, mode: str) -> tuple[subprocess.Popen, dict[int,
     ],
 )
 def test_killing_the_driver_leaves_no_process_behind(tmp_path, sig, mode, returncode):
-    driver, started, ranks = start_driver(tmp_path, mode)
+    driver, started = start_driver(tmp_path, mode)
+    ranks = [int(f.read_text()) for f in tmp_path.glob("rank*.pid")]
     trackers = [pid for pid, cmd in started.items() if "resource_tracker" in cmd]
-    assert set(ranks) <= set(started) and len(trackers) == 1, started  # so the check below covers them all
+    assert sorted(ranks) == rank_pids(started) and len(trackers) == 1, started  # so the check below covers all
     driver.send_signal(sig)
     _, stderr = driver.communicate(timeout=15)
     assert driver.returncode == returncode, stderr.decode()[-2000:]
@@ -95,6 +100,16 @@ def test_killing_the_driver_leaves_no_process_behind(tmp_path, sig, mode, return
     assert (tmp_path / "rank0.sigterm").exists() == (sig == signal.SIGTERM)
     if sig == signal.SIGTERM:
         assert b"leaked semaphore" not in stderr, stderr.decode()[-2000:]  # the driver freed its queue first
+
+
+def test_sigkill_while_the_ranks_still_import_leaves_no_process_behind(tmp_path):
+    # the ranks sleep inside the unpickling of their task, before launch's code runs in them (the seconds a real
+    # rank spends importing torch): neither PR_SET_PDEATHSIG nor the parent-pid watch exists yet, the guardian must
+    driver, started = start_driver(tmp_path, "slow_rank_import", ready="importing*")
+    assert len(rank_pids(started)) == 2, started
+    driver.kill()
+    driver.communicate(timeout=15)
+    assert wait_gone(started, GONE_WITHIN_S) == [], f"still alive {GONE_WITHIN_S} s after the driver: {started}"
 
 
 def test_a_rank_whose_driver_died_before_it_was_guarded_exits():

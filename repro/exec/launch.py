@@ -15,11 +15,13 @@ Two ways to run the same worker:
   as JSON bytes over the group (nothing is unpickled). `init_from_env` starts the group early when the ranks
   must talk before the worker runs.
 
-Kills: no rank outlives its driver. Each spawned rank asks Linux to SIGKILL it when the driver dies
-(prctl PR_SET_PDEATHSIG) and also exits when its parent pid changes (checked at start and every second, the only
-guard off Linux); the multiprocessing resource tracker then exits too, as its pipe closes. A SIGTERM to the driver
-while `launch` runs terminates the ranks (SIGKILL after TERMINATE_GRACE_S), then re-delivers the SIGTERM to the
-handler that was there before (by default the driver then dies of it, status -15 / 143).
+Kills: no rank outlives its driver. On Linux a tiny guardian process (GUARDIAN_CODE) learns each rank's pid as it
+is spawned and SIGKILLs the ranks when the driver dies without saying "done" (its pipe closes): this covers the
+seconds a rank spends importing torch before any code of ours runs in it. Each rank, once running, also asks Linux
+to SIGKILL it when the driver dies (prctl PR_SET_PDEATHSIG) and exits when its parent pid changes (checked at start
+and every second: the only guard off Linux). The multiprocessing resource tracker then exits too, as its pipe
+closes. A SIGTERM to the driver while `launch` runs terminates the ranks (SIGKILL after TERMINATE_GRACE_S), then is
+re-delivered to the handler that was there before (by default the driver then dies of it, status -15 / 143).
 
 Faults: every collective of the group times out after `timeout_s`. If a rank raises or dies (os._exit, a kill),
 its peers fail in their next collective (connection closed, or the timeout), `launch` waits for them at most
@@ -37,6 +39,7 @@ import multiprocessing as mp
 import os
 import queue
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -54,6 +57,29 @@ PARENT_POLL_S = 1.0  # how often a rank checks that its driver is still its pare
 ORPHAN_EXIT_CODE = 1  # a rank whose driver is gone exits with this (nobody reads it)
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 HAS_PDEATHSIG = sys.platform.startswith("linux")
+# Reads "pid" lines until "done" or EOF; at EOF (the driver died) it SIGKILLs each pid whose start time in /proc is
+# still the one it read on registration (so a reused pid is never hit). Started with -I -S: ~20 ms, no repro import.
+GUARDIAN_CODE = """
+import os, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the driver, which stops its ranks itself
+def started(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except OSError:
+        return None
+ranks = {}
+for line in sys.stdin:
+    if line.strip() == "done":
+        sys.exit(0)
+    ranks[int(line)] = started(int(line))
+for pid, start in ranks.items():
+    if start is not None and started(pid) == start:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+"""
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -108,13 +134,16 @@ def launch(
     ]
     sigterms: list[int] = []  # the handler only appends: no lock a signal could interrupt
     previous_handler = _catch_sigterm(sigterms)
+    guardian = _start_guardian()
     try:
         for process in processes:
             if not sigterms:
                 process.start()
+                _tell_guardian(guardian, f"{process.pid}\n")
         outcomes = _collect(processes, results, timeout_s, sigterms)
     finally:
         _stop_ranks(processes, TERMINATE_GRACE_S if sigterms else 0.0)
+        _release_guardian(guardian)
         if previous_handler is not None:
             signal.signal(signal.SIGTERM, previous_handler)
         del store
@@ -235,6 +264,33 @@ def _catch_sigterm(sigterms: list[int]):
         return None
     signal.signal(signal.SIGTERM, lambda signum, frame: sigterms.append(signum))
     return previous
+
+
+def _start_guardian() -> subprocess.Popen | None:
+    """The process that SIGKILLs the ranks if this driver dies (GUARDIAN_CODE); None off Linux (no /proc)."""
+    if not HAS_PDEATHSIG:
+        return None
+    return subprocess.Popen([sys.executable, "-I", "-S", "-c", GUARDIAN_CODE], stdin=subprocess.PIPE, text=True)
+
+
+def _tell_guardian(guardian: subprocess.Popen | None, line: str) -> None:
+    if guardian is not None:
+        try:
+            guardian.stdin.write(line)
+            guardian.stdin.flush()
+        except OSError:
+            pass  # a guardian killed on its own: the ranks' own guards remain
+
+
+def _release_guardian(guardian: subprocess.Popen | None) -> None:
+    """Tell the guardian the ranks are stopped, so it exits without killing anything, and reap it."""
+    if guardian is not None:
+        _tell_guardian(guardian, "done\n")
+        try:
+            guardian.stdin.close()
+        except OSError:
+            pass
+        guardian.wait()
 
 
 def _stop_ranks(processes, grace_s: float) -> None:
