@@ -174,6 +174,8 @@ async def _stream(session, url: str, body: dict, sent: Sent) -> None:
                 if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
                     continue
                 data = json.loads(line[5:])
+                if not isinstance(data, dict):
+                    raise ReproError(f"a streamed event is not a JSON object: {line[:80]!r}")
                 # a chunk counts when it carries text, as in sglang.bench_serving / vllm bench serve (the final
                 # usage chunk and an empty finish chunk do not)
                 if any(isinstance(c, dict) and c.get("text") for c in data.get("choices") or []):

@@ -410,7 +410,7 @@ def check_serving(saved: SavedPlan, model_path: str, *, explicit_layer_ids: bool
         if not allow_synthetic:
             raise ConfigError(message + "; capture real routing (python -m repro.engines.capture) and fit on it with "
                               "repro.run trace=<it>, or pass --allow-synthetic-plan.")
-        warnings.append(message + " (--allow-synthetic-plan).")
+        warnings.append(message + " (served anyway: --allow-synthetic-plan).")
     if not routing.tokenizer:
         warnings.append(f"cannot tell which tokenizer the plan in {where} was fitted with ({routing.where}); its token "
                         f"tables are meaningful only with {model_path}'s own.")
@@ -420,5 +420,5 @@ def check_serving(saved: SavedPlan, model_path: str, *, explicit_layer_ids: bool
         if not allow_other_tokenizer:
             raise ConfigError(message + f"; fit it on a workload tokenized with tokenizer=hf:{model_path}, or pass "
                               "--allow-tokenizer-mismatch.")
-        warnings.append(message + " (--allow-tokenizer-mismatch).")
+        warnings.append(message + " (served anyway: --allow-tokenizer-mismatch).")
     return warnings
