@@ -253,8 +253,9 @@ def test_vllm_spelling_and_per_rank_upstreams(stack, tokenizer):
     router_url, stop_router = serve_in_thread(build_app(router, [u for u, _ in servers], "vllm"))
     try:
         for i, text in enumerate(PROMPTS):
-            _, _, raw = call(router_url, "/v1/completions", {"prompt": text, "id": i})
+            _, headers, raw = call(router_url, "/v1/completions", {"prompt": text, "id": i})
             assert rank_header(json.loads(raw), "X-data-parallel-rank") is None  # the URL carries the rank
+            assert i in logs[int(headers["X-data-parallel-rank"])]  # and the reply names it to the client
         expected = offline_ranks([np.asarray(tokenizer.encode(t)) for t in PROMPTS])
         assert [next(r for r in range(DEVICES) if i in logs[r]) for i in range(len(PROMPTS))] == expected
     finally:

@@ -15,7 +15,7 @@ gets its own spelling anyway. With D upstreams (vLLM external load balancing, on
 request goes to upstream r, without a header. A request that already carries the header keeps it, unscored.
 
 Everything is passed through unchanged: method, path, query, headers (hop-by-hop ones excepted), body bytes,
-status, response headers and body (a body with a Content-Length up to BUFFER_BYTES is read whole and sent in one
+status, response headers (plus the chosen rank's header when the router chose one) and body (a body with a Content-Length up to BUFFER_BYTES is read whole and sent in one
 write; any other, SSE included, is streamed chunk by chunk; compressed bodies untouched).
 An unreachable upstream gives 502 (so does one that breaks off a bounded body before its end, as nothing has
 been sent yet) and an upstream timeout 504, each with a JSON body saying so; an upstream error status is returned
@@ -341,6 +341,8 @@ def build_app(
                 request.method, url, headers=headers, data=raw if raw else None, allow_redirects=False,
             ) as upstream:
                 reply_headers = [(k, v) for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP]
+                if rank is not None:  # the client learns the rank its request ran on (bench_serving records it)
+                    reply_headers.append((header, str(rank)))
                 length = upstream.content_length
                 if upstream.status >= 400:
                     metrics.error(f"status_{upstream.status // 100}xx")
