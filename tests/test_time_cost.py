@@ -148,3 +148,13 @@ def test_bad_time_model_inputs_raise_one_clear_error():
         time_model(plan, trace, H200, load_shape("deepseek_v2_lite"), step_tokens=2)
     with pytest.raises(ConfigError, match="backend"):
         time_model(plan, trace, H200, load_shape("deepseek_v2_lite"), backend="carrier_pigeon")
+
+
+def test_the_plain_evaluator_does_not_import_the_simulator():
+    """repro.sim is imported only when a time is priced: accounting alone keeps working while repro.sim changes."""
+    import subprocess
+    import sys
+
+    code = "import sys, repro.eval; print(any(m.startswith('repro.sim') for m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "False"

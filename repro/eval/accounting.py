@@ -27,7 +27,7 @@ import numpy as np
 import pandas as pd
 
 from repro.errors import ConfigError, ReproError, TraceError
-from repro.eval.time_cost import PARTS, TimeModel, time_estimate
+from repro.eval.time_cost import PARTS, TimeModel, time_estimate  # imports repro.sim only when a time is priced
 from repro.systems.base import Plan
 from repro.traces import RoutingTrace
 
@@ -269,7 +269,9 @@ def home_devices(plan: Plan, trace: RoutingTrace, *, history: int = 2, progress:
     """int16[N, L] the device each token lives on before each MoE layer, as the plan's schedulers decide.
 
     Attention-DP: plan.reset(), then one plan.assign_requests call over all requests in trace order; every
-    token of request r lives on ranks[r] at every layer (returned as a read-only broadcast view).
+    token of request r lives on ranks[r] at every layer (returned as a read-only broadcast view), except that a
+    plan with assign_decode moves each request's generated tokens to the rank it picks from the prompt's routing
+    (`repro.eval.decode_phase.decode_homes`).
     Attention-TP: plan.reset(), then tokens in trace order in steps of parallel.tokens_per_step (the last one
     shorter); per step and layer, plan.shuffle_tokens(token_ids, layer, prev_experts) with prev_experts the
     true routing int16[T, h', k] of the h' = min(layer, history) previous layers (None when h' == 0). Plans with
@@ -287,6 +289,10 @@ def home_devices(plan: Plan, trace: RoutingTrace, *, history: int = 2, progress:
         )
         ranks = _check_ranks(plan, ranks, trace.num_requests, num_devices)
         per_token = np.repeat(ranks.astype(np.int16), trace.lengths())
+        if hasattr(plan, "assign_decode"):  # PD-disaggregated decode: generated tokens on the rank chosen after prefill
+            from repro.eval.decode_phase import decode_homes
+
+            per_token = decode_homes(plan, trace, ranks)
         home = np.broadcast_to(per_token[:, None], (trace.num_tokens, trace.num_layers))
         return home
 

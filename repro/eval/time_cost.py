@@ -21,16 +21,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from repro.errors import ConfigError
-from repro.sim.costs import COMPONENTS, CostModel
-from repro.sim.hardware import load_hardware
-from repro.sim.shapes import ModelShape, routing_map
-from repro.sim.traffic import BatchTraffic, batch_traffic, dispatch_slots
 from repro.systems.base import Plan
 from repro.traces import RoutingTrace
+
+if TYPE_CHECKING:  # repro.sim is imported where a time is priced, so the plain evaluator does not depend on it
+    from repro.sim.costs import CostModel
+    from repro.sim.traffic import BatchTraffic
 
 # the shape used when a job configures no simulator: sizes of a real fine-grained MoE (the paper's DeepSeek class)
 DEFAULT_SHAPE = "deepseek_v2_lite"
@@ -38,7 +39,6 @@ SHAPE_DIR = Path(__file__).resolve().parents[2] / "conf" / "sim" / "shape"
 # steps priced in one batch_traffic call: keeps its [K, L, 2, D, D] histogram small
 STEPS_PER_BLOCK = 64
 PARTS = ("dispatch", "experts", "combine")
-_MOE_INDEX = [COMPONENTS.index(part) for part in PARTS]
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,11 @@ def time_model(plan: Plan, trace: RoutingTrace, hardware: dict, shape: dict, *, 
     per-rank deduplicated copies). step_tokens: tokens per rank per step in Attention-DP, per step in
     Attention-TP; default parallel.tokens_per_step.
     """
+    from repro.sim.costs import CostModel
+    from repro.sim.hardware import load_hardware
+    from repro.sim.shapes import ModelShape, routing_map
+    from repro.sim.traffic import dispatch_slots
+
     parallel = plan.parallel
     if not isinstance(hardware, dict):
         raise ConfigError(f"hardware must be a mapping (a conf/hardware/*.yaml profile), got {type(hardware).__name__}.")
@@ -114,6 +119,8 @@ def moe_layer_seconds(cost: CostModel, traffic: BatchTraffic, tokens_KD: np.ndar
     (Attention-TP, else None); has_prefill_K bool[K]. The attention inputs are zero: only the MoE part is kept.
     Seconds are per trace layer (CostModel.map.layer_weight, the shape layers one stands for, is not applied).
     """
+    from repro.sim.costs import COMPONENTS
+
     num_k = traffic.slot_tokens.shape[0]
     ranks = cost.devices if cost.mode == "dp" else 1
     tokens = tokens_KD if cost.mode == "dp" else slice_KLD[:, 0].sum(axis=1, keepdims=True)
@@ -121,7 +128,7 @@ def moe_layer_seconds(cost: CostModel, traffic: BatchTraffic, tokens_KD: np.ndar
     seg = {"pairs_prefill": zeros, "pairs_decode": zeros, "kv_read": zeros, "samples": zeros,
            "tokens": np.asarray(tokens, dtype=np.float64)}
     moe = cost.block(seg, traffic, tokens_KD, slice_KLD, np.asarray(has_prefill_K, dtype=bool))["moe"]
-    return {part: moe[:, :, index] for part, index in zip(PARTS, _MOE_INDEX, strict=True)}
+    return {part: moe[:, :, COMPONENTS.index(part)] for part in PARTS}
 
 
 def dp_steps(home_N: np.ndarray, step_tokens: int) -> np.ndarray:
@@ -142,6 +149,8 @@ def time_estimate(model: TimeModel, home_NL: np.ndarray, experts_NLk: np.ndarray
     "steps": int, the number of steps. home_NL int[N, L] as `home_devices` returns it; experts_NLk int[N, L, k]
     (a memory-mapped trace array is read one block of steps at a time).
     """
+    from repro.sim.traffic import batch_traffic
+
     num_tokens, num_layers = home_NL.shape
     devices = model.cost.devices
     if attention == "dp":
