@@ -29,7 +29,6 @@ from pathlib import Path
 
 import hydra
 import numpy as np
-import pandas as pd
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
@@ -38,6 +37,7 @@ from repro.errors import ConfigError, ReproError
 from repro.jobdir import job_dirname  # noqa: F401  registers the resolver conf/config.yaml names its run dirs with
 from repro.parallel import ParallelConfig
 from repro.traces import RoutingTrace, Split, read_trace, select_requests, split_indices, trace_digest, write_trace
+from repro.tracking import JobRun
 
 log = logging.getLogger("repro.run")
 
@@ -176,7 +176,7 @@ def request_split(cfg: dict, num_requests: int) -> Split:
     )
 
 
-def routed_workload(cfg: dict, workload_cfg: dict, cache_dir: Path) -> tuple[RoutingTrace, Split]:
+def routed_workload(cfg: dict, workload_cfg: dict, cache_dir: Path, on_progress=None) -> tuple[RoutingTrace, Split]:
     """(trace of every request of `workload_cfg`, its profile / validate / evaluate split).
 
     A trained routing model may learn only from the profile split of its training workload: cfg["train_workload"]
@@ -210,6 +210,7 @@ def routed_workload(cfg: dict, workload_cfg: dict, cache_dir: Path) -> tuple[Rou
         dataset=workload.name,
         tokenizer=workload.tokenizer,
         vocab_size=workload.vocab_size,
+        on_progress=on_progress,  # training and capture progress, to W&B (repro.tracking)
     )
     if trace.meta.extra.get("model_cached", True):  # routing of a model a time budget cut short is not reused
         write_trace(trace, cached / "trace", if_exists="keep")  # jobs racing on one entry: the first wins
@@ -233,7 +234,7 @@ def check_trace_options(cfg: dict) -> None:
         raise ConfigError("profile_trace needs trace= (the trace to evaluate); drop it or add trace=.")
 
 
-def build_traces(cfg: dict) -> tuple[RoutingTrace, RoutingTrace]:
+def build_traces(cfg: dict, on_progress=None) -> tuple[RoutingTrace, RoutingTrace]:
     """(profile trace, evaluated trace) for this job; the evaluated part is cfg["evaluate_split"] (default evaluate).
 
     With trace= and profile_trace=, the profile is the other trace and `trace` is split into validate and
@@ -255,10 +256,10 @@ def build_traces(cfg: dict) -> tuple[RoutingTrace, RoutingTrace]:
         split = request_split(cfg, trace.num_requests)
         return select_requests(trace, split.profile), select_requests(trace, split.part(part))
     cache_dir = Path(cfg["cache_dir"])
-    trace, split = routed_workload(cfg, cfg["workload"], cache_dir)
+    trace, split = routed_workload(cfg, cfg["workload"], cache_dir, on_progress)
     profile = select_requests(trace, split.profile)
     if cfg.get("eval_workload"):
-        other, other_split = routed_workload(cfg, cfg["eval_workload"], cache_dir)
+        other, other_split = routed_workload(cfg, cfg["eval_workload"], cache_dir, on_progress)
         return profile, select_requests(other, other_split.part(part))
     return profile, select_requests(trace, split.part(part))
 
@@ -399,11 +400,20 @@ def fit_and_evaluate(config: dict, profile: RoutingTrace, evaluation: RoutingTra
 def run_job(cfg: DictConfig, out_dir: Path) -> dict | None:
     config = OmegaConf.to_container(cfg, resolve=True)
     make_job(config)  # config errors before any (slow) routing
-    profile, evaluation = build_traces(config)
+    # the W&B run starts with the job, before routing and training, and is marked failed if the job raises
+    with JobRun(config, out_dir) as tracking:
+        return tracked_job(config, out_dir, tracking)
+
+
+def tracked_job(config: dict, out_dir: Path, tracking: JobRun) -> dict | None:
+    """run_job's work, reported to `tracking` (which does nothing when W&B is off)."""
+    profile, evaluation = build_traces(config, on_progress=tracking.on_progress)
     digests = {"profile": trace_digest(profile), "evaluated": trace_digest(evaluation)}
     if job_finished(out_dir, config, digests):
         log.info("%s already finished with this config and these traces; skipping", out_dir)
         return None
+    tracking.start()  # a resume that is not skipped starts its run now (see repro.tracking)
+    tracking.add_routing(evaluation)
 
     summary, result, plan = fit_and_evaluate(config, profile, evaluation, progress=True)
     summary["trace_digests"] = digests
@@ -434,9 +444,9 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict | None:
             summary["warnings"] = summary.get("warnings", []) + sim.summary["warnings"]
             sim_tables = {"sim_per_rate": sim.per_rate, "sim_per_layer": sim.per_layer}
         metrics_text(summary, config)  # a non-finite metric fails before W&B sees it
-        # W&B first: if tracking fails, no result file has been published yet
-        _log_to_wandb(config, summary, result, out_dir, sim_tables, files_dir=staging)
         write_job_outputs(staging, config, profile, evaluation, result, plan, sim_tables)
+        # W&B logs from the staging folder before anything is published: if tracking fails, nothing is
+        tracking.log_results(summary, result.per_layer, sim_tables, files_dir=staging)
         publish_job(staging, out_dir, summary, config)
     log.info(
         "%s: LAR %.4f  a2a bytes %.3e  imbalance %.3f  (%s %s, D=%d, %s)",
@@ -505,35 +515,6 @@ def _json_default(x):
     if isinstance(x, np.generic):
         return x.item()
     raise TypeError(f"not JSON serialisable: {type(x)}")
-
-
-def _log_to_wandb(config: dict, summary: dict, result, out_dir: Path, tables: dict | None = None,
-                  files_dir: Path | None = None) -> None:
-    """One W&B run for the job in out_dir; exec_*.csv tables are read from files_dir (the staging folder, default
-    out_dir)."""
-    logger = config.get("logger") or {}
-    if logger.get("name") != "wandb" or os.environ.get("WANDB_MODE") == "disabled":
-        return
-    import wandb
-
-    overrides = out_dir.name
-    with wandb.init(
-        project=logger["project"],
-        mode=logger.get("mode", "offline"),
-        group=config.get("name"),
-        name=overrides,
-        dir=str(out_dir),
-        config=config,
-        settings=wandb.Settings(silent=True),
-        reinit="finish_previous",
-    ) as run:
-        run.summary.update({k: v for k, v in summary.items() if isinstance(v, (int, float, str))})
-        run.log({"per_layer": wandb.Table(dataframe=result.per_layer)})
-        for name, table in (tables or {}).items():
-            run.log({name: wandb.Table(dataframe=table)})
-        for table in ("exec_per_layer", "exec_per_rank"):  # written by repro.exec when the job executed its plan
-            if (Path(files_dir or out_dir) / f"{table}.csv").exists():
-                run.log({table: wandb.Table(dataframe=pd.read_csv(Path(files_dir or out_dir) / f"{table}.csv"))})
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")

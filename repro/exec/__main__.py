@@ -7,8 +7,8 @@
 Standalone, it is exactly `python -m repro.run` (whose exec hook spawns the ranks). Under torchrun (RANK,
 WORLD_SIZE, MASTER_ADDR, MASTER_PORT set), every rank composes the same config, reads or makes the same traces
 (rank 0 first, so the routing cache is written once; the others then read it) and fits the same seeded plan,
-runs its share, and rank 0 logs to W&B (run.py's helper) and writes the job dir (staged, then published with
-metrics.json last, as repro.run does): metrics.json (evaluator summary + exec_* keys, and the config),
+runs its share, and rank 0 logs to W&B (repro.tracking, from the start) and writes the job dir (staged, then
+published with metrics.json last, as repro.run does): metrics.json (evaluator summary + exec_* keys, and the config),
 per_layer.csv, exec_per_layer.csv and exec_per_rank.csv. A WORLD_SIZE other than parallel.devices is refused
 before any rank waits for another.
 """
@@ -49,19 +49,22 @@ def check_torchrun_world_size(parallel) -> None:
 def torchrun_job(config: dict, out_dir: Path) -> None:
     """This process's part of a torchrun exec job; only rank 0 writes (staged, then published as repro.run does)."""
     from repro.exec.trace_mode import ExecConfig, run_exec_job
-    from repro.run import _log_to_wandb, build_traces, fit_and_evaluate, make_job, publish_job, staging_dir
+    from repro.run import build_traces, fit_and_evaluate, make_job, publish_job, staging_dir
+    from repro.tracking import JobRun
 
     parallel, _ = make_job(config)
     check_torchrun_world_size(parallel)
     exec_cfg = ExecConfig.from_config(config["exec"])
     rank = init_from_env(exec_cfg.backend, exec_cfg.timeout_s)
-    with staging_dir(out_dir) if rank == 0 else nullcontext(None) as staging:
+    # rank 0's W&B run starts before routing and is marked failed if this rank's job raises (repro.tracking)
+    with JobRun(config, out_dir, enabled=rank == 0) as tracking, \
+            staging_dir(out_dir) if rank == 0 else nullcontext(None) as staging:
         try:
             # a gloo group with a long timeout only for this wait: the exec collectives keep exec.timeout_s
             waiting = dist.new_group(backend="gloo", timeout=dt.timedelta(seconds=PREPARE_TIMEOUT_S))
             if rank != 0:
                 dist.barrier(group=waiting)
-            profile, evaluation = build_traces(config)
+            profile, evaluation = build_traces(config, on_progress=tracking.on_progress)
             if rank == 0:
                 dist.barrier(group=waiting)
             summary, result, plan = fit_and_evaluate(config, profile, evaluation)
@@ -69,9 +72,10 @@ def torchrun_job(config: dict, out_dir: Path) -> None:
         finally:
             dist.destroy_process_group()
         if rank == 0:
-            # first, as run_job does: nothing is published if tracking fails
-            _log_to_wandb(config, summary, result, out_dir, files_dir=staging)
+            tracking.add_routing(evaluation)
             atomic_write(staging / "per_layer.csv", lambda p: result.per_layer.to_csv(p, index=False))
+            # before publishing, as run_job does: nothing is published if tracking fails
+            tracking.log_results(summary, result.per_layer, files_dir=staging)
             publish_job(staging, out_dir, summary, config)
 
 

@@ -12,6 +12,8 @@ data a producer may learn from.
 from __future__ import annotations
 
 import importlib
+import inspect
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -38,12 +40,16 @@ def route_workload(
     dataset: str,
     tokenizer: str,
     vocab_size: int,
+    on_progress: Callable[[dict], None] | None = None,
 ) -> RoutingTrace:
+    """The producer of model_cfg["kind"]'s trace of `requests`; on_progress (e.g. repro.tracking's) reaches the
+    producers that report progress (tiny: training and capture; hf: capture)."""
     kind = model_cfg.get("kind")
     if kind not in PRODUCERS:
         raise ConfigError(f"model.kind={kind!r} is not a routing producer; choose one of {sorted(PRODUCERS)}.")
     module, fn = PRODUCERS[kind].split(":")
     produce = getattr(importlib.import_module(module), fn)
+    reports = on_progress is not None and "on_progress" in inspect.signature(produce).parameters
     return produce(
         dict(model_cfg),
         requests,
@@ -53,6 +59,7 @@ def route_workload(
         dataset=dataset,
         tokenizer=tokenizer,
         vocab_size=vocab_size,
+        **({"on_progress": on_progress} if reports else {}),
     )
 
 

@@ -19,6 +19,7 @@ batch, S padded batch length, V model vocabulary.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -102,6 +103,7 @@ def capture_routing(
     max_new_tokens: int = 0,
     source: str = "hf_capture",
     real_ids_of: IdMap | None = None,
+    on_progress: Callable[[dict], None] | None = None,
 ) -> RoutingTrace:
     """Route every request through `model` and record each MoE layer's exact top-k choice.
 
@@ -114,6 +116,8 @@ def capture_routing(
     max_new_tokens: greedy tokens generated per request (stopping early at the model's EOS) and appended to
         the request; `prefill_len` marks where the prompt ends. Routing of the whole sequence is then captured
         in one forward pass, which matches the routing the tokens get during decoding.
+    on_progress: called after every batch with {"phase": "capture" (or "generate"), "step": batch number,
+        "requests", "tokens" (done so far), "requests_per_s", "tokens_per_s"} (repro.tracking logs them).
 
     Returns a trace with token_ids int32[N] (real ids), experts int16[N, L, k] and weights float16[N, L, k],
     each token's k experts ordered by descending gate weight; meta.layer_ids are the MoE layers and
@@ -144,12 +148,14 @@ def capture_routing(
     model.eval()
     try:
         generated = (
-            _generate_greedy(model, model_prompts, max_new_tokens, batch_tokens, real_ids_of, vocab_size)
+            _generate_greedy(model, model_prompts, max_new_tokens, batch_tokens, real_ids_of, vocab_size, on_progress)
             if max_new_tokens
             else [np.zeros(0, np.int64)] * len(requests)
         )
         model_seqs = [np.concatenate([p, g]) for p, g in zip(model_prompts, generated, strict=True)]
-        experts_NLk, weights_NLk = _route_sequences(model, routers, top_k, model_seqs, batch_tokens, model_name)
+        experts_NLk, weights_NLk = _route_sequences(
+            model, routers, top_k, model_seqs, batch_tokens, model_name, on_progress
+        )
     finally:
         model.train(was_training)
 
@@ -219,7 +225,8 @@ def _batches(lengths: np.ndarray, batch_tokens: int) -> list[np.ndarray]:
     return groups
 
 
-def _route_sequences(model, routers, top_k: int, model_seqs: list[np.ndarray], batch_tokens: int, model_name: str):
+def _route_sequences(model, routers, top_k: int, model_seqs: list[np.ndarray], batch_tokens: int, model_name: str,
+                     on_progress=None):
     """experts int16[N, L, k] and weights float16[N, L, k] of the concatenated sequences (model ids)."""
     lengths = np.array([len(s) for s in model_seqs], dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum(lengths)])
@@ -235,6 +242,7 @@ def _route_sequences(model, routers, top_k: int, model_seqs: list[np.ndarray], b
         return hook
 
     handles = [router.register_forward_hook(recorder(slot)) for slot, (_, router) in enumerate(routers)]
+    progress = _Progress() if on_progress is not None else None  # reads no clock unless asked to
     device = next(model.parameters()).device
     try:
         with torch.inference_mode(), tqdm(total=int(offsets[-1]), desc=f"capture {model_name}", unit="tok") as bar:
@@ -266,10 +274,25 @@ def _route_sequences(model, routers, top_k: int, model_seqs: list[np.ndarray], b
                     experts_NLk[dest, slot] = np.take_along_axis(idx, order, axis=-1)
                     weights_NLk[dest, slot] = np.take_along_axis(w, order, axis=-1)
                 bar.update(int(group_len.sum()))
+                if on_progress is not None:
+                    on_progress(progress.update("capture", len(group), int(group_len.sum())))
     finally:
         for h in handles:
             h.remove()
     return experts_NLk, weights_NLk
+
+
+class _Progress:
+    """Requests and tokens done so far and their rates since this object was made (on time.perf_counter)."""
+
+    def __init__(self):
+        self.start, self.step, self.requests, self.tokens = time.perf_counter(), 0, 0, 0
+
+    def update(self, phase: str, requests: int, tokens: int) -> dict:
+        self.step, self.requests, self.tokens = self.step + 1, self.requests + requests, self.tokens + tokens
+        seconds = max(time.perf_counter() - self.start, 1e-9)
+        return {"phase": phase, "step": self.step, "requests": self.requests, "tokens": self.tokens,
+                "requests_per_s": self.requests / seconds, "tokens_per_s": self.tokens / seconds}
 
 
 def _right_pad(seqs: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -281,7 +304,8 @@ def _right_pad(seqs: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(ids), torch.from_numpy(mask.astype(np.int64))
 
 
-def _generate_greedy(model, prompts, max_new_tokens, batch_tokens, real_ids_of, vocab_size) -> list[np.ndarray]:
+def _generate_greedy(model, prompts, max_new_tokens, batch_tokens, real_ids_of, vocab_size,
+                     on_progress=None) -> list[np.ndarray]:
     """Greedy continuations int64[<= max_new_tokens] (model ids) per prompt, cut after the first EOS."""
     lengths = np.array([len(p) for p in prompts], dtype=np.int64)
     # never generate a model id without a real id in 0..vocab_size-1 (UNK, or rows padding the embedding)
@@ -292,6 +316,7 @@ def _generate_greedy(model, prompts, max_new_tokens, batch_tokens, real_ids_of, 
     eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
     out: list[np.ndarray] = [np.zeros(0, np.int64)] * len(prompts)
     device = next(model.parameters()).device
+    generated = _Progress() if on_progress is not None else None
     with torch.inference_mode(), tqdm(total=len(prompts), desc="generate", unit="req") as bar:
         for group in _batches(lengths + max_new_tokens, batch_tokens):
             ids_BS, mask_BS = _right_pad([prompts[i] for i in group])
@@ -316,6 +341,8 @@ def _generate_greedy(model, prompts, max_new_tokens, batch_tokens, real_ids_of, 
             for row, i in enumerate(group):
                 out[i] = new_BT[row, : keep[row]].astype(np.int64)
             bar.update(len(group))
+            if on_progress is not None:
+                on_progress(generated.update("generate", len(group), int(sum(len(out[i]) for i in group))))
     return out
 
 
@@ -378,9 +405,10 @@ def load_hf_model(model_cfg: dict, *, seed: int):
 
 
 def route_with_hf_model(
-    model_cfg: dict, requests, train_requests, *, cache_dir, seed, dataset, tokenizer, vocab_size
+    model_cfg: dict, requests, train_requests, *, cache_dir, seed, dataset, tokenizer, vocab_size, on_progress=None
 ) -> RoutingTrace:
-    """Capture the routing of `requests` through a transformers MoE model (model_cfg kind: hf).
+    """Capture the routing of `requests` through a transformers MoE model (model_cfg kind: hf); on_progress gets
+    capture_routing's progress events.
 
     train_requests and cache_dir are unused: a pretrained model needs no training and loading is its own cache.
     """
@@ -400,4 +428,5 @@ def route_with_hf_model(
         batch_tokens=int(cfg["batch_tokens"]),
         max_new_tokens=int(cfg["max_new_tokens"]),
         source="hf_capture",
+        on_progress=on_progress,
     )

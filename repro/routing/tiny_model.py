@@ -34,6 +34,7 @@ import os
 import platform
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -251,13 +252,17 @@ def deterministic_torch():
         torch.use_deterministic_algorithms(previous)
 
 
-def train_tiny_model(cfg: dict, stream: np.ndarray, model_vocab_size: int, unk_id: int, *, seed: int):
+def train_tiny_model(cfg: dict, stream: np.ndarray, model_vocab_size: int, unk_id: int, *, seed: int,
+                     on_progress: Callable[[dict], None] | None = None):
     """Train a MixtralForCausalLM on windows of stream int64[N] (model ids); returns (model, stats dict).
 
     Windows of S = min(seq_len, N) tokens start at positions drawn by a torch.Generator seeded with `seed`;
     weights are initialised under torch.manual_seed(seed) inside a forked RNG so global state is untouched.
     Runs max_steps steps; an explicit train_seconds budget (not None) may stop it earlier, read on time.monotonic().
     Loss on a fixed held-out draw of EVAL_BATCHES batches is measured before and after training.
+    on_progress, when given, is called with {"phase": "train", "step", "lm_loss", "aux_loss", "tokens_per_s"} after
+    every step and {"phase": "train", "step", "eval_loss"} before and after training (repro.tracking logs them);
+    it reads time.perf_counter only, so it cannot change when a train_seconds budget stops training.
     """
     from transformers import MixtralForCausalLM
 
@@ -287,6 +292,9 @@ def train_tiny_model(cfg: dict, stream: np.ndarray, model_vocab_size: int, unk_i
         return float(np.mean(losses))
 
     loss_before = eval_loss()
+    if on_progress is not None:
+        on_progress({"phase": "train", "step": 0, "eval_loss": loss_before})
+        step_tokens, tick = cfg["batch_size"] * seq_len, time.perf_counter()
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg["lr"])
     model.train()
     lm_losses, aux_losses = [], []
@@ -304,7 +312,15 @@ def train_tiny_model(cfg: dict, stream: np.ndarray, model_vocab_size: int, unk_i
             aux_losses.append(aux)
             bar.update(1)
             bar.set_postfix(loss=f"{lm_losses[-1]:.3f}", aux=f"{aux:.3f}")
+            if on_progress is not None:
+                tock = time.perf_counter()
+                on_progress({"phase": "train", "step": len(lm_losses), "lm_loss": lm_losses[-1], "aux_loss": aux,
+                             "tokens_per_s": step_tokens / max(tock - tick, 1e-9)})
+                tick = tock
     seconds = time.monotonic() - start
+    loss_after = eval_loss()
+    if on_progress is not None:
+        on_progress({"phase": "train", "step": len(lm_losses), "eval_loss": loss_after})
     tail = max(1, min(20, len(lm_losses) // 5))
     stats = {
         "steps": len(lm_losses),
@@ -315,7 +331,7 @@ def train_tiny_model(cfg: dict, stream: np.ndarray, model_vocab_size: int, unk_i
         "final_loss": float(np.mean(lm_losses[-tail:])) if lm_losses else math.nan,
         "final_aux_loss": float(np.mean(aux_losses[-tail:])) if aux_losses else math.nan,
         "eval_loss_before": loss_before,
-        "eval_loss_after": eval_loss(),
+        "eval_loss_after": loss_after,
         "num_parameters": int(sum(p.numel() for p in model.parameters())),
         "seq_len": seq_len,
     }
@@ -407,7 +423,8 @@ def check_cache_writable(cache_dir: Path) -> None:
 
 
 def load_or_train(
-    cfg: dict, train_requests: list[Request], *, cache_dir: Path, seed: int, tokenizer: str, vocab_size: int
+    cfg: dict, train_requests: list[Request], *, cache_dir: Path, seed: int, tokenizer: str, vocab_size: int,
+    on_progress: Callable[[dict], None] | None = None,
 ):
     """(model in eval mode, VocabMap, record dict, cache hit bool) for a checked cfg.
 
@@ -427,7 +444,8 @@ def load_or_train(
     vocab = build_vocab_map(tokens, cfg["vocab_top"], vocab_size)
     stream = vocab.to_model(tokens)
     with deterministic_torch():
-        model, stats = train_tiny_model(cfg, stream, vocab.model_vocab_size, vocab.unk_id, seed=seed)
+        model, stats = train_tiny_model(cfg, stream, vocab.model_vocab_size, vocab.unk_id, seed=seed,
+                                        on_progress=on_progress)
     stats["vocab_coverage"] = float(np.mean(stream != vocab.unk_id))
     stats["train_tokens"] = int(tokens.size)
     record = {
@@ -490,6 +508,7 @@ def route_with_tiny_model(
     dataset: str,
     tokenizer: str,
     vocab_size: int,
+    on_progress: Callable[[dict], None] | None = None,
 ) -> RoutingTrace:
     """Train (or load from cache) the tiny Mixtral on train_requests, then capture the routing of requests.
 
@@ -497,11 +516,13 @@ def route_with_tiny_model(
     meta.source = "tiny_model", and meta.extra holding the training stats (steps, losses, seconds, vocabulary
     coverage of the training and routed tokens, cache key, whether the cache was hit, whether the model is
     cached) and, when a time budget cut training short, "warnings" (one sentence each; repro.run does not cache
-    such a trace and copies the warnings into metrics.json).
+    such a trace and copies the warnings into metrics.json). on_progress (a plain callable, e.g. repro.tracking's)
+    receives the training steps' losses and the capture's throughput (see train_tiny_model and capture_routing).
     """
     cfg = check_tiny_config(model_cfg)
     model, vocab, record, cache_hit = load_or_train(
-        cfg, train_requests, cache_dir=Path(cache_dir), seed=seed, tokenizer=tokenizer, vocab_size=vocab_size
+        cfg, train_requests, cache_dir=Path(cache_dir), seed=seed, tokenizer=tokenizer, vocab_size=vocab_size,
+        on_progress=on_progress,
     )
     with deterministic_torch():
         trace = capture_routing(
@@ -516,6 +537,7 @@ def route_with_tiny_model(
             batch_tokens=cfg["capture_batch_tokens"],
             max_new_tokens=cfg["max_new_tokens"],
             source="tiny_model",
+            on_progress=on_progress,
         )
     routed_coverage = float(np.mean(vocab.to_model(trace.token_ids) != vocab.unk_id)) if trace.num_tokens else 0.0
     extra = {
