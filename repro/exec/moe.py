@@ -197,6 +197,7 @@ def ep_moe_forward(
     layer: int,
     record: CommRecord | None = None,
     backend: str = "auto",
+    validate: bool = True,
 ) -> torch.Tensor:
     """y_TH = sum_j w[t, j] * expert_{ids[t, j]}(x[t]) for this rank's T tokens (T may be 0), experts served
     across the group.
@@ -206,6 +207,9 @@ def ep_moe_forward(
     token travels once to each destination rank with its ids there (others -1) and weights; the receiver runs
     its slots and returns one weighted partial sum per copy, which this rank adds up per token (fp32).
     Every rank of the group must call this the same number of times (collectives).
+    validate=False skips the input checks that read device values (the kernels' and the received-slot check);
+    the all-to-all split sizes still go to the host once per layer (NCCL's uneven all_to_all_single needs
+    them), so this path syncs exactly there.
     """
     from repro.kernels.dispatch import dispatch_layout, permute, unpermute
     from repro.kernels.grouped_gemm import fused_experts
@@ -217,7 +221,7 @@ def ep_moe_forward(
     topk_ids_Tk = topk_ids_Tk.to(device=device, dtype=torch.int64)
     expert_rank_E = torch.as_tensor(expert_rank_E, device=device, dtype=torch.int64)
 
-    layout = dispatch_layout(topk_ids_Tk, expert_rank_E, num_ranks, backend=backend)
+    layout = dispatch_layout(topk_ids_Tk, expert_rank_E, num_ranks, backend=backend, validate=validate)
     send_D = layout.tokens_per_rank_D.to(device=device, dtype=torch.int64)
     recv_D = torch.empty_like(send_D)
     with _timed(record, layer, "counts", (num_ranks - 1) * send_D.element_size(), device, group):
@@ -250,15 +254,17 @@ def ep_moe_forward(
     weights_Rk = meta_recv_R2k[:, top_k:].contiguous().view(torch.float32)
     slot_of_expert_E = local.slot_of_expert(num_experts).to(device)
     slots_Rk = torch.where(ids_Rk >= 0, slot_of_expert_E[ids_Rk.clamp(min=0)], -1)
-    if bool(((slots_Rk < 0) & (ids_Rk >= 0)).any()):
+    if validate and bool(((slots_Rk < 0) & (ids_Rk >= 0)).any()):
         expert = int(ids_Rk[(slots_Rk < 0) & (ids_Rk >= 0)][0])
         raise ReproError(
             f"rank {rank} received tokens for expert {expert} in layer {layer} but holds no slot of it; build "
             "expert_rank_E and the local experts from the same placement."
         )
-    x_sorted_MH, offsets_S1, position_Rk = permute(x_recv_RH, slots_Rk, len(local.slot_experts_S), backend=backend)
-    y_sorted_MH = fused_experts(x_sorted_MH, offsets_S1, local.w13_S2IH, local.w2_SHI, backend=backend)
-    partial_RH = unpermute(y_sorted_MH, position_Rk, weights_Rk, backend=backend)
+    x_sorted_MH, offsets_S1, position_Rk = permute(x_recv_RH, slots_Rk, len(local.slot_experts_S), backend=backend,
+                                                   validate=validate)
+    y_sorted_MH = fused_experts(x_sorted_MH, offsets_S1, local.w13_S2IH, local.w2_SHI, backend=backend,
+                                validate=validate)
+    partial_RH = unpermute(y_sorted_MH, position_Rk, weights_Rk, backend=backend, validate=validate)
 
     partial_RH = partial_RH.to(x_TH.dtype).contiguous()
     back_CH = x_TH.new_empty((num_sent, hidden))

@@ -21,9 +21,11 @@ blocks (vLLM's moe_align_block_size in spirit): pass 1 writes each block's histo
 a prefix sum over blocks (torch.cumsum, one small launch) gives every block its first row per expert; pass
 2 recounts inside the block with tl.cumsum over tokens and writes positions. Rows are then moved by a
 separate copy kernel over (token block, hidden block) tiles. Index loads (`ptr + id` with a loaded id) are
-the only data-dependent addresses, which the Triton CPU interpreter supports. Host syncs, for the input
-checks and the output size: permute reads M and the count of ids >= E once between its passes,
-dispatch_layout that count and the range of expert_rank, unpermute max(slot_position).
+the only data-dependent addresses, which the Triton CPU interpreter supports. Host syncs happen only with
+validate=True (the default): permute reads M and the count of ids >= E once between its passes,
+dispatch_layout that count and the range of expert_rank, unpermute max(slot_position). With validate=False
+(the hot path) nothing syncs: ids >= E count as skipped, and permute returns T * k rows (an upper bound of M
+known on the host) of which rows offsets[E]: are unused.
 
 Legend: T tokens, k experts per token, E experts, D ranks, H hidden size, M = #{ids >= 0} activations,
 B token blocks.
@@ -107,7 +109,7 @@ def _permute_positions_kernel(
     for j in tl.static_range(K):
         ids = tl.load(ids_ptr + token.to(tl.int64) * K + j, mask=token < T, other=-1)
         hit = ids[:, None] == expert[None, :]
-        position = tl.where(ids >= 0, tl.sum(tl.where(hit, taken, 0), axis=1), -1)
+        position = tl.where((ids >= 0) & (ids < E), tl.sum(tl.where(hit, taken, 0), axis=1), -1)
         tl.store(position_ptr + token.to(tl.int64) * K + j, position, mask=token < T)
         taken += hit.to(tl.int64)
 
@@ -215,12 +217,15 @@ def _raise_out_of_range_ids(count: int, num_experts: int) -> None:
         )
 
 
-def _check_layout_args(topk_ids_Tk: torch.Tensor, expert_rank_E: torch.Tensor, num_ranks: int) -> None:
+def _check_layout_args(topk_ids_Tk: torch.Tensor, expert_rank_E: torch.Tensor, num_ranks: int,
+                       validate: bool = True) -> None:
     if expert_rank_E.dim() != 1 or expert_rank_E.is_floating_point():
         raise ConfigError(f"expert_rank must be an integer tensor [E], got shape {tuple(expert_rank_E.shape)}.")
     _check_ids(topk_ids_Tk, expert_rank_E.numel())
     if num_ranks < 1:
         raise ConfigError(f"num_ranks must be >= 1, got {num_ranks}.")
+    if not validate:
+        return
     low, high = torch.stack([expert_rank_E.min(), expert_rank_E.max()]).tolist()  # one device sync
     if low < 0 or high >= num_ranks:
         raise ConfigError(
@@ -234,15 +239,18 @@ def _counting_block(num_tokens: int, columns: int) -> int:
 
 
 def dispatch_layout(
-    topk_ids_Tk: torch.Tensor, expert_rank_E: torch.Tensor, num_ranks: int, *, backend: str = "auto"
+    topk_ids_Tk: torch.Tensor, expert_rank_E: torch.Tensor, num_ranks: int, *, backend: str = "auto",
+    validate: bool = True,
 ) -> DispatchLayout:
     """Send-buffer layout of one source rank (see the module docstring).
 
     topk_ids_Tk int[T, k] (< 0: no expert), expert_rank_E int[E] destination rank of each expert for this
     source rank -> DispatchLayout(tokens_per_rank_D int64[D], tokens_per_expert_E int64[E],
     copy_position_TD int64[T, D]: row in the rank-major send buffer, tokens ascending inside a rank, -1 none).
+    validate=False skips the checks that read device values (no host sync): ids >= E then count as skipped
+    and expert_rank must hold ranks in [0, num_ranks).
     """
-    _check_layout_args(topk_ids_Tk, expert_rank_E, num_ranks)
+    _check_layout_args(topk_ids_Tk, expert_rank_E, num_ranks, validate)
     num_tokens, top_k = topk_ids_Tk.shape
     if not use_triton(topk_ids_Tk, backend) or num_tokens == 0:
         return dispatch_layout_reference(topk_ids_Tk, expert_rank_E, num_ranks)
@@ -259,7 +267,8 @@ def dispatch_layout(
         ids, ranks, rank_hist, expert_hist, invalid, num_tokens, num_experts, num_ranks,
         K=top_k, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_D=block_d,
     )
-    _raise_out_of_range_ids(int(invalid.sum()), num_experts)
+    if validate:
+        _raise_out_of_range_ids(int(invalid.sum()), num_experts)
     tokens_per_rank_D, starts_BD = _block_starts(rank_hist)
     copy_position_TD = torch.empty(num_tokens, num_ranks, dtype=torch.int64, device=device)
     _layout_positions_kernel[(num_blocks,)](
@@ -295,21 +304,21 @@ def _check_permute(x_TH: torch.Tensor, topk_ids_Tk: torch.Tensor, num_experts: i
         )
 
 
-def permute(
-    x_TH: torch.Tensor, topk_ids_Tk: torch.Tensor, num_experts: int, *, backend: str = "auto"
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Group token rows by expert: x_TH [T, H], topk_ids_Tk int[T, k] (< 0 skipped) ->
-    (x_sorted_MH [M, H] in x's dtype, expert_offsets_E1 int64[E+1], slot_position_Tk int64[T, k], -1 skipped).
+def permute_positions(
+    topk_ids_Tk: torch.Tensor, num_experts: int, *, backend: str = "auto", validate: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each routed slot goes, without moving rows: topk_ids_Tk int[T, k] (< 0 skipped) ->
+    (expert_offsets_E1 int64[E+1], slot_position_Tk int64[T, k], -1 skipped), as `permute` returns them.
 
-    Expert e's rows are x_sorted[offsets[e]:offsets[e+1]], in (t, j) order.
+    validate=False: no host sync; ids >= E are skipped instead of refused.
     """
-    _check_permute(x_TH, topk_ids_Tk, num_experts)
+    _check_ids(topk_ids_Tk, num_experts)
     num_tokens, top_k = topk_ids_Tk.shape
-    if not use_triton(x_TH, backend) or num_tokens == 0:
-        return permute_reference(x_TH, topk_ids_Tk, num_experts)
-    hidden = x_TH.shape[1]
-    ids, x = topk_ids_Tk.contiguous(), x_TH.contiguous()
-    device = x.device
+    if not use_triton(topk_ids_Tk, backend) or num_tokens == 0:
+        _, offsets, positions = permute_reference(topk_ids_Tk.new_empty((num_tokens, 0), dtype=torch.float32),
+                                                  topk_ids_Tk, num_experts)
+        return offsets, positions
+    ids, device = topk_ids_Tk.contiguous(), topk_ids_Tk.device
     block_t = _counting_block(num_tokens, num_experts)
     num_blocks = triton.cdiv(num_tokens, block_t)
     block_e = triton.next_power_of_2(num_experts)
@@ -318,14 +327,47 @@ def permute(
     _expert_histogram_kernel[(num_blocks,)](ids, hist, invalid, num_tokens, num_experts, K=top_k,
                                             BLOCK_T=block_t, BLOCK_E=block_e)
     tokens_per_expert_E, starts_BE = _block_starts(hist)
-    invalid_count, num_rows = (int(v) for v in torch.stack([invalid.sum(), tokens_per_expert_E.sum()]).tolist())
-    _raise_out_of_range_ids(invalid_count, num_experts)
+    if validate:
+        _raise_out_of_range_ids(int(invalid.sum()), num_experts)
     expert_offsets_E1 = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
     expert_offsets_E1[1:] = torch.cumsum(tokens_per_expert_E, 0)
     slot_position_Tk = torch.empty(num_tokens, top_k, dtype=torch.int64, device=device)
     _permute_positions_kernel[(num_blocks,)](ids, starts_BE, slot_position_Tk, num_tokens, num_experts, K=top_k,
                                              BLOCK_T=block_t, BLOCK_E=block_e)
-    x_sorted_MH = torch.empty(num_rows, hidden, dtype=x.dtype, device=device)
+    return expert_offsets_E1, slot_position_Tk
+
+
+def sorted_slots(slot_position_Tk: torch.Tensor) -> torch.Tensor:
+    """int64[T * k]: the slot t * k + j each expert-sorted row holds (vLLM's sorted_token_ids); one scatter, no
+    host sync. Rows no slot fills (past offsets[E]) hold T * k."""
+    num_slots = slot_position_Tk.numel()
+    position_S = slot_position_Tk.reshape(-1).long()
+    # skipped slots (-1) write into an extra last entry that is cut off
+    sorted_S1 = torch.full((num_slots + 1,), num_slots, dtype=torch.int64, device=slot_position_Tk.device)
+    sorted_S1.scatter_(0, torch.where(position_S >= 0, position_S, num_slots),
+                       torch.arange(num_slots, device=slot_position_Tk.device))
+    return sorted_S1[:num_slots]
+
+
+def permute(
+    x_TH: torch.Tensor, topk_ids_Tk: torch.Tensor, num_experts: int, *, backend: str = "auto", validate: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group token rows by expert: x_TH [T, H], topk_ids_Tk int[T, k] (< 0 skipped) ->
+    (x_sorted_MH [M, H] in x's dtype, expert_offsets_E1 int64[E+1], slot_position_Tk int64[T, k], -1 skipped).
+
+    Expert e's rows are x_sorted[offsets[e]:offsets[e+1]], in (t, j) order. validate=False: no host sync;
+    x_sorted has T * k rows, of which rows offsets[E]: are unused, and ids >= E are skipped.
+    """
+    _check_permute(x_TH, topk_ids_Tk, num_experts)
+    num_tokens, top_k = topk_ids_Tk.shape
+    if not use_triton(x_TH, backend) or num_tokens == 0:
+        return permute_reference(x_TH, topk_ids_Tk, num_experts)
+    expert_offsets_E1, slot_position_Tk = permute_positions(topk_ids_Tk, num_experts, backend=backend,
+                                                            validate=validate)
+    hidden = x_TH.shape[1]
+    x = x_TH.contiguous()
+    num_rows = int(expert_offsets_E1[-1]) if validate else num_tokens * top_k
+    x_sorted_MH = torch.empty(num_rows, hidden, dtype=x.dtype, device=x.device)
     block_h = min(256, triton.next_power_of_2(max(hidden, 1)))
     if num_rows and hidden:
         _permute_rows_kernel[(triton.cdiv(num_tokens, _COPY_BLOCK_T), triton.cdiv(hidden, block_h))](
@@ -352,7 +394,8 @@ def permute_reference(
     return x_TH[order_M // top_k], expert_offsets_E1, slot_position_S.view(num_tokens, top_k)
 
 
-def _check_unpermute(y_MH: torch.Tensor, slot_position_Tk: torch.Tensor, topk_weights_Tk: torch.Tensor) -> None:
+def _check_unpermute(y_MH: torch.Tensor, slot_position_Tk: torch.Tensor, topk_weights_Tk: torch.Tensor,
+                     validate: bool = True) -> None:
     if y_MH.dim() != 2 or not y_MH.is_floating_point():
         raise ConfigError(f"y must be a float tensor [M, H], got {y_MH.dtype} of shape {tuple(y_MH.shape)}.")
     if slot_position_Tk.is_floating_point() or slot_position_Tk.dtype == torch.bool:
@@ -362,7 +405,7 @@ def _check_unpermute(y_MH: torch.Tensor, slot_position_Tk: torch.Tensor, topk_we
             f"slot_position {tuple(slot_position_Tk.shape)} and topk_weights {tuple(topk_weights_Tk.shape)} must "
             "be the same [T, k] shape (both from the same routing)."
         )
-    if slot_position_Tk.numel() and int(slot_position_Tk.max()) >= y_MH.shape[0]:
+    if validate and slot_position_Tk.numel() and int(slot_position_Tk.max()) >= y_MH.shape[0]:
         raise ConfigError(
             f"slot_position points at row {int(slot_position_Tk.max())} but y has {y_MH.shape[0]} rows; pass the "
             "slot_position that permute returned for these rows."
@@ -370,11 +413,13 @@ def _check_unpermute(y_MH: torch.Tensor, slot_position_Tk: torch.Tensor, topk_we
 
 
 def unpermute(
-    y_MH: torch.Tensor, slot_position_Tk: torch.Tensor, topk_weights_Tk: torch.Tensor, *, backend: str = "auto"
+    y_MH: torch.Tensor, slot_position_Tk: torch.Tensor, topk_weights_Tk: torch.Tensor, *, backend: str = "auto",
+    validate: bool = True,
 ) -> torch.Tensor:
     """Weighted combine: y_MH [M, H], slot_position_Tk int[T, k] (-1 skipped), topk_weights_Tk float[T, k] ->
-    out_TH [T, H] in y's dtype, out[t] = sum_{j: pos >= 0} w[t, j] * y[pos[t, j]] accumulated in fp32."""
-    _check_unpermute(y_MH, slot_position_Tk, topk_weights_Tk)
+    out_TH [T, H] in y's dtype, out[t] = sum_{j: pos >= 0} w[t, j] * y[pos[t, j]] accumulated in fp32.
+    validate=False skips the check that positions are < M (a host sync)."""
+    _check_unpermute(y_MH, slot_position_Tk, topk_weights_Tk, validate)
     num_tokens, top_k = slot_position_Tk.shape
     hidden = y_MH.shape[1]
     if not use_triton(y_MH, backend) or num_tokens == 0 or hidden == 0:

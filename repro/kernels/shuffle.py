@@ -25,10 +25,17 @@ Pseudo-code (the numpy form is repro.systems.semmoe.tp; this reproduces it bit f
 The paper sorts with a custom Triton argsort ("argsort(dev_ids)"); here both sorts are `tl.sort` over unique
 packed int64 keys, so sort stability never matters. Kernel 2 holds the step in one block: for steps above
 MAX_SORT_TOKENS, and for topology-aware plans (align by node, then by device inside the node), the same keys are
-sorted with torch.sort and aligned by torch (`_align_torch`).
+sorted with torch.sort and aligned by torch (`_align_torch`, multi-program and free of host syncs too).
+The limit is one CTA's registers: 8,192 int64 keys (plus a [BLOCK_T, P_D] one-hot) in 16 warps.
+
+Host syncs: none with validate=False. The plan's tables go to the device once per (plan, device)
+(`plan_tables`; `forget_plan_tables(plan)` after changing a plan's arrays in place), and the count of
+tokens the align step moved stays on the device until `flush_shuffle_info(plan)` adds it to plan.info.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import numpy as np
 import torch
@@ -116,30 +123,36 @@ def _align_kernel(
     tl.store(moved_ptr, tl.sum((valid & ~kept).to(tl.int32), axis=0))
 
 
+def _group_count(group_T: torch.Tensor, num_groups: int, weight_T: torch.Tensor | None = None) -> torch.Tensor:
+    """int64[G] members per group (of weight_T's True entries); a scatter-add, since CUDA's bincount syncs."""
+    ones = torch.ones_like(group_T) if weight_T is None else weight_T.to(torch.int64)
+    return torch.zeros(num_groups, dtype=torch.int64, device=group_T.device).scatter_add_(0, group_T, ones)
+
+
 def _fill_torch(key_T: torch.Tensor, capacity_G: torch.Tensor, index_bits: int,
                 evicted_T: torch.Tensor | None = None) -> torch.Tensor:
     """int64[T] final group per token (repro.systems.semmoe.tp.fill_groups): key_T[t] = group << (32 + b) |
     descending confidence bits << b | t; each group keeps its first capacity_G[g] keys in sorted order
-    (evicted_T bool[T] never kept), the rest fill the free places in key order, free places in group order."""
+    (evicted_T bool[T] never kept), the rest fill the free places in key order, free places in group order.
+    No host sync: every size is T or G."""
     num_groups = capacity_G.numel()
     key = torch.sort(key_T).values
     index, group = key & ((1 << index_bits) - 1), key >> (32 + index_bits)
-    group_count = torch.bincount(group, minlength=num_groups)
+    group_count = _group_count(group, num_groups)
     rank = torch.arange(key.numel(), device=key.device) - (torch.cumsum(group_count, 0) - group_count)[group]
     kept = rank < capacity_G[group]
     if evicted_T is not None:
         kept &= ~evicted_T[index]
-    free = capacity_G - torch.bincount(group[kept], minlength=num_groups)
-    final_sorted = group.clone()
-    final_sorted[~kept] = torch.repeat_interleave(torch.arange(num_groups, device=key.device), free)
-    final = torch.empty_like(final_sorted)
-    final[index] = final_sorted
-    return final
+    free_end = torch.cumsum(capacity_G - _group_count(group, num_groups, kept), 0)
+    # the r-th token not kept (in key order) takes the first group whose free places end past r
+    overflow_rank = torch.cumsum(~kept, 0) - (~kept).to(torch.int64)
+    final_sorted = torch.where(kept, group, torch.searchsorted(free_end, overflow_rank, right=True))
+    return torch.empty_like(final_sorted).scatter_(0, index, final_sorted)
 
 
 def _align_torch(key_T: torch.Tensor, num_devices: int, index_bits: int,
-                 devices_per_node: int | None = None) -> tuple[torch.Tensor, int]:
-    """(permutation int64[T], moved): kernel 2's arithmetic with torch.sort (key_T[t] holds token t), for steps
+                 devices_per_node: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(permutation int64[T], moved int64 scalar tensor): kernel 2's arithmetic with torch.sort (key_T[t] holds token t), for steps
     above MAX_SORT_TOKENS and for topology-aware plans, which align by node first (SemMoEPlan's
     align_to_slices with devices_per_node)."""
     shift = 32 + index_bits
@@ -158,7 +171,7 @@ def _align_torch(key_T: torch.Tensor, num_devices: int, index_bits: int,
         group = torch.where(crossed, node * devices_per_node, device)
         final = _fill_torch((group << shift) | torch.where(crossed, last, tail), slice_D, index_bits, crossed)
     order = torch.sort((final << index_bits) | torch.arange(final.numel(), device=final.device)).values
-    return order & ((1 << index_bits) - 1), int((final != device).sum())
+    return order & ((1 << index_bits) - 1), (final != device).sum()
 
 
 def _even_counts(num_tokens: int, num_devices: int, device: torch.device) -> torch.Tensor:
@@ -183,11 +196,11 @@ def _is_integer(tensor: torch.Tensor) -> bool:
     return not (tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool)
 
 
-def _check_step(plan, tokens_T: torch.Tensor, layer: int) -> None:
+def _check_step(plan, tokens_T: torch.Tensor, layer: int, validate: bool = True) -> None:
     vocab = len(plan.row_of_token)
     if tokens_T.dim() != 1 or not _is_integer(tokens_T):
         raise ConfigError(f"token_ids must be one integer id per token [T], got {tokens_T.dtype} {tuple(tokens_T.shape)}.")
-    bad = tokens_T[(tokens_T < 0) | (tokens_T >= vocab)]
+    bad = tokens_T[(tokens_T < 0) | (tokens_T >= vocab)] if validate else tokens_T[:0]
     if bad.numel():
         raise TraceError(
             f"token id {int(bad[0])} is outside the plan's vocabulary of {vocab} ids; fit the plan on a profile of the same model."
@@ -201,7 +214,8 @@ def _check_step(plan, tokens_T: torch.Tensor, layer: int) -> None:
             raise ConfigError(f"plan.{name} is {table.dtype}; the kernel orders float32 confidences (as SemMoE builds them).")
 
 
-def _history(plan, layer: int, prev_experts_Thk, num_tokens: int, device: torch.device) -> tuple[int, torch.Tensor | None]:
+def _history(plan, layer: int, prev_experts_Thk, num_tokens: int, device: torch.device,
+             validate: bool = True) -> tuple[int, torch.Tensor | None]:
     """(h, prev_experts int[T, h', k] on `device`): h = 0 when the plan cannot use the given history.
 
     The Markov rows of `layer` index exactly min(lookback, layer) previous devices, so a shorter history is
@@ -219,11 +233,63 @@ def _history(plan, layer: int, prev_experts_Thk, num_tokens: int, device: torch.
         return 0, None
     num_experts = plan.placement.num_experts
     used = prev[:, prev.shape[1] - depth :]
-    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_experts):
+    if validate and used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_experts):
         raise TraceError(
             f"prev_experts holds expert ids outside 0..{num_experts - 1}; the trace and the plan disagree on the model."
         )
     return depth, prev
+
+
+class PlanTables:
+    """One plan's arrays on one device, uploaded once (`plan_tables`), plus the align step's moved-token count
+    and shuffled-token count not yet added to plan.info (`flush_shuffle_info`)."""
+
+    def __init__(self, plan, device: torch.device):
+        self.row_of_token_V = _as_tensor(plan.row_of_token, device)
+        self.expert_device_LE = _as_tensor(plan.placement.expert_device(), device)
+        self.token_device_Lt = _as_tensor(plan.token_device, device)
+        self.token_confidence_Lt = _as_tensor(plan.token_confidence, device)
+        has_markov = plan.markov_device is not None
+        self.markov_device_LQ = _as_tensor(plan.markov_device, device) if has_markov else None
+        self.markov_confidence_LQ = _as_tensor(plan.markov_confidence, device) if has_markov else None
+        self.pending_moved = torch.zeros((), dtype=torch.int64, device=device)
+        self.pending_tokens = 0
+
+
+# id(plan) -> (weak reference to the plan, {device: PlanTables}); entries leave with their plan
+_PLAN_TABLES: dict[int, tuple[weakref.ref, dict]] = {}
+
+
+def plan_tables(plan, device: torch.device) -> PlanTables:
+    """The plan's tables on `device`, copied there on the first call for this (plan, device) only. On the CPU
+    they alias the plan's numpy arrays (no copy); elsewhere a plan changed in place needs forget_plan_tables."""
+    entry = _PLAN_TABLES.get(id(plan))
+    if entry is None or entry[0]() is not plan:
+        entry = (weakref.ref(plan), {})
+        _PLAN_TABLES[id(plan)] = entry
+        weakref.finalize(plan, _PLAN_TABLES.pop, id(plan), None)
+    by_device = entry[1]
+    if device not in by_device:
+        by_device[device] = PlanTables(plan, device)
+    return by_device[device]
+
+
+def flush_shuffle_info(plan) -> None:
+    """Add the moved / shuffled token counts of validate=False shuffles to plan.info (one host sync per device)."""
+    entry = _PLAN_TABLES.get(id(plan))
+    if entry is None or entry[0]() is not plan:
+        return
+    for tables in entry[1].values():
+        if tables.pending_tokens:
+            _record_step(plan.info, int(tables.pending_moved), tables.pending_tokens)
+            tables.pending_moved.zero_()
+            tables.pending_tokens = 0
+
+
+def forget_plan_tables(plan) -> None:
+    """Drop the plan's device copies (after changing its arrays in place); pending counts are flushed first."""
+    flush_shuffle_info(plan)
+    _PLAN_TABLES.pop(id(plan), None)
 
 
 def _record_step(info: dict, moved: int, num_tokens: int) -> None:
@@ -233,7 +299,8 @@ def _record_step(info: dict, moved: int, num_tokens: int) -> None:
     info["align_moved_share"] = info["align_moved_tokens"] / max(info["shuffled_tokens"], 1)
 
 
-def semmoe_shuffle(plan, token_ids_T, layer: int, prev_experts_Thk=None, *, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+def semmoe_shuffle(plan, token_ids_T, layer: int, prev_experts_Thk=None, *, backend: str = "auto",
+                   validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(permutation_T int64, counts_D int64) on token_ids' device: exactly `plan.shuffle_tokens(...)`.
 
     plan: a repro.systems.semmoe.system.SemMoEPlan; token_ids_T int [T] (numpy or torch); layer: the MoE
@@ -241,33 +308,36 @@ def semmoe_shuffle(plan, token_ids_T, layer: int, prev_experts_Thk=None, *, back
     chronological (column -1 = layer - 1), or None. Rank d receives tokens
     permutation[sum(counts[:d]) : sum(counts[:d + 1])]. Updates plan.info's align_moved_tokens,
     shuffled_tokens and align_moved_share as shuffle_tokens does.
+    validate=False (the hot path): no host sync. Token ids outside the vocabulary and expert ids outside
+    0..E-1 are not checked (they read out of bounds), and plan.info is updated at flush_shuffle_info(plan).
     """
     tokens_T = _as_tensor(token_ids_T)
     if not use_triton(tokens_T, backend):
         return semmoe_shuffle_reference(plan, token_ids_T, layer, prev_experts_Thk)
-    _check_step(plan, tokens_T, layer)
+    _check_step(plan, tokens_T, layer, validate)
     device, num_tokens, num_devices = tokens_T.device, tokens_T.numel(), plan.parallel.devices
-    depth, prev = _history(plan, layer, prev_experts_Thk, num_tokens, device)
+    depth, prev = _history(plan, layer, prev_experts_Thk, num_tokens, device, validate)
     counts_D = _even_counts(num_tokens, num_devices, device)
     if num_tokens == 0:
-        _record_step(plan.info, 0, 0)
+        if validate:
+            _record_step(plan.info, 0, 0)
         return torch.zeros(0, dtype=torch.int64, device=device), counts_D
     index_bits = max(1, (num_tokens - 1).bit_length())
     if index_bits + (num_devices - 1).bit_length() > 31:  # device | 32 confidence bits | index in 63 bits
         raise ConfigError(f"a step of {num_tokens} tokens over {num_devices} devices does not fit the 63-bit sort key; split the step.")
     devices_pad = triton.next_power_of_2(num_devices)
-    expert_device_LE = _as_tensor(plan.placement.expert_device(), device)
-    token_device_t = _as_tensor(plan.token_device[layer], device)
-    token_confidence_t = _as_tensor(plan.token_confidence[layer], device)
+    tables = plan_tables(plan, device)
+    expert_device_LE = tables.expert_device_LE
+    token_device_t, token_confidence_t = tables.token_device_Lt[layer], tables.token_confidence_Lt[layer]
     markov_device_Q, markov_confidence_Q = (
-        (_as_tensor(plan.markov_device[layer], device), _as_tensor(plan.markov_confidence[layer], device))
+        (tables.markov_device_LQ[layer], tables.markov_confidence_LQ[layer])
         if depth else (token_device_t, token_confidence_t)  # unread placeholders when h = 0
     )
     prev_Thk = prev if depth else tokens_T[:, None, None]  # unread placeholder when h = 0
     key_T = torch.empty(num_tokens, dtype=torch.int64, device=device)
     block_t = 256
     _predict_kernel[(triton.cdiv(num_tokens, block_t),)](
-        tokens_T, _as_tensor(plan.row_of_token, device), token_device_t, token_confidence_t,
+        tokens_T, tables.row_of_token_V, token_device_t, token_confidence_t,
         prev_Thk, *prev_Thk.stride(), expert_device_LE, expert_device_LE.stride(0),
         markov_device_Q, markov_confidence_Q, key_T,
         num_tokens, layer, prev_Thk.shape[1] - depth,
@@ -286,8 +356,12 @@ def semmoe_shuffle(plan, token_ids_T, layer: int, prev_experts_Thk=None, *, back
             NUM_DEVICES=num_devices, DEVICES_PAD=devices_pad, INDEX_BITS=index_bits, BLOCK_T=block,
             num_warps=max(4, min(16, block // 512)),
         )
-        moved = int(moved_1.item())
-    _record_step(plan.info, moved, num_tokens)
+        moved = moved_1[0]
+    if validate:
+        _record_step(plan.info, int(moved), num_tokens)
+    else:
+        tables.pending_moved += moved
+        tables.pending_tokens += num_tokens
     return permutation_T, counts_D
 
 
