@@ -20,6 +20,9 @@ REGISTRY: dict[str, str] = {
     # beyond the paper: multi-node co-clustering, by node first, then by device inside each node
     "semmoe_hierarchical": "repro.systems.semmoe.system:SemMoEHierarchical",
     "semmoe_exact": "repro.systems.milp:SemMoEExact",
+    # beyond the paper: Attention-DP decode rank chosen after prefill by the request's observed expert signature
+    "signature": "repro.systems.signature:SignatureDecode",
+    "signature_eldr": "repro.systems.signature:SignatureELDR",
     "moetuner": "repro.systems.moetuner:MoETuner",
     "eplb": "repro.systems.eplb:EPLB",
     # kind "bound": proven LAR ceilings (oracle.py, dp_bound.py); kind "hindsight": fitted on the evaluated

@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--experts-col", default="experts")
     p.add_argument("--weights-col", help="default: weights if present")
     p.add_argument("--label-col", help="default: label if present")
+    p.add_argument("--phase-col", help="prefill/decode per token; default: phase if present")
+    p.add_argument("--prefill-len-col", help="prompt length per request; default: prefill_len if present")
     return p
 
 
@@ -77,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
             experts_col=args.experts_col,
             weights_col=args.weights_col,
             label_col=args.label_col,
+            phase_col=args.phase_col,
+            prefill_len_col=args.prefill_len_col,
         )
         vocab_file = {} if vocab is None else {"vocab.json": json.dumps(vocab, ensure_ascii=False)}
         write_trace(trace, args.out, if_exists=if_exists, extra_files=vocab_file)

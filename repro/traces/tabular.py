@@ -9,7 +9,9 @@ routing as one row per (request, position, layer):
 `experts` is a list of expert ids (a JSON-encoded string "[3, 5]" in CSV, a list in JSONL and Parquet), the
 token is an id (`token_id`, an integer column) or a surface string (`token`, mapped to ids through a
 vocabulary built on import in order of first appearance), `weights` are optional gate weights and `label` an
-optional per-request class. Rows may come in any order; the importer sorts by (request, position, layer), with
+optional per-request class. Generated-token routing: an optional `phase` column ("prefill" or "decode" per
+token; a request's prefill tokens come first) or `prefill_len` column (the request's prompt length, the same on
+all its rows) sets the trace's prefill_len; without either every token is prompt. Rows may come in any order; the importer sorts by (request, position, layer), with
 requests kept in order of first appearance.
 
 Validation: every (request, position) has every layer exactly once, positions are 0..len-1, every expert list
@@ -70,20 +72,24 @@ def import_table_with_vocab(
     experts_col: str = "experts",
     weights_col: str | None = None,
     label_col: str | None = None,
+    phase_col: str | None = None,
+    prefill_len_col: str | None = None,
 ) -> tuple[RoutingTrace, list[str] | None]:
     """Read a tabular routing trace; returns (trace, vocabulary or None).
 
     format: csv | jsonl | parquet (default: from the file suffix). token_col: default `token_id` if present,
     else `token`; an integer column holds ids, a string column holds surface strings (then the vocabulary,
     entry i = surface string of id i, is returned and meta.tokenizer says "vocab.json"). weights_col and
-    label_col default to `weights` / `label` when such columns exist. num_experts defaults to the largest
+    label_col default to `weights` / `label` when such columns exist, phase_col / prefill_len_col to `phase` /
+    `prefill_len` (at most one of the two may be used). num_experts defaults to the largest
     expert id + 1, top_k to the first row's list length, vocab_size to the largest token id + 1 (meta.extra
     records which were inferred); dataset defaults to the file's stem.
     """
     path = Path(path)
     fmt = _format_of(path, format)
     # CSV cells are typed by inference; these stay text (request ids like "007", lists parsed below, surface tokens)
-    text_columns = {request_col, experts_col, weights_col or "weights", label_col or "label", "token"}
+    text_columns = {request_col, experts_col, weights_col or "weights", label_col or "label", "token",
+                    phase_col or "phase"}
     table = _read(path, fmt, text_columns)
     n = table.num_rows
     if n == 0:
@@ -95,8 +101,16 @@ def import_table_with_vocab(
         weights_col = "weights"
     if label_col is None and "label" in columns:
         label_col = "label"
+    if phase_col is None and "phase" in columns:
+        phase_col = "phase"
+    if prefill_len_col is None and "prefill_len" in columns:
+        prefill_len_col = "prefill_len"
+    if phase_col is not None and prefill_len_col is not None:
+        raise TraceError(f"{path} has both a phase column {phase_col!r} and a prefill_len column {prefill_len_col!r}; "
+                         "keep one of them (they say the same thing).")
     for role, name in [("request", request_col), ("position", position_col), ("layer", layer_col),
-                       ("token", token_col), ("experts", experts_col), ("weights", weights_col), ("label", label_col)]:
+                       ("token", token_col), ("experts", experts_col), ("weights", weights_col), ("label", label_col),
+                       ("phase", phase_col), ("prefill-len", prefill_len_col)]:
         if name is not None and name not in columns:
             raise TraceError(
                 f"{path} has no {role} column {name!r} (columns: {', '.join(table.column_names)}); "
@@ -128,6 +142,14 @@ def import_table_with_vocab(
     labels = None
     if label_col is not None:
         labels = table[label_col].to_pandas().fillna("").astype(str).to_numpy()
+    is_decode = declared_prefill = None
+    if phase_col is not None:
+        phase = table[phase_col].to_pandas().fillna("").astype(str).str.strip().str.lower().to_numpy()
+        _first(problems, (phase != "prefill") & (phase != "decode"),
+               lambda r: f"{phase_col} {phase[r]!r} is neither 'prefill' nor 'decode'")
+        is_decode = phase == "decode"
+    if prefill_len_col is not None:
+        declared_prefill = _integer_column(table[prefill_len_col], prefill_len_col, problems)
 
     _check_expert_ids(experts_nk, num_experts, experts_col, problems)
 
@@ -144,6 +166,15 @@ def import_table_with_vocab(
     num_tokens = n // num_layers
     sorted_codes = request_codes[order][::num_layers]
     lengths = np.bincount(sorted_codes, minlength=len(request_names))
+    prefill_len = lengths
+    if is_decode is not None:
+        prefill_len = _prefill_from_phase(is_decode, order, num_layers, sorted_codes, lengths, request_codes,
+                                          request_names, positions, phase_col, request_col, problems)
+    elif declared_prefill is not None:
+        prefill_len = _prefill_from_column(declared_prefill, request_codes, request_names, lengths, prefill_len_col,
+                                           request_col, problems)
+    if problems:
+        _raise_first(problems, locate)
     first_row_of_request = np.unique(request_codes, return_index=True)[1]
     experts_NLk = experts_nk[order].reshape(num_tokens, num_layers, k)
     inferred = []
@@ -169,13 +200,48 @@ def import_table_with_vocab(
         np.concatenate([[0], np.cumsum(lengths)]),
         token_ids[order][::num_layers],
         experts_NLk,
-        prefill_len=lengths,
+        prefill_len=prefill_len,
         request_ids=[str(x) for x in request_names],
         request_datasets=[meta.dataset] * len(request_names),
         request_labels=None if labels is None else [labels[r] for r in first_row_of_request],
         weights=None if weights_nk is None else weights_nk[order].reshape(num_tokens, num_layers, k),
     )
     return trace, vocab
+
+
+def _prefill_from_phase(is_decode, order, num_layers, sorted_codes, lengths, request_codes, request_names, positions,
+                        phase_col, request_col, problems) -> np.ndarray:
+    """int64[R] prompt tokens per request from a per-row phase (bool[n] True = decode); records the first row whose
+    phase differs from its token's other layers, or whose prefill token follows a decode token of its request."""
+    by_token = is_decode[order].reshape(-1, num_layers)  # [N, L] in (request, position, layer) order
+    mixed = np.zeros(len(is_decode), bool)
+    mixed[order] = np.repeat(by_token.any(axis=1) & ~by_token.all(axis=1), num_layers)
+    _first(problems, mixed, lambda r: f"{request_col} {request_names[request_codes[r]]!s} position {positions[r]}: "
+           f"{phase_col} differs between the token's layers (one phase per token)")
+    decode_N = by_token[:, 0]
+    new_request = np.concatenate([[True], sorted_codes[1:] != sorted_codes[:-1]])
+    # a prefill token after a decode token of the same request: the previous token is decode, this one is not
+    late = np.concatenate([[False], decode_N[:-1] & ~decode_N[1:]]) & ~new_request
+    bad = np.zeros(len(is_decode), bool)
+    bad[order[np.flatnonzero(late) * num_layers]] = True
+    _first(problems, bad, lambda r: f"{request_col} {request_names[request_codes[r]]!s} position {positions[r]} is "
+           f"prefill after a decode token (a request's prefill tokens come first)")
+    return lengths - np.bincount(sorted_codes, weights=decode_N, minlength=len(lengths)).astype(np.int64)
+
+
+def _prefill_from_column(declared, request_codes, request_names, lengths, prefill_len_col, request_col,
+                         problems) -> np.ndarray:
+    """int64[R] prompt tokens per request from a per-row prefill_len column, which must be one value per request
+    within 0..the request's length."""
+    first_row = np.unique(request_codes, return_index=True)[1]
+    per_request = declared[first_row]
+    _first(problems, declared != per_request[request_codes],
+           lambda r: f"{prefill_len_col} {declared[r]} differs from {per_request[request_codes[r]]} given earlier for "
+           f"{request_col} {request_names[request_codes[r]]!s} (one prefill_len per request)")
+    _first(problems, declared > lengths[request_codes],
+           lambda r: f"{prefill_len_col} {declared[r]} exceeds the {lengths[request_codes[r]]} tokens of {request_col} "
+           f"{request_names[request_codes[r]]!s}")
+    return per_request
 
 
 def _format_of(path: Path, fmt: str | None) -> str:

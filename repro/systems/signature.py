@@ -1,0 +1,301 @@
+"""Decode placement by prefill signature (beyond the paper): Attention-DP decode routed by a request's observed
+prefill activations, as a PD-disaggregated engine's router could do it.
+
+After a request's prefill its actual expert usage is known; ELDR (arXiv 2607.00466) reports that it predicts the
+decode phase's usage (prefill-to-decode signature correlation 0.70-0.92 on three real MoEs). With
+prefill/decode disaggregation the decode rank is chosen anyway, so choosing it by signature costs nothing extra;
+with EP, co-placing experts with the decode clusters turns the prediction into locality.
+
+Offline, on the profile split (`SignatureDecode.fit`):
+1. each request's prefill signature: per layer, the normalised histogram of its prompt tokens' experts, flattened
+   to [L*E] (`request_signatures`);
+2. D balanced clusters of the profile requests by signature (`balanced_kmeans`: k-means whose assignment step is
+   Sem-MoE's capacity mask, `semmoe.cocluster.capacity_assign`), cluster c meant for device c;
+3. placement (placement="signature"): per layer, each device gets E/D experts, those the decode tokens of its
+   cluster activate most (`place_by_activations`, a linear assignment); placement="vanilla" keeps EP's blocks.
+Online (`SignaturePlan`): prefill runs round-robin (`Plan.assign_requests`); after its prefill each request's
+decode rank is chosen from its own prompt routing only (`assign_decode`), one request at a time:
+- rule="capacity": the best-matching rank among those with fewer than min + capacity_slack decode requests
+  (capacity_slack=1: every window of D requests puts one on every rank, the paper's round-robin mask);
+- rule="eldr": ELDR's rule, the least-loaded (fewest decode requests) of the eldr_top best-matching ranks.
+Match: match="centroid" scores rank d by -||signature - centroid_d||^2 (needs the clusters);
+match="experts" by the share of the request's prefill activations whose expert sits on d (any placement).
+
+The evaluator accounts prompt tokens on the prefill rank and generated tokens on the decode rank
+(`repro.eval.decode_phase.decode_homes`); decode-phase LAR, balance and time are measured there.
+
+Legend: R requests, N tokens, L MoE layers, E experts, k experts per token, D devices, F = L*E signature length.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from scipy.optimize import linear_sum_assignment
+
+from repro.errors import ConfigError, ReproError
+from repro.parallel import ParallelConfig
+from repro.systems.base import Placement, Plan
+from repro.systems.ep import contiguous_placement
+from repro.systems.semmoe.cocluster import capacity_assign
+from repro.traces import RoutingTrace
+
+# token rows per histogram chunk in request_signatures: int64 keys of chunk x L x k stay a few MB
+SIGNATURE_CHUNK = 1 << 14
+
+PLACEMENTS = ("signature", "vanilla")
+RULES = ("capacity", "eldr")
+MATCHES = ("centroid", "experts")
+
+
+# ---- pure functions ------------------------------------------------------------------------------------------
+
+
+def segment_counts(experts_NLk: np.ndarray, starts: np.ndarray, stops: np.ndarray, num_experts: int) -> np.ndarray:
+    """float64[R, L, E] activations of expert e at layer l by the tokens starts[r] <= n < stops[r] of request r.
+
+    experts_NLk int[N, L, k] (a memory-mapped trace array is fine: rows are read in chunks); starts, stops int[R]
+    token indices into it (stops >= starts; an empty segment gives a zero row).
+    """
+    starts, stops = np.asarray(starts, dtype=np.int64), np.asarray(stops, dtype=np.int64)
+    num_requests = len(starts)
+    _, num_layers, _ = experts_NLk.shape
+    if stops.shape != starts.shape or np.any(stops < starts):
+        raise ReproError("segment_counts needs starts and stops of one shape with stops >= starts.")
+    lengths = stops - starts
+    rows = np.repeat(starts - np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths) + np.arange(lengths.sum())
+    request = np.repeat(np.arange(num_requests), lengths)
+    counts = np.zeros(num_requests * num_layers * num_experts, dtype=np.int64)
+    layer_base = np.arange(num_layers, dtype=np.int64)[None, :, None] * num_experts
+    for first in range(0, len(rows), SIGNATURE_CHUNK):
+        take = rows[first : first + SIGNATURE_CHUNK]
+        experts = np.asarray(experts_NLk[take], dtype=np.int64)  # [n, L, k]
+        keys = request[first : first + SIGNATURE_CHUNK, None, None] * (num_layers * num_experts) + layer_base + experts
+        counts += np.bincount(keys.ravel(), minlength=len(counts))
+    return counts.reshape(num_requests, num_layers, num_experts).astype(np.float64)
+
+
+def normalise_signature(counts_RLE: np.ndarray) -> np.ndarray:
+    """float64[R, L*E]: each layer's counts divided by their sum (a layer without tokens stays zero), flattened."""
+    totals = counts_RLE.sum(axis=2, keepdims=True)
+    shares = np.divide(counts_RLE, totals, out=np.zeros_like(counts_RLE, dtype=np.float64), where=totals > 0)
+    return shares.reshape(len(counts_RLE), -1)
+
+
+def request_signatures(trace: RoutingTrace, phase: str) -> np.ndarray:
+    """float64[R, L*E] each request's prefill (phase="prefill": prompt tokens) or decode (phase="decode":
+    generated tokens) signature: per layer the normalised histogram of its tokens' experts, flattened."""
+    if phase not in ("prefill", "decode"):
+        raise ConfigError(f"signature phase must be 'prefill' or 'decode', got {phase!r}.")
+    starts = trace.offsets[:-1]
+    middle = starts + trace.prefill_len.astype(np.int64)
+    lo, hi = (starts, middle) if phase == "prefill" else (middle, trace.offsets[1:])
+    return normalise_signature(segment_counts(trace.experts, lo, hi, trace.meta.num_experts))
+
+
+def row_pearson(a_RF: np.ndarray, b_RF: np.ndarray) -> np.ndarray:
+    """float64[R] Pearson correlation of row r of a with row r of b (NaN where either row is constant)."""
+    a = a_RF - a_RF.mean(axis=1, keepdims=True)
+    b = b_RF - b_RF.mean(axis=1, keepdims=True)
+    norm = np.sqrt((a * a).sum(axis=1) * (b * b).sum(axis=1))
+    dot = (a * b).sum(axis=1)
+    return np.divide(dot, norm, out=np.full(len(dot), np.nan), where=norm > 0)
+
+
+def signature_correlation(prefill_RF: np.ndarray, decode_RF: np.ndarray) -> float:
+    """Mean over requests of the Pearson correlation between a request's prefill and decode signatures
+    (float[R, F] each, `request_signatures`); requests with no decode (or no prompt) tokens are left out.
+    NaN when no request has both."""
+    has_both = (prefill_RF.sum(axis=1) > 0) & (decode_RF.sum(axis=1) > 0)
+    if not has_both.any():
+        return float("nan")
+    return float(np.nanmean(row_pearson(prefill_RF[has_both], decode_RF[has_both])))
+
+
+def squared_distances(points_RF: np.ndarray, centroids_DF: np.ndarray) -> np.ndarray:
+    """float64[R, D] squared Euclidean distance of every point to every centroid."""
+    return ((points_RF**2).sum(axis=1)[:, None] - 2.0 * points_RF @ centroids_DF.T
+            + (centroids_DF**2).sum(axis=1)[None, :])
+
+
+def balanced_kmeans(
+    points_RF: np.ndarray, num_clusters: int, rng: np.random.Generator, iters: int = 30, slack: float = 0.0
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """(labels int64[R], centroids float64[D, F], iterations run): k-means with at most (1 + slack) x R / D points
+    per cluster.
+
+    Seeded k-means++ start; each assignment step is `capacity_assign` on -distance (every point proposes to its
+    nearest open cluster, a cluster keeps its nearest proposers up to capacity); centroids are the members' means
+    (an empty cluster keeps its centroid). Stops when the labels repeat or after `iters` rounds.
+    """
+    num_points = len(points_RF)
+    if num_points < num_clusters:
+        raise ConfigError(f"balanced_kmeans needs at least {num_clusters} points (one per cluster), got {num_points}.")
+    first = int(rng.integers(num_points))
+    centroids = [points_RF[first]]
+    for _ in range(1, num_clusters):  # k-means++: next centre drawn in proportion to the squared distance
+        dist = squared_distances(points_RF, np.array(centroids)).min(axis=1).clip(min=0.0)
+        total = dist.sum()
+        pick = int(rng.choice(num_points, p=dist / total)) if total > 0 else int(rng.integers(num_points))
+        centroids.append(points_RF[pick])
+    centroids = np.array(centroids, dtype=np.float64)
+    labels = np.full(num_points, -1, dtype=np.int64)
+    ones = np.ones(num_points)
+    for iteration in range(1, iters + 1):
+        new = capacity_assign(-squared_distances(points_RF, centroids), ones, slack)
+        if np.array_equal(new, labels):
+            return labels, centroids, iteration
+        labels = new
+        sums = np.zeros_like(centroids)
+        np.add.at(sums, labels, points_RF)
+        sizes = np.bincount(labels, minlength=num_clusters)
+        filled = sizes > 0
+        centroids[filled] = sums[filled] / sizes[filled, None]
+    return labels, centroids, iters
+
+
+def place_by_activations(cluster_act_LDE: np.ndarray) -> np.ndarray:
+    """int64[L, E] expert -> device with exactly E/D experts per device, maximising per layer the activations
+    sum_e cluster_act[l, device(e), e] (device d serves cluster d's tokens): a linear assignment of experts to
+    E slots, slot s on device s // (E/D), as Sem-MoE's exact placement step does (semmoe.cocluster.place_experts)."""
+    num_layers, num_devices, num_experts = cluster_act_LDE.shape
+    if num_experts % num_devices:
+        raise ConfigError(f"{num_experts} experts do not split evenly over {num_devices} devices.")
+    capacity = num_experts // num_devices
+    expert_device = np.empty((num_layers, num_experts), dtype=np.int64)
+    for layer in range(num_layers):  # O(E^3) each, E <= a few hundred
+        slot_gain = np.repeat(cluster_act_LDE[layer], capacity, axis=0)  # [E slots, E]
+        experts, slots = linear_sum_assignment(slot_gain.T, maximize=True)
+        expert_device[layer, experts] = slots // capacity
+    return expert_device
+
+
+def device_expert_mask(placement: Placement) -> np.ndarray:
+    """float64[L*E, D]: 1 where device d holds a replica of expert e of layer l (row l*E + e)."""
+    present = placement.replicas() > 0  # [L, E, D]
+    return present.reshape(-1, placement.num_devices).astype(np.float64)
+
+
+# ---- online: the decode router ---------------------------------------------------------------------------------
+
+
+class SignaturePlan(Plan):
+    """Round-robin prefill; decode rank per request from its observed prefill signature (see the module doc).
+
+    centroids float64[D, F] (match="centroid"); the only online state is each rank's decode-request count.
+    """
+
+    def __init__(self, placement: Placement, parallel: ParallelConfig, *, centroids: np.ndarray | None, rule: str,
+                 match: str, capacity_slack: int, eldr_top: int, info: dict | None = None):
+        self.centroids = centroids
+        self.rule, self.match = rule, match
+        self.capacity_slack, self.eldr_top = int(capacity_slack), int(eldr_top)
+        self._expert_mask = device_expert_mask(placement)
+        super().__init__(placement, parallel, info)
+
+    def reset(self) -> None:
+        super().reset()
+        self._decode_count = np.zeros(self.parallel.devices, dtype=np.int64)
+
+    def similarity(self, signatures_RF: np.ndarray) -> np.ndarray:
+        """float64[R, D] how well each rank matches each request's prefill signature (higher is better)."""
+        if self.match == "centroid":
+            return -squared_distances(signatures_RF, self.centroids)
+        return signatures_RF @ self._expert_mask  # expected local share, summed over layers
+
+    def assign_decode(self, prompt_experts: np.ndarray, prompt_offsets: np.ndarray, prefill_ranks: np.ndarray) -> np.ndarray:
+        """int64[R] decode rank of each request, streaming (later calls continue the counts).
+
+        prompt_experts int[Np, L, k]: the routing of the requests' prompt tokens only (what a router knows once
+        the prefill is done); prompt_offsets int64[R+1] into it; prefill_ranks int[R] (unused here: any rank can
+        take the decode, as in PD disaggregation).
+        """
+        num_experts = self.placement.num_experts
+        counts = segment_counts(prompt_experts, prompt_offsets[:-1], prompt_offsets[1:], num_experts)
+        score = self.similarity(normalise_signature(counts))
+        ranks = np.empty(len(score), dtype=np.int64)
+        count = self._decode_count
+        top = min(self.eldr_top, self.parallel.devices)
+        for r, row in enumerate(score):  # one request at a time: each decision sees the counts so far
+            if self.rule == "capacity":
+                rank = int(np.argmax(np.where(count < count.min() + self.capacity_slack, row, -np.inf)))
+            else:  # ELDR: least loaded among the `top` best matches, the better match on a tie
+                best = np.argsort(-row, kind="stable")[:top]
+                rank = int(best[np.argmin(count[best])])
+            ranks[r] = rank
+            count[rank] += 1
+        return ranks
+
+
+class SignatureDecode:
+    """Balanced clusters of prefill signatures, experts placed by the clusters' decode activations, decode routed
+    by observed prefill signature (Attention-DP only). Parameters: see conf/system/signature.yaml."""
+
+    name = "signature"
+    kind = "system"
+
+    def __init__(self, placement: str = "signature", rule: str = "capacity", match: str = "centroid",
+                 capacity_slack: int = 1, eldr_top: int = 2, kmeans_iters: int = 30, cluster_slack: float = 0.0):
+        choices = {"placement": (placement, PLACEMENTS), "rule": (rule, RULES), "match": (match, MATCHES)}
+        for key, (value, allowed) in choices.items():
+            if value not in allowed:
+                raise ConfigError(f"system.params.{key}={value!r} is not one of {list(allowed)}.")
+        for key, value in (("capacity_slack", capacity_slack), ("eldr_top", eldr_top), ("kmeans_iters", kmeans_iters)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"system.params.{key} must be an integer >= 1, got {value!r}.")
+        if not isinstance(cluster_slack, int | float) or isinstance(cluster_slack, bool) or not 0 <= cluster_slack <= 1:
+            raise ConfigError(f"system.params.cluster_slack must be a number in [0, 1], got {cluster_slack!r}.")
+        if placement == "vanilla" and match == "centroid":
+            raise ConfigError(
+                "placement=vanilla puts no cluster on a device, so match=centroid has no rank to point to; use "
+                "match=experts with placement=vanilla."
+            )
+        self.placement, self.rule, self.match = placement, rule, match
+        self.capacity_slack, self.eldr_top = capacity_slack, eldr_top
+        self.kmeans_iters, self.cluster_slack = kmeans_iters, float(cluster_slack)
+
+    def fit(self, profile: RoutingTrace, parallel: ParallelConfig, rng: np.random.Generator) -> SignaturePlan:
+        if parallel.attention != "dp":
+            raise ConfigError("system=signature places decode requests on Attention-DP ranks; set parallel.attention=dp.")
+        parallel.check_experts(profile.meta.num_experts)
+        num_devices, num_experts = parallel.devices, profile.meta.num_experts
+        decode_tokens = int((profile.lengths() - profile.prefill_len).sum())
+        needs_decode = self.placement == "signature"
+        if needs_decode and decode_tokens == 0:
+            raise ConfigError(
+                "the profile has no generated tokens (prefill_len = length everywhere), so there are no decode "
+                "activations to place experts by; route with generation (model.max_new_tokens > 0), import a trace "
+                "with a phase or prefill_len column, or use placement=vanilla."
+            )
+        starts, middle = profile.offsets[:-1], profile.offsets[:-1] + profile.prefill_len.astype(np.int64)
+        prefill = normalise_signature(segment_counts(profile.experts, starts, middle, num_experts))
+        decode_counts = segment_counts(profile.experts, middle, profile.offsets[1:], num_experts)  # [R, L, E]
+        info = {"placement": self.placement, "rule": self.rule, "match": self.match,
+                "profile_decode_tokens": decode_tokens}
+        correlation = signature_correlation(prefill, normalise_signature(decode_counts))
+        if np.isfinite(correlation):  # NaN without decode tokens: left out rather than reported
+            info["profile_signature_correlation"] = correlation
+        centroids = None
+        if self.placement == "signature":  # clusters are needed only to co-place experts with them
+            labels, centroids, iterations = balanced_kmeans(
+                prefill, num_devices, rng, self.kmeans_iters, self.cluster_slack
+            )
+            cluster_act = np.zeros((num_devices, profile.num_layers, num_experts))
+            np.add.at(cluster_act, labels, decode_counts)
+            placement = Placement.from_expert_device(place_by_activations(cluster_act.transpose(1, 0, 2)), num_devices)
+            sizes = np.bincount(labels, minlength=num_devices)
+            info.update(kmeans_iterations=iterations, cluster_size_max_mean=float(sizes.max() * num_devices / len(labels)))
+        else:
+            placement = contiguous_placement(profile.num_layers, num_experts, num_devices)
+        return SignaturePlan(placement, parallel, centroids=centroids,
+                             rule=self.rule, match=self.match, capacity_slack=self.capacity_slack,
+                             eldr_top=self.eldr_top, info=info)
+
+
+class SignatureELDR(SignatureDecode):
+    """The same plan with ELDR's decode rule: least-loaded among the eldr_top best signature matches."""
+
+    name = "signature_eldr"
+
+    def __init__(self, placement: str = "signature", rule: str = "eldr", match: str = "centroid",
+                 capacity_slack: int = 1, eldr_top: int = 2, kmeans_iters: int = 30, cluster_slack: float = 0.0):
+        super().__init__(placement, rule, match, capacity_slack, eldr_top, kmeans_iters, cluster_slack)
