@@ -27,7 +27,6 @@ import numpy as np
 from repro.errors import ConfigError, ReproError, TraceError
 from repro.eval.accounting import _max_over, account, home_devices, read_only
 from repro.eval.time_cost import STEPS_PER_BLOCK, TimeModel, moe_layer_seconds
-from repro.sim.traffic import batch_traffic
 from repro.systems.base import Plan
 from repro.traces import RoutingTrace, make_trace
 
@@ -137,6 +136,8 @@ def decode_moe_seconds(model: TimeModel, step_n: np.ndarray, home_n: np.ndarray,
                        num_steps: int, devices: int) -> np.ndarray:
     """float64[K] MoE critical-path seconds (dispatch + experts + combine, summed over trace layers) of each decode
     step, priced as decode iterations by the simulator's cost model (as time_cost.time_estimate prices steps)."""
+    from repro.sim.traffic import batch_traffic  # the simulator package only where a time is priced (as time_cost)
+
     out = np.zeros(num_steps)
     num_layers = experts_nLk.shape[1]
     for first in range(0, num_steps, STEPS_PER_BLOCK):
