@@ -173,3 +173,53 @@ def test_cli_writes_its_results_and_refuses_a_foreign_folder(tmp_path, capsys):
     with pytest.raises(SystemExit):
         run_cli(tmp_path / "bad", "--imbalance", "0.5")
     assert not (tmp_path / "bad").exists()
+
+
+# --- the figure and table (repro/figures/breakeven.py) ---
+
+
+def write_job(runs, name, system, lar, *, devices=8, attention="dp", model="tiny", experiment="routing_sources",
+              kind="system"):
+    """A minimal finished job: metrics.json with the summary and config keys that read_jobs uses."""
+    job = runs / experiment / name
+    job.mkdir(parents=True)
+    config = {"name": experiment, "parallel": {"devices": devices, "attention": attention},
+              "workload": {"name": "mmlu"}, "model": {"name": model}, "system": {"name": system}}
+    summary = {"lar": lar, "system": system, "kind": kind, "model": model, "token_imbalance_max_mean": 1.05,
+               "expert_load_imbalance_max_mean": 1.2}
+    (job / "metrics.json").write_text(json.dumps({"summary": summary, "config": config}))
+
+
+def test_routing_sources_pair_semmoe_with_ep_of_the_same_deployment(tmp_path):
+    from repro.figures.breakeven import routing_sources
+    from repro.figures.jobs import read_jobs
+
+    write_job(tmp_path, "a", "ep", 0.125)
+    write_job(tmp_path, "b", "semmoe", 0.45)
+    write_job(tmp_path, "c", "semmoe_exact", 0.55)
+    write_job(tmp_path, "d", "token_oracle", 0.9, kind="bound")  # a bound is no routing source
+    write_job(tmp_path, "e", "semmoe", 0.7, attention="tp")  # no ep in tp: unpaired
+    write_job(tmp_path, "f", "ep", 0.0625, devices=16)
+    write_job(tmp_path, "g", "semmoe", 0.3, devices=16)
+    sources = routing_sources(read_jobs(tmp_path)[0])
+    got = {(r.system, r.devices, r.attention): round(r.lar_gain, 6) for r in sources.itertuples()}
+    assert got == {("semmoe", 8, "dp"): 0.325, ("semmoe_exact", 8, "dp"): 0.425, ("semmoe", 16, "dp"): 0.2375}
+    assert routing_sources(None).empty
+
+
+def test_section_renders_the_map_with_and_without_sources(tmp_path):
+    from repro.figures.breakeven import breakeven_section
+
+    runs, out = tmp_path / "runs", tmp_path / "figures"
+    assert breakeven_section(runs, out) == []  # no results: no section
+    be.main(["--out", str(runs / "breakeven"), "--models", "deepseek_v2_lite", "--hardware", "h200",
+             "--backends", "deepep_normal", "--tokens", "1", "16", "1024", "--gain-step", "0.125"])
+    lines = breakeven_section(runs, out)
+    text = "\n".join(lines)
+    assert (out / "breakeven_deepseek_v2_lite.png").stat().st_size > 10_000
+    assert "curves only" in text and "not the throughput under an SLO" in text
+    assert "| deepseek_v2_lite | h200 | deepep_normal | 1.3 | never |" in text
+    write_job(runs, "a", "ep", 0.125)
+    write_job(runs, "b", "semmoe", 0.45)
+    text = "\n".join(breakeven_section(runs, out))
+    assert "curves only" not in text and "| routing_sources | tiny | dp | 8 | semmoe |" in text

@@ -365,8 +365,10 @@ def main(argv=None) -> None:
         raise SystemExit(2) from None
     shown = table[table["imbalance_semmoe"] != table["imbalance_ep"]]
     with pd.option_context("display.width", 160, "display.max_rows", 400):
-        print(shown.pivot_table(index=["model", "hardware", "backend", "imbalance_semmoe"], columns="tokens_per_rank",
-                                values="break_even_gain", dropna=False).round(3).fillna("never").to_string())
+        gains = shown.pivot_table(index=["model", "hardware", "backend", "imbalance_semmoe"], columns="tokens_per_rank",
+                                  values="break_even_gain", dropna=False).round(3).astype(object)
+        print("break-even LAR gain of Sem-MoE over EP (EP balanced; 'never': not even at LAR = 1):")
+        print(gains.where(gains.notna(), "never").to_string())
     print(f"wrote {out}/ ({len(grid)} ratio rows, {len(table)} break-even rows)")
 
 
