@@ -223,3 +223,16 @@ def test_section_renders_the_map_with_and_without_sources(tmp_path):
     write_job(runs, "b", "semmoe", 0.45)
     text = "\n".join(breakeven_section(runs, out))
     assert "curves only" not in text and "| routing_sources | tiny | dp | 8 | semmoe |" in text
+
+
+def test_unreadable_results_skip_only_their_section(tmp_path):
+    from repro.figures.breakeven import breakeven_section
+
+    results = tmp_path / "runs" / "breakeven"
+    results.mkdir(parents=True)
+    (results / "breakeven.json").write_text(json.dumps({"generator": be.GENERATOR}))
+    (results / "ratio_grid.csv").write_text("model,ratio\nx,1.0\n")
+    (results / "breakeven.csv").write_text("model\nx\n")
+    lines = breakeven_section(tmp_path / "runs", tmp_path / "figures")
+    assert lines[0].startswith("## When does") and "incomplete break-even results" in lines[2]
+    assert not (tmp_path / "figures").exists()

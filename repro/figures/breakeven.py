@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from repro.errors import ReproError  # noqa: E402
-from repro.figures.jobs import read_jobs  # noqa: E402
+from repro.figures.jobs import log, read_jobs  # noqa: E402
 from repro.figures.render import markdown_table, save_png  # noqa: E402
 
 RESULTS = "breakeven"  # the folder under runs/ that repro.sim.breakeven writes by default
@@ -46,8 +46,13 @@ def read_results(results_dir: str | Path) -> tuple[dict, pd.DataFrame, pd.DataFr
         grid = pd.read_csv(results_dir / "ratio_grid.csv")
         table = pd.read_csv(results_dir / "breakeven.csv")
     except (OSError, ValueError) as error:
-        raise ReproError(f"{results_dir} holds no readable break-even results ({error}); run `python -m "
-                         f"repro.sim.breakeven --out {results_dir}` first.") from None
+        raise ReproError(f"{results_dir} holds no readable break-even results ({error}); rerun `python -m "
+                         f"repro.sim.breakeven --out {results_dir}`.") from None
+    missing = sorted(({"model", "hardware", "backend", "devices", "tokens_per_rank", "imbalance_ep", "imbalance_semmoe",
+                       "lar_gain", "ratio"} - set(grid)) | ({"break_even_gain", "ratio_at_lar_1"} - set(table)))
+    if not isinstance(meta, dict) or missing or not len(grid):
+        raise ReproError(f"{results_dir} holds incomplete break-even results (missing {missing or 'rows'}); rerun "
+                         f"`python -m repro.sim.breakeven --out {results_dir}`.")
     return meta, grid, table
 
 
@@ -166,7 +171,12 @@ def breakeven_section(runs_dir: str | Path, out_dir: str | Path, summary: pd.Dat
     results = Path(runs_dir) / RESULTS
     if not (results / "breakeven.json").is_file():
         return []
-    meta, grid, table = read_results(results)
+    title = "## When does co-scheduling pay (beyond the paper)"
+    try:
+        meta, grid, table = read_results(results)
+    except ReproError as error:  # one unreadable result hides only its own section
+        log.warning("%s", error)
+        return [title, "", f"Skipped: {error}", ""]
     if summary is None:
         try:
             summary = read_jobs(runs_dir)[0]
@@ -182,7 +192,7 @@ def breakeven_section(runs_dir: str | Path, out_dir: str | Path, summary: pd.Dat
     best = best.loc[list(dict.fromkeys(map(tuple, balanced[keys].itertuples(index=False))))]
     best.columns = [f"{t} tok" for t in best.columns]
     lines = [
-        "## When does co-scheduling pay (beyond the paper)", "",
+        title, "",
         f"The MoE-layer time (gate + dispatch + experts + combine on the busiest rank, Attention-DP) of Sem-MoE over "
         f"vanilla EP, priced by the simulator's cost model (repro/sim/costs.py) for each hardware profile and "
         f"all-to-all backend, from `{results}/` (`python -m repro.sim.breakeven`). Assumptions: "
