@@ -7,23 +7,23 @@ atol 1e-3 (one fp16 rounding of an fp32 sum; only the summation order may differ
 Legend: T tokens, k experts per token, E experts, D ranks, H hidden size, M routed slots.
 """
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # tests/conftest.py sets it too; it must precede the import
-
 import pytest
 import torch
+from kernel_device import compiled_only, interpreter_only, on_kernel_device
 
 from repro.errors import ConfigError
+from repro.kernels import dispatch
 from repro.kernels.dispatch import (
     DispatchLayout,
-    dispatch_layout,
     dispatch_layout_reference,
-    permute,
     permute_reference,
-    unpermute,
     unpermute_reference,
 )
+
+# the kernels run where tests/kernel_device.py says (interpreter on a CPU, compiled on CUDA); results come back
+dispatch_layout = on_kernel_device(dispatch.dispatch_layout)
+permute = on_kernel_device(dispatch.permute)
+unpermute = on_kernel_device(dispatch.unpermute)
 
 COMBINE_TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.float16: {"rtol": 1e-3, "atol": 1e-3}}
 TOKENS = (0, 1, 33, 127)
@@ -201,6 +201,7 @@ def test_bad_arguments_raise_one_config_error(backend):
         unpermute(torch.zeros(2, 4), torch.tensor([[0, 1]]), torch.ones(1, 3), backend=backend)
 
 
+@interpreter_only
 def test_bf16_refused_on_cpu_with_a_clear_message():
     x = torch.zeros(3, 4, dtype=torch.bfloat16)
     ids = torch.tensor([[0], [1], [0]])
@@ -213,12 +214,11 @@ def test_bf16_refused_on_cpu_with_a_clear_message():
     assert x_sorted.dtype == torch.bfloat16
 
 
+@compiled_only
 def test_bf16_numerics():
-    if not torch.cuda.is_available():
-        pytest.skip("bf16 needs a GPU: the Triton CPU interpreter computes bf16 wrongly (bench.gpu_check covers it)")
     ids, _ = random_routing(127, 64, 8, 8, seed=14)
-    x = torch.randn(127, 64, dtype=torch.bfloat16).cuda()
-    ids, w = ids.cuda(), torch.rand(127, 8).cuda()
+    x = torch.randn(127, 64, dtype=torch.bfloat16)
+    w = torch.rand(127, 8)
     x_sorted, offsets, slot_position = permute(x, ids, 64, backend="triton")
     ref_sorted, ref_offsets, ref_position = permute_reference(x, ids, 64)
     assert torch.equal(x_sorted, ref_sorted) and torch.equal(slot_position, ref_position)

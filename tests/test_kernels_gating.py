@@ -6,21 +6,19 @@ summation order differ). Legend: T tokens, E experts, k experts per token, G gro
 """
 
 import math
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # tests/conftest.py sets it too; it must precede the import
 
 import numpy as np
 import pytest
 import torch
+from kernel_device import compiled_only, interpreter_only, on_kernel_device
 
 from repro.errors import ConfigError
-from repro.kernels.gating import (
-    topk_sigmoid_grouped,
-    topk_sigmoid_grouped_reference,
-    topk_softmax,
-    topk_softmax_reference,
-)
+from repro.kernels import gating
+from repro.kernels.gating import topk_sigmoid_grouped_reference, topk_softmax_reference
+
+# the kernels run where tests/kernel_device.py says (interpreter on a CPU, compiled on CUDA); results come back
+topk_softmax = on_kernel_device(gating.topk_softmax)
+topk_sigmoid_grouped = on_kernel_device(gating.topk_sigmoid_grouped)
 
 WEIGHT_TOL = {"rtol": 1e-5, "atol": 1e-6}
 TOKENS = (0, 1, 33, 127)
@@ -203,6 +201,7 @@ def test_torch_backend_is_the_reference():
     assert torch.equal(ids, ref_ids) and torch.equal(weights, ref_weights)
 
 
+@interpreter_only
 def test_bf16_refused_on_cpu_with_a_clear_message():
     logits = random_logits(4, 8, torch.bfloat16, seed=7)
     for backend in ("triton", "auto"):
@@ -213,10 +212,9 @@ def test_bf16_refused_on_cpu_with_a_clear_message():
     assert torch.equal(topk_softmax(logits, 2, True, backend="torch")[1], topk_softmax_reference(logits, 2, True)[1])
 
 
+@compiled_only
 def test_bf16_numerics():
-    if not torch.cuda.is_available():
-        pytest.skip("bf16 needs a GPU: the Triton CPU interpreter computes bf16 wrongly (bench.gpu_check covers it)")
-    logits = random_logits(127, 64, torch.bfloat16, seed=8).cuda()
+    logits = random_logits(127, 64, torch.bfloat16, seed=8)
     weights, ids = topk_softmax(logits, 8, True, backend="triton")
     ref_weights, ref_ids = topk_softmax_reference(logits, 8, True)
     assert torch.equal(ids, ref_ids)

@@ -12,14 +12,19 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kernel_device import on_kernel_device
 
 from repro.errors import ConfigError, ReproError, TraceError
 from repro.kernels import shuffle
-from repro.kernels.shuffle import inverse_permutation, semmoe_shuffle, semmoe_shuffle_reference
+from repro.kernels.shuffle import semmoe_shuffle_reference
 from repro.parallel import ParallelConfig
 from repro.systems.semmoe import tp
 from repro.systems.semmoe.system import SemMoE
 from repro.traces import TraceMeta, make_trace
+
+# the kernels run where tests/kernel_device.py says (interpreter on a CPU, compiled on CUDA); results come back
+semmoe_shuffle = on_kernel_device(shuffle.semmoe_shuffle)
+inverse_permutation = on_kernel_device(shuffle.inverse_permutation)
 
 LAYERS, EXPERTS, TOP_K, VOCAB, PROFILED = 3, 12, 2, 60, 40
 
@@ -133,9 +138,11 @@ def test_confidence_ties_break_by_token_index():
     try:
         plan.token_confidence[:] = 0.5
         plan.markov_confidence[:] = 0.5
+        shuffle.forget_plan_tables(plan)  # changed in place: a device copy must be made again
         assert_same_as_plan(plan, tokens, 1, prev)
     finally:
         plan.token_confidence[:], plan.markov_confidence[:] = saved
+        shuffle.forget_plan_tables(plan)
 
 
 def test_signed_zero_confidences_tie():
@@ -148,9 +155,11 @@ def test_signed_zero_confidences_tie():
         plan.token_confidence[:, 1::2] = 0.0
         _, confidence = plan.predicted_devices(tokens, 1, None)
         assert np.signbit(confidence).any() and not np.signbit(confidence).all()
+        shuffle.forget_plan_tables(plan)
         assert_same_as_plan(plan, tokens, 1, None)
     finally:
         plan.token_confidence[:] = saved
+        shuffle.forget_plan_tables(plan)
 
 
 def test_torch_inputs_and_reference_backend_give_the_same_result():
