@@ -5,7 +5,7 @@ PIP := $(VENV)/bin/pip
 # torch 2.13.0 CPU build when no NVIDIA GPU is visible; with a GPU, the user's CUDA torch is kept
 HAVE_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: setup test reproduce reproduce-beyond figures bench gpu-check serve-sglang serve-vllm bench-serving setup-engines-cpu lint clean wandb-sync
+.PHONY: setup test reproduce reproduce-beyond figures bench gpu-check gpu-test serve-sglang serve-vllm bench-serving setup-engines-cpu lint clean wandb-sync
 
 setup:
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -51,10 +51,19 @@ figures:
 bench:
 	$(PY) -m bench --out bench/results
 
-# one CUDA GPU: bf16/fp16 correctness of every Triton kernel and kernel timings vs torch (never needed by tests or CI);
-# the results sit beside the bench results and are calibration input for repro/sim
+# one CUDA GPU: bf16/fp16 correctness of every Triton kernel, kernel timings vs a bf16 cuBLAS per-expert loop (and
+# vLLM's fused_experts when importable), never needed by tests or CI; writes measured.json, a hardware profile's
+# `measured:` section (expert_gemm tables) for repro/sim
 gpu-check:
 	$(PY) -m bench.gpu_check --out bench/results/gpu_check
+
+# the kernel tests compiled on a CUDA GPU (the same functions `make test` runs in the CPU interpreter), bf16 included
+KERNEL_TESTS := tests/test_kernels_gemm.py tests/test_kernels_gating.py tests/test_kernels_dispatch.py \
+	tests/test_kernels_shuffle.py tests/test_kernels_layer.py
+gpu-test:
+	@$(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 2)" || \
+	  { echo "make gpu-test needs a CUDA GPU (torch sees none); on a CPU, make test runs these tests interpreted" >&2; exit 2; }
+	env -u TRITON_INTERPRET $(PY) -m pytest -q $(KERNEL_TESTS)
 
 # Real engines on a GPU server (never in CI): serve a fitted plan behind the semantic DP router, then sweep rates.
 # PLAN (required) is a job dir under runs/ whose plan was fitted on routing of MODEL itself (captured with
