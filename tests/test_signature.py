@@ -18,6 +18,7 @@ from repro.parallel import ParallelConfig
 from repro.systems import make_system
 from repro.systems.signature import (
     balanced_kmeans,
+    place_balanced,
     place_by_activations,
     request_signatures,
     row_pearson,
@@ -211,6 +212,21 @@ def test_place_by_activations_gives_each_device_its_clusters_experts():
     np.testing.assert_array_equal(place_by_activations(act), want)
 
 
+def test_balanced_placement_spreads_the_hot_experts_that_the_exact_one_piles_up():
+    # cluster 0 uses the four hot experts (0-3) most, cluster 1 the cold ones: max locality puts all hot on device 0
+    act = np.zeros((1, 2, 8))
+    act[0, 0, :4], act[0, 1, :4] = 12.0, 8.0
+    act[0, 0, 4:], act[0, 1, 4:] = 0.5, 1.0
+    hot = act.sum(axis=1)[0]
+    exact = place_by_activations(act)[0]
+    balanced = place_balanced(act, np.random.default_rng(0))[0]
+    assert np.bincount(balanced, minlength=2).tolist() == [4, 4]
+
+    def max_load(device):
+        return np.bincount(device, weights=hot, minlength=2).max()
+    assert max_load(exact) == 80.0 and max_load(balanced) < max_load(exact)
+
+
 # ---- input boundaries ------------------------------------------------------------------------------------------
 
 
@@ -224,7 +240,8 @@ def test_the_system_refuses_what_it_cannot_do(split):
     fit("signature", prompt_only, placement="vanilla", match="experts")  # matching on EP's blocks needs no decode
     with pytest.raises(ConfigError, match="match=experts"):
         make_system("signature", placement="vanilla")
-    for bad in (dict(rule="random"), dict(capacity_slack=0), dict(eldr_top=1.5), dict(cluster_slack=2)):
+    for bad in (dict(rule="random"), dict(capacity_slack=0), dict(eldr_top=1.5), dict(cluster_slack=2),
+                dict(load_weight=-1.0)):
         with pytest.raises(ConfigError, match=next(iter(bad))):
             make_system("signature", **bad)
 

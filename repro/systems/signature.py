@@ -11,8 +11,10 @@ Offline, on the profile split (`SignatureDecode.fit`):
    to [L*E] (`request_signatures`);
 2. D balanced clusters of the profile requests by signature (`balanced_kmeans`: k-means whose assignment step is
    Sem-MoE's capacity mask, `semmoe.cocluster.capacity_assign`), cluster c meant for device c;
-3. placement (placement="signature"): per layer, each device gets E/D experts, those the decode tokens of its
-   cluster activate most (`place_by_activations`, a linear assignment); placement="vanilla" keeps EP's blocks.
+3. placement="signature": per layer, each device gets E/D experts, those the decode tokens of its cluster activate
+   most, traded against expert load (`place_balanced`: Sem-MoE's greedy placement with its load term, weight
+   load_weight); "signature_exact" maximises the local decode activations alone (`place_by_activations`, a linear
+   assignment), which can pile hot experts on one device; "vanilla" keeps EP's blocks.
 Online (`SignaturePlan`): prefill runs round-robin (`Plan.assign_requests`); after its prefill each request's
 decode rank is chosen from its own prompt routing only (`assign_decode`), one request at a time:
 - rule="capacity": the best-matching rank among those with fewer than min + capacity_slack decode requests
@@ -36,13 +38,13 @@ from repro.errors import ConfigError, ReproError
 from repro.parallel import ParallelConfig
 from repro.systems.base import Placement, Plan
 from repro.systems.ep import contiguous_placement
-from repro.systems.semmoe.cocluster import capacity_assign
+from repro.systems.semmoe.cocluster import capacity_assign, place_experts
 from repro.traces import RoutingTrace
 
 # token rows per histogram chunk in request_signatures: int64 keys of chunk x L x k stay a few MB
 SIGNATURE_CHUNK = 1 << 14
 
-PLACEMENTS = ("signature", "vanilla")
+PLACEMENTS = ("signature", "signature_exact", "vanilla")
 RULES = ("capacity", "eldr")
 MATCHES = ("centroid", "experts")
 
@@ -156,7 +158,8 @@ def balanced_kmeans(
 def place_by_activations(cluster_act_LDE: np.ndarray) -> np.ndarray:
     """int64[L, E] expert -> device with exactly E/D experts per device, maximising per layer the activations
     sum_e cluster_act[l, device(e), e] (device d serves cluster d's tokens): a linear assignment of experts to
-    E slots, slot s on device s // (E/D), as Sem-MoE's exact placement step does (semmoe.cocluster.place_experts)."""
+    E slots, slot s on device s // (E/D), as Sem-MoE's exact placement step does (semmoe.cocluster.place_experts).
+    It ignores expert load: `place_balanced` is the load-aware variant."""
     num_layers, num_devices, num_experts = cluster_act_LDE.shape
     if num_experts % num_devices:
         raise ConfigError(f"{num_experts} experts do not split evenly over {num_devices} devices.")
@@ -167,6 +170,19 @@ def place_by_activations(cluster_act_LDE: np.ndarray) -> np.ndarray:
         experts, slots = linear_sum_assignment(slot_gain.T, maximize=True)
         expert_device[layer, experts] = slots // capacity
     return expert_device
+
+
+def place_balanced(cluster_act_LDE: np.ndarray, rng: np.random.Generator, load_weight: float = 1.0,
+                   ft_steps: int = 64) -> np.ndarray:
+    """int64[L, E] expert -> device, E/D per device, trading the clusters' local activations against expert load:
+    Sem-MoE's greedy placement (`semmoe.cocluster.place_experts`, experts in descending load, each to the device
+    maximising its share of the expert's activations minus load_weight x its load beyond the fair share, then
+    ft_steps swaps that gain without raising the layer's busiest device), with co-activation left out."""
+    num_layers, _, num_experts = cluster_act_LDE.shape
+    hotness = cluster_act_LDE.sum(axis=1)
+    no_coactivation = np.zeros((num_layers, num_experts, num_experts), dtype=np.float32)
+    return place_experts(cluster_act_LDE, hotness, no_coactivation, cluster_act_LDE.shape[1], rng, alpha=0.0,
+                         beta=1.0, gamma=load_weight, ft_steps=ft_steps)
 
 
 def device_expert_mask(placement: Placement) -> np.ndarray:
@@ -234,7 +250,8 @@ class SignatureDecode:
     kind = "system"
 
     def __init__(self, placement: str = "signature", rule: str = "capacity", match: str = "centroid",
-                 capacity_slack: int = 1, eldr_top: int = 2, kmeans_iters: int = 30, cluster_slack: float = 0.0):
+                 capacity_slack: int = 1, eldr_top: int = 2, kmeans_iters: int = 30, cluster_slack: float = 0.0,
+                 load_weight: float = 1.0):
         choices = {"placement": (placement, PLACEMENTS), "rule": (rule, RULES), "match": (match, MATCHES)}
         for key, (value, allowed) in choices.items():
             if value not in allowed:
@@ -244,6 +261,8 @@ class SignatureDecode:
                 raise ConfigError(f"system.params.{key} must be an integer >= 1, got {value!r}.")
         if not isinstance(cluster_slack, int | float) or isinstance(cluster_slack, bool) or not 0 <= cluster_slack <= 1:
             raise ConfigError(f"system.params.cluster_slack must be a number in [0, 1], got {cluster_slack!r}.")
+        if not isinstance(load_weight, int | float) or isinstance(load_weight, bool) or not 0 <= load_weight < np.inf:
+            raise ConfigError(f"system.params.load_weight must be a finite number >= 0, got {load_weight!r}.")
         if placement == "vanilla" and match == "centroid":
             raise ConfigError(
                 "placement=vanilla puts no cluster on a device, so match=centroid has no rank to point to; use "
@@ -252,6 +271,7 @@ class SignatureDecode:
         self.placement, self.rule, self.match = placement, rule, match
         self.capacity_slack, self.eldr_top = capacity_slack, eldr_top
         self.kmeans_iters, self.cluster_slack = kmeans_iters, float(cluster_slack)
+        self.load_weight = float(load_weight)
 
     def fit(self, profile: RoutingTrace, parallel: ParallelConfig, rng: np.random.Generator) -> SignaturePlan:
         if parallel.attention != "dp":
@@ -259,8 +279,7 @@ class SignatureDecode:
         parallel.check_experts(profile.meta.num_experts)
         num_devices, num_experts = parallel.devices, profile.meta.num_experts
         decode_tokens = int((profile.lengths() - profile.prefill_len).sum())
-        needs_decode = self.placement == "signature"
-        if needs_decode and decode_tokens == 0:
+        if self.placement != "vanilla" and decode_tokens == 0:
             raise ConfigError(
                 "the profile has no generated tokens (prefill_len = length everywhere), so there are no decode "
                 "activations to place experts by; route with generation (model.max_new_tokens > 0), import a trace "
@@ -275,13 +294,16 @@ class SignatureDecode:
         if np.isfinite(correlation):  # NaN without decode tokens: left out rather than reported
             info["profile_signature_correlation"] = correlation
         centroids = None
-        if self.placement == "signature":  # clusters are needed only to co-place experts with them
+        if self.placement != "vanilla":  # clusters are needed only to co-place experts with them
             labels, centroids, iterations = balanced_kmeans(
                 prefill, num_devices, rng, self.kmeans_iters, self.cluster_slack
             )
             cluster_act = np.zeros((num_devices, profile.num_layers, num_experts))
             np.add.at(cluster_act, labels, decode_counts)
-            placement = Placement.from_expert_device(place_by_activations(cluster_act.transpose(1, 0, 2)), num_devices)
+            cluster_act = cluster_act.transpose(1, 0, 2)  # [L, D, E]
+            expert_device = (place_by_activations(cluster_act) if self.placement == "signature_exact"
+                             else place_balanced(cluster_act, rng, self.load_weight))
+            placement = Placement.from_expert_device(expert_device, num_devices)
             sizes = np.bincount(labels, minlength=num_devices)
             info.update(kmeans_iterations=iterations, cluster_size_max_mean=float(sizes.max() * num_devices / len(labels)))
         else:
@@ -297,5 +319,6 @@ class SignatureELDR(SignatureDecode):
     name = "signature_eldr"
 
     def __init__(self, placement: str = "signature", rule: str = "eldr", match: str = "centroid",
-                 capacity_slack: int = 1, eldr_top: int = 2, kmeans_iters: int = 30, cluster_slack: float = 0.0):
-        super().__init__(placement, rule, match, capacity_slack, eldr_top, kmeans_iters, cluster_slack)
+                 capacity_slack: int = 1, eldr_top: int = 2, kmeans_iters: int = 30, cluster_slack: float = 0.0,
+                 load_weight: float = 1.0):
+        super().__init__(placement, rule, match, capacity_slack, eldr_top, kmeans_iters, cluster_slack, load_weight)

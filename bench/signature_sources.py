@@ -1,0 +1,122 @@
+"""Decode placement by prefill signature on the suite's routing sources (issue 17 item 5): decode-phase LAR, token
+balance, expert weights read and MoE time per decode step, with the source's prefill-to-decode signature
+correlation beside them.
+
+    python -m bench.signature_sources [--sources synthetic_deepseek_v2_lite replay_olmoe tiny_gen32]
+        [--devices 8] [--seeds 0 1 2] [--split evaluate] [--out FILE.json]
+
+Sources that route prompts only (the synthetic presets, OLMoE replay) are measured on a proxy: the last
+DECODE_SHARE of each prompt plays the generated tokens (`prompt_tail_as_decode`), marked "proxy" in the table.
+The tiny model generates greedily (model.max_new_tokens) and is measured on its real generated tokens.
+Systems are fitted on the profile split and measured on --split (validate to choose, evaluate to report).
+
+Legend: D devices (EP degree), R requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+from repro.atomic import atomic_write_text
+from repro.eval.decode_phase import decode_phase_metrics, prompt_tail_as_decode
+from repro.eval.time_cost import DEFAULT_SHAPE, load_shape, time_model
+from repro.parallel import ParallelConfig
+from repro.systems import Plan, make_system
+from repro.systems.signature import request_signatures, signature_correlation
+
+DECODE_SHARE = 0.25
+SOURCES = {  # name -> config overrides
+    "synthetic_deepseek_v2_lite": ["model=synthetic_deepseek_v2_lite"],
+    "replay_olmoe": ["model=replay_olmoe"],
+    "tiny_gen32": ["model=tiny_mixtral", "model.max_new_tokens=32"],
+}
+VARIANTS = {  # name -> (system, params); coplace_only keeps each decode on its prefill rank (round-robin)
+    "ep": ("ep", {}),
+    "signature_vanilla": ("signature", {"placement": "vanilla", "match": "experts"}),
+    "coplace_only": ("signature", {}),
+    "signature": ("signature", {}),
+    "signature_exact": ("signature", {"placement": "signature_exact"}),
+    "signature_slack8": ("signature", {"capacity_slack": 8}),
+    "signature_eldr": ("signature_eldr", {}),
+}
+COLUMNS = ("decode_lar", "decode_token_imbalance_max_mean", "decode_step_token_imbalance_max_mean",
+           "decode_expert_load_imbalance_max_mean", "decode_batch_distinct_experts_max",
+           "decode_device_distinct_experts_max", "decode_moe_seconds_per_step")
+
+
+def job_config(source: str, devices: int, seed: int, split: str) -> dict:
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    overrides = [*SOURCES[source], f"seed={seed}", f"parallel.devices={devices}", "parallel.attention=dp",
+                 "logger=none", f"evaluate_split={split}"]
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        return OmegaConf.to_container(compose("config", overrides=overrides), resolve=True)
+
+
+def measure(source: str, devices: int, seed: int, split: str) -> list[dict]:
+    """One row per variant: decode-phase metrics of the variant on `source` (seed, split) at EP `devices`."""
+    from repro.run import build_traces
+
+    config = job_config(source, devices, seed, split)
+    profile, evaluation = build_traces(config)
+    proxy = bool(np.all(evaluation.prefill_len == evaluation.lengths()))
+    if proxy:
+        profile, evaluation = (prompt_tail_as_decode(t, DECODE_SHARE) for t in (profile, evaluation))
+    correlation = signature_correlation(request_signatures(evaluation, "prefill"), request_signatures(evaluation, "decode"))
+    parallel = ParallelConfig.from_config(config["parallel"])
+    shape = load_shape(DEFAULT_SHAPE)
+    rows = []
+    for variant, (system, params) in VARIANTS.items():
+        plan = make_system(system, **params).fit(profile, parallel, np.random.default_rng(seed))
+        if variant == "coplace_only":
+            plan = Plan(plan.placement, plan.parallel)
+        metrics = decode_phase_metrics(plan, evaluation,
+                                       time_model=time_model(plan, evaluation, config["hardware"], shape))
+        rows.append({"source": source, "proxy": proxy, "seed": seed, "split": split, "devices": devices,
+                     "variant": variant, "signature_correlation": correlation,
+                     "eval_requests": evaluation.num_requests, **metrics})
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown: mean (and std over seeds) of every column per source and variant."""
+    lines = ["| source | corr | variant | " + " | ".join(c.removeprefix("decode_") for c in COLUMNS) + " |",
+             "|---" * (len(COLUMNS) + 3) + "|"]
+    keys = dict.fromkeys((r["source"], r["variant"]) for r in rows)
+    for source, variant in keys:
+        group = [r for r in rows if r["source"] == source and r["variant"] == variant]
+        corr = np.mean([r["signature_correlation"] for r in group])
+        label = source + (" (proxy)" if group[0]["proxy"] else "")
+
+        def cell(c, group=group):
+            values = np.array([r[c] for r in group], dtype=float)
+            scale = 1e6 if c.endswith("seconds_per_step") else 1.0  # microseconds
+            return f"{values.mean() * scale:.3f}" + (f" ± {values.std() * scale:.3f}" if len(values) > 1 else "")
+
+        lines.append(f"| {label} | {corr:.3f} | {variant} | " + " | ".join(cell(c) for c in COLUMNS) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.signature_sources", description=__doc__.splitlines()[0])
+    p.add_argument("--sources", nargs="+", default=list(SOURCES), choices=list(SOURCES))
+    p.add_argument("--devices", type=int, default=8)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--split", default="evaluate", choices=["validate", "evaluate"])
+    p.add_argument("--out", type=Path, help="JSON file of every row (written atomically)")
+    args = p.parse_args(argv)
+    rows = [row for source in args.sources for seed in args.seeds
+            for row in measure(source, args.devices, seed, args.split)]
+    if args.out:
+        atomic_write_text(args.out, json.dumps(rows, indent=1))
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
