@@ -37,6 +37,8 @@ reproduce:
 	done
 	# Sem-MoE's tunable defaults: chosen on the validate split, reported on evaluate (runs/tune_semmoe/*/tuned.json)
 	$(PY) -m repro.tune -m logger=none
+	# when Sem-MoE's locality pays in MoE-layer time, from the simulator's cost model (seconds; runs/breakeven)
+	$(PY) -m repro.sim.breakeven --out runs/breakeven
 	$(MAKE) figures
 
 reproduce-beyond:

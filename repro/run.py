@@ -33,6 +33,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from repro.atomic import atomic_dir, atomic_write
+from repro.config_schema import check_config
 from repro.errors import ConfigError, ReproError
 from repro.jobdir import job_dirname  # noqa: F401  registers the resolver conf/config.yaml names its run dirs with
 from repro.parallel import ParallelConfig
@@ -329,6 +330,7 @@ def make_job(config: dict):
     """(ParallelConfig, system) of a job's config; every config error surfaces here, before any routing is made."""
     from repro.systems import make_system
 
+    check_config(config)  # every key known, every value of its type and range (one sentence)
     check_trace_options(config)
     check_a2a_hardware(config["hardware"])
     parallel = ParallelConfig.from_config(config["parallel"])

@@ -6,6 +6,7 @@ import sys
 
 from repro.errors import ReproError
 from repro.figures.report import write_report
+from repro.tracking import log_report_figures
 
 
 def main(argv=None) -> int:
@@ -17,6 +18,7 @@ def main(argv=None) -> int:
     try:
         report = write_report(args.runs, args.out)
         print(report)
+        log_report_figures(args.out, args.runs)  # the report's PNGs to a W&B run of job_type "report"
         if args.html:
             from repro.figures.html import write_html
 

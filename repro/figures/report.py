@@ -18,6 +18,7 @@ import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
 from repro.atomic import atomic_write_text  # noqa: E402
+from repro.figures.breakeven import breakeven_section  # noqa: E402
 from repro.figures.jobs import find_job_files, log, read_jobs, skipped_lines, sweep_notes  # noqa: E402
 from repro.figures.palette import series_style  # noqa: E402
 from repro.figures.paper import paper_section  # noqa: E402
@@ -363,6 +364,7 @@ def write_report(runs_dir: str | Path, out_dir: str | Path) -> Path:
     lines += tuned_section(Path(runs_dir))
     lines += paper_section(summary, out_dir)
     lines += replication_section(summary, out_dir)
+    lines += breakeven_section(runs_dir, out_dir, summary)
     for experiment, runs in summary.groupby("experiment", sort=True):
         layers = per_layer[per_layer["experiment"] == experiment] if len(per_layer) else per_layer
         lines += experiment_section(experiment, runs, layers, out_dir, partial.get(experiment, ""))
