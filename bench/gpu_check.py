@@ -1,6 +1,6 @@
 """One-GPU correctness and calibration check of every repro.kernels kernel; never needed by tests or CI.
 
-    python -m bench.gpu_check --out DIR [--tokens 1024 4096 16384] [--dtypes bf16 fp16]
+    python -m bench.gpu_check --out DIR [--tokens 1024 4096 16384] [--dtypes bf16 fp16] [--dry-run]
 
 For each T and dtype, every contract kernel (the cases of bench.bench_kernels: Mixtral-shaped layer,
 DeepSeek-V3 routing, Sem-MoE shuffle) runs through Triton and through its torch reference on the same inputs;
@@ -13,7 +13,17 @@ through the Triton kernels: gating, permute, fused_experts, unpermute). About 2 
 Writes DIR/gpu_check.json ({"meta": ..., "rows": [...]}) and DIR/gpu_check.csv (the rows), both atomically.
 A row: kernel, shape, dtype, tokens, triton_ms, torch_ms, speedup (= torch_ms / triton_ms), max_abs_error
 (float outputs), int_mismatches (integer outputs), tolerance, passed (null for timing-only rows), note.
-A simulator reads triton_ms per (kernel, dtype, tokens) as calibration.
+
+Fair baselines (`expert_rows`, DeepSeek-V2-Lite / Qwen3-30B-A3B / Mixtral-8x7B expert shapes at 16 / 256 /
+4,096 / 16,384 tokens, bf16): the Triton grouped GEMM against a bf16 cuBLAS per-expert loop (torch matmuls on
+the same sorted rows), the whole Triton layer (fused_moe, gathered rows, validate=False) against vLLM's
+fused_experts when vllm is importable (the row says so when not), each with TFLOP/s and the fraction of a dense
+cuBLAS GEMM pair of the same FLOPs (dense_ms / kernel_ms). Calibration (`measured_expert_gemm`): one expert's
+SwiGLU MLP through the Triton grouped GEMM at 1..16,384 rows, written as DIR/measured.json in the form of a
+hardware profile's `measured:` section ({"expert_gemm": {shape: [[tokens of one expert, seconds], ...]}}, what
+repro.sim.hardware reads). All-to-all costs need two or more GPUs and are not measured here.
+--dry-run rehearses everything on the CPU (torch references, shapes / 64, fp32): the files say dry_run and
+their numbers are not calibration.
 Exit status: 0 every check passed, 1 a check failed or raised, 2 no usable CUDA device or a bad command line.
 """
 
@@ -172,19 +182,144 @@ def usable_gpu() -> str | None:
     return None
 
 
+# (hidden, expert intermediate, experts, top-k) from conf/sim/shape/<name>.yaml
+EXPERT_SHAPES = {
+    "deepseek_v2_lite": (2048, 1408, 64, 6),
+    "qwen3_30b_a3b": (2048, 768, 128, 8),
+    "mixtral_8x7b": (4096, 14336, 8, 2),
+}
+BASELINE_TOKENS = (16, 256, 4096, 16384)
+CALIBRATION_ROWS = (1, 16, 64, 256, 1024, 4096, 16384)
+
+
+def vllm_fused_experts():
+    """(vLLM's fused_experts, None) or (None, why it is not importable)."""
+    try:
+        from vllm.model_executor.layers.fused_moe import fused_experts
+
+        return fused_experts, None
+    except Exception as e:  # not installed, or installed for another torch / CUDA
+        return None, f"vllm fused_experts not importable ({type(e).__name__}: {e})".splitlines()[0]
+
+
+def baseline_ms(x_TH, ids_Tk, weights_Tk, w13_E2IH, w2_EHI, cuda: bool, vllm_fn) -> tuple[dict, int]:
+    """({grouped_gemm, cublas_loop, dense, layer[, vllm]}: median ms, routed rows M) of one shape and step."""
+    import torch.nn.functional as F
+
+    from repro.kernels.dispatch import permute_reference
+    from repro.kernels.grouped_gemm import fused_experts
+    from repro.kernels.moe_layer import fused_moe
+
+    backend = "triton" if cuda else "torch"
+    experts, inter = w2_EHI.shape[0], w2_EHI.shape[2]
+    x_sorted_MH, offsets_E1, _ = permute_reference(x_TH, ids_Tk, experts)
+    bounds = offsets_E1.tolist()  # host copy once, outside the timed calls (a cuBLAS loop needs it)
+
+    def cublas_loop():
+        y_MH = torch.empty_like(x_sorted_MH)
+        for e in range(experts):
+            s, t = bounds[e], bounds[e + 1]
+            if t > s:
+                gate_up = x_sorted_MH[s:t] @ w13_E2IH[e].T
+                y_MH[s:t] = (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]) @ w2_EHI[e].T
+        return y_MH
+
+    dense_a, dense_b = w13_E2IH[0].T.contiguous(), w2_EHI[0].T.contiguous()
+    ms = {
+        "grouped_gemm": median_ms(lambda: fused_experts(x_sorted_MH, offsets_E1, w13_E2IH, w2_EHI, backend=backend,
+                                                        validate=False), cuda, 1, 3),
+        "cublas_loop": median_ms(cublas_loop, cuda, 1, 3),
+        # the same FLOPs through one weight pair: what cuBLAS reaches at this M with no expert split
+        "dense": median_ms(lambda: (x_sorted_MH @ dense_a)[:, :inter] @ dense_b, cuda, 1, 3),
+        "layer": median_ms(lambda: fused_moe(x_TH, ids_Tk, weights_Tk, w13_E2IH, w2_EHI, backend=backend,
+                                             validate=False), cuda, 1, 3),
+    }
+    if vllm_fn is not None:
+        ids32 = ids_Tk.to(torch.int32)
+        ms["vllm"] = median_ms(lambda: vllm_fn(x_TH, w13_E2IH, w2_EHI, weights_Tk, ids32), cuda, 1, 3)
+    return ms, x_sorted_MH.shape[0]
+
+
+def expert_rows(tokens_list, dtype: torch.dtype, device: str, scale: int = 1) -> list[dict]:
+    """Timing rows of the fair baselines (see the module docstring); scale divides H and I (dry runs)."""
+    cuda = device == "cuda"
+    vllm_fn, vllm_missing = vllm_fused_experts() if cuda else (None, "dry run: vllm not tried")
+    dtype_name = str(dtype).removeprefix("torch.")
+    rows = []
+    for name, (hidden, inter, experts, top_k) in EXPERT_SHAPES.items():
+        hidden, inter = hidden // scale, inter // scale
+        g = torch.Generator().manual_seed(0)
+        w13 = (torch.randn(experts, 2 * inter, hidden, generator=g) / hidden**0.5).to(device, dtype)
+        w2 = (torch.randn(experts, hidden, inter, generator=g) / inter**0.5).to(device, dtype)
+        for num_tokens in tokens_list:
+            x = torch.randn(num_tokens, hidden, generator=g).to(device, dtype)
+            ids = torch.rand(num_tokens, experts, generator=g).topk(top_k, dim=1).indices.to(device)
+            topk_w = torch.rand(num_tokens, top_k, generator=g).to(device)
+            ms, rows_m = baseline_ms(x, ids, topk_w, w13, w2, cuda, vllm_fn)
+            flops = 6.0 * rows_m * hidden * inter
+            tflops = {k: round(flops / v / 1e9, 2) for k, v in ms.items()}
+            dense_fraction = {k: round(ms["dense"] / v, 3) for k, v in ms.items() if k != "dense"}
+            note = f"tflops {json.dumps(tflops)}; dense_ms / kernel_ms {json.dumps(dense_fraction)}"
+            shape = f"{name} H{hidden} I{inter} E{experts} k{top_k} M{rows_m}"
+            rows.append(row("grouped_gemm_vs_cublas_loop", shape, dtype_name, num_tokens, ms["grouped_gemm"],
+                            ms["cublas_loop"], note=note))
+            rows.append(row("moe_layer_vs_vllm", shape, dtype_name, num_tokens, ms["layer"], ms.get("vllm"),
+                            note=vllm_missing or "torch_ms: vllm fused_experts (routing given)"))
+    return rows
+
+
+def one_expert_ms(n: int, w13_12IH, w2_1HI, cuda: bool, generator: torch.Generator) -> float:
+    """Median ms of one expert's SwiGLU MLP over n rows (Triton on CUDA, the torch reference otherwise)."""
+    from repro.kernels.grouped_gemm import fused_experts
+
+    x = torch.randn(n, w2_1HI.shape[1], generator=generator).to(w13_12IH.device, w13_12IH.dtype)
+    offsets = torch.tensor([0, n], device=w13_12IH.device)
+    backend = "triton" if cuda else "torch"
+    return median_ms(lambda: fused_experts(x, offsets, w13_12IH, w2_1HI, backend=backend, validate=False), cuda, 1, 3)
+
+
+def measured_expert_gemm(dtype: torch.dtype, device: str, scale: int = 1, row_counts=CALIBRATION_ROWS) -> dict:
+    """{"expert_gemm": {shape name: [[rows of one expert, seconds], ...]}}: the table repro.sim.hardware reads
+    from a hardware profile's `measured:` section."""
+    tables = {}
+    for name, (hidden, inter, _, _) in EXPERT_SHAPES.items():
+        hidden, inter = hidden // scale, inter // scale
+        g = torch.Generator().manual_seed(1)
+        w13 = (torch.randn(1, 2 * inter, hidden, generator=g) / hidden**0.5).to(device, dtype)
+        w2 = (torch.randn(1, hidden, inter, generator=g) / inter**0.5).to(device, dtype)
+        tables[name] = [[n, one_expert_ms(n, w13, w2, device == "cuda", g) * 1e-3] for n in row_counts]
+    return {"expert_gemm": tables}
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, type=Path, help="directory for gpu_check.json and gpu_check.csv")
     parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS), help="tokens per step T")
     parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES), help="data dtypes")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="rehearse on the CPU: torch references, shapes / 64, fp32; numbers are not calibration")
     args = parser.parse_args(argv)
     if min(args.tokens) < SHUFFLE["ranks"]:
         parser.error(f"--tokens must be >= {SHUFFLE['ranks']} (a token per TP rank of the shuffle plan)")
     return args
 
 
+def dry_run(out: Path) -> int:
+    """The baseline and calibration steps on the CPU at 1/64 of the shapes (no Triton): files, not numbers."""
+    meta = {"dry_run": True, "device": "cpu", "note": "CPU rehearsal with torch references; not calibration",
+            "torch": torch.__version__, "python": platform.python_version()}
+    rows = expert_rows((16, 256), torch.float32, "cpu", scale=64)
+    write_results(out, meta, rows)
+    measured = measured_expert_gemm(torch.float32, "cpu", scale=64, row_counts=(1, 16, 256))
+    atomic_write_text(out / "measured.json", json.dumps(measured, indent=1) + "\n")
+    print(f"dry run: {len(rows)} rows -> {out / 'gpu_check.json'}, {out / 'measured.json'} (CPU references only)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.dry_run:
+        return dry_run(args.out)
     problem = usable_gpu()
     if problem:
         print(problem, file=sys.stderr)
@@ -220,6 +355,21 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # the context rows are timing only; record why they are missing
             traceback.print_exc()
             rows.append(row("semmoe_shuffle_context", "", "", num_tokens, None, None, note=f"{type(e).__name__}: {e}"))
+    for rows_of in (lambda: expert_rows(BASELINE_TOKENS, torch.bfloat16, "cuda"),):
+        try:
+            rows += rows_of()
+        except Exception as e:  # timing rows: record why they are missing, keep the correctness results
+            traceback.print_exc()
+            rows.append(row("expert_baselines", "", "bf16", 0, None, None, note=f"{type(e).__name__}: {e}"))
+    try:
+        measured = measured_expert_gemm(torch.bfloat16, "cuda")
+        measured_path = args.out / "measured.json"
+        atomic_write_text(measured_path, json.dumps(measured, indent=1) + "\n")
+        meta["measured"] = {"path": str(measured_path), "a2a": "not measured (needs two or more GPUs)",
+                            "expert_gemm": "one expert through the Triton grouped GEMM, bf16, do_bench median"}
+    except Exception as e:
+        traceback.print_exc()
+        meta["measured"] = f"failed: {type(e).__name__}: {e}"
     meta["elapsed_s"] = round(time.perf_counter() - started, 1)
     write_results(args.out, meta, rows)
     failed = [r for r in rows if r["passed"] is False]

@@ -318,3 +318,17 @@ def test_ep_moe_forward_with_triton_kernels_on_gloo():
 
     for errors in launch(triton_ep_worker, 2, timeout_s=120):
         assert max(errors.values()) <= 1e-5, errors
+
+
+def test_gpu_check_measured_table_is_a_hardware_profiles_measured_section():
+    # the format bench.gpu_check writes as measured.json is what repro.sim.hardware reads (CPU reference timings)
+    import yaml
+
+    from bench.gpu_check import EXPERT_SHAPES, measured_expert_gemm
+    from repro.sim.hardware import load_hardware
+
+    measured = measured_expert_gemm(torch.float32, "cpu", scale=256, row_counts=(1, 16))
+    profile = yaml.safe_load((Path(__file__).resolve().parents[1] / "conf/hardware/h200.yaml").read_text())
+    hardware = load_hardware(profile | {"measured": measured})
+    assert set(hardware.measured_expert_gemm) == set(EXPERT_SHAPES)
+    assert {f"expert_gemm.{name}" for name in EXPERT_SHAPES} <= set(hardware.calibrated_parts)
