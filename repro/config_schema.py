@@ -194,6 +194,7 @@ WORKLOAD = {  # load_workload's arguments
     "request_rate": number(0),
     "path": text(null=True),
     "label_field": text(null=True),
+    "input_len": integer(1, null=True),
 }
 HARDWARE = {  # the numbers repro/run.py's a2a_seconds_estimate reads; the simulator's are load_hardware's
     "name": text(),

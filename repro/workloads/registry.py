@@ -7,6 +7,7 @@
         keep     = len(ids) >= min_prompt_len                          # too-short prompts dropped
         chosen   = sample_indices(labels[keep], num_requests, balanced, rng_sample)   # random order
         ids      = ids[:max_prompt_len]                                # truncation keeps the head
+                   (input_len set instead: pack_prompts, below: every request exactly input_len tokens)
         outputs  = draw_output_lens(R, output_len, rng_output)         # fixed or uniform in [lo, hi]
         arrivals = poisson_arrivals(R, request_rate, rng_arrival)      # exponential gaps, or all at t=0
 
@@ -14,6 +15,17 @@ Randomness: `numpy.random.default_rng(seed).spawn(3)` gives one independent stre
 lengths and arrivals, so changing e.g. `output_len` does not change which prompts are drawn or when they arrive.
 Requests come out in a seeded random order (their arrival order), never grouped by label: a stream sorted by
 MMLU subject would flatter any request scheduler that learns from recent requests.
+
+Fixed input length (`input_len`, e.g. the paper's Table 2 at 256 / 512 / 1,024 tokens): the candidates are put in
+a seeded random order (balanced: the smallest label's count from every label) and packed greedily by
+`pack_prompts`: a request is a prompt's token ids followed by the next prompts' in that order (each tokenized on
+its own, no separator token) until input_len tokens, the last one truncated; its remainder is dropped and the next
+request starts at the next prompt, so no prompt text is used twice (profile and evaluated requests share none) and
+every request starts at a prompt's first token. A request keeps the id and label of its first prompt (the id gets
+"+<k>" for the k prompts appended); its text is the prompts' texts joined by a blank line (the last one whole, though
+its tokens may be cut). max_prompt_len does not apply then (input_len is the length); min_prompt_len still filters
+the source prompts. Output lengths: `output_len` sets Request.output_len (what repro.engines' benchmark client asks
+a real engine for); the serving simulator takes its own `sim.output_len` unless the trace holds generated tokens.
 
 Shape letters: N = candidate prompts (after the length filter), L = distinct labels, R = requests drawn.
 """
@@ -143,6 +155,33 @@ def poisson_arrivals(num_requests: int, request_rate: float, rng: np.random.Gene
     return np.cumsum(rng.exponential(1.0 / request_rate, size=num_requests))
 
 
+def pack_prompts(prompt_lens: np.ndarray, input_len: int, num_requests: int | None) -> list[tuple[int, int]]:
+    """Greedy packing of prompts, in the given order, into requests of exactly `input_len` tokens.
+
+    prompt_lens int[N] >= 1: token count of each prompt in packing order. Request r takes prompts
+    [start_r, end_r) whole but the last, which is cut so the request holds exactly input_len tokens; the next
+    request starts at end_r (the cut remainder is dropped). Returns the (start_r, end_r) pairs, R of them: num_requests,
+    or (None) as many as the prompts fill; a trailing group shorter than input_len is dropped.
+    Raises WorkloadError when the prompts cannot fill num_requests requests.
+    """
+    used = np.minimum(np.asarray(prompt_lens, dtype=np.int64), input_len)  # a prompt is never cut twice
+    ends_at = np.concatenate([[0], np.cumsum(used)])  # int64[N + 1]: tokens before prompt i
+    wanted = len(used) if num_requests is None else num_requests
+    groups: list[tuple[int, int]] = []
+    start = 0
+    while len(groups) < wanted:  # one step per request, not per token
+        end = int(np.searchsorted(ends_at, ends_at[start] + input_len, side="left"))  # first end >= input_len
+        if end > len(used):
+            break
+        groups.append((start, end))
+        start = end
+    if num_requests is not None and len(groups) < num_requests:
+        raise WorkloadError(f"only {len(groups)} requests of input_len={input_len} tokens can be packed from the "
+                            f"{len(used)} prompts left after filtering, but num_requests={num_requests}; lower "
+                            "num_requests or input_len, or set num_requests to null for all.")
+    return groups
+
+
 def _check_arguments(name, num_requests, max_prompt_len, min_prompt_len, output_len, request_rate, seed) -> None:
     if name not in WORKLOADS:
         raise ConfigError(f"unknown workload {name!r}; choose one of {sorted(WORKLOADS)}.")
@@ -192,13 +231,18 @@ def load_workload(name: str, *, tokenizer: str = "mixtral", num_requests: int | 
                   max_prompt_len: int = 1024, min_prompt_len: int = 1, balanced: bool = False,
                   seed: int = 0, output_len: int | tuple[int, int] = 0, request_rate: float = 0.0,
                   source: str = "offline", path: str | None = None, split: str = "test",
-                  label_field: str | None = None) -> Workload:
+                  label_field: str | None = None, input_len: int | None = None) -> Workload:
     """Load, tokenize, filter, sample and time one workload (see the module docstring for the steps).
 
     Same arguments and seed give identical requests. Request.token_ids int32[S <= max_prompt_len] are the head
-    of the tokenized prompt; Request.text is the whole prompt text.
+    of the tokenized prompt; Request.text is the whole prompt text. input_len: every request's token_ids are
+    int32[input_len], packed from consecutive prompts (module docstring); None: one prompt per request.
     """
     _check_arguments(name, num_requests, max_prompt_len, min_prompt_len, output_len, request_rate, seed)
+    if input_len is not None and (isinstance(input_len, bool) or not isinstance(input_len, numbers.Integral)
+                                  or input_len < 1):
+        raise ConfigError(f"workload input_len must be null (one prompt per request) or an integer >= 1 (tokens per "
+                          f"request), got {input_len!r}.")
     prompts = WORKLOADS[name](source=source, path=path, split=split, label_field=label_field,
                               num_requests=num_requests)
     where = f"workload {name!r}" + (f" ({path})" if path else "")
@@ -207,7 +251,7 @@ def load_workload(name: str, *, tokenizer: str = "mixtral", num_requests: int | 
     tok = load_tokenizer(tokenizer)
     # Only the head survives truncation, so tokenize only a generous head of each text: long ShareGPT pastes
     # (100k+ characters) would cost seconds each, and tiktoken can overflow its stack on them.
-    char_budget = MAX_CHARS_PER_TOKEN * max_prompt_len
+    char_budget = MAX_CHARS_PER_TOKEN * (max_prompt_len if input_len is None else input_len)
     encoded = tok.encode_batch([text[:char_budget] for text in prompts.texts])
     prompt_lens = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
     candidates = np.flatnonzero(prompt_lens >= min_prompt_len)  # int64[N]
@@ -217,19 +261,30 @@ def load_workload(name: str, *, tokenizer: str = "mixtral", num_requests: int | 
     _, label_codes = np.unique(np.asarray(prompts.labels, dtype=object)[candidates], return_inverse=True)
 
     sample_rng, output_rng, arrival_rng = np.random.default_rng(seed).spawn(3)
-    chosen = candidates[sample_indices(label_codes, num_requests, balanced, sample_rng)]  # int64[R]
-    output_lens = draw_output_lens(len(chosen), output_len, output_rng)
-    arrivals = poisson_arrivals(len(chosen), float(request_rate), arrival_rng)
-
     ids = _unique_ids(prompts.ids)
+    if input_len is None:
+        chosen = candidates[sample_indices(label_codes, num_requests, balanced, sample_rng)]  # int64[R]
+        members = [[i] for i in chosen.tolist()]  # the prompts making each request
+        token_ids = [np.asarray(encoded[i][:max_prompt_len], dtype=np.int32) for i in chosen.tolist()]
+        request_ids = [ids[i] for i in chosen.tolist()]
+    else:
+        order = candidates[sample_indices(label_codes, None, balanced, sample_rng)]  # int64[N'] packing order
+        groups = pack_prompts(prompt_lens[order], input_len, num_requests)
+        members = [order[start:end].tolist() for start, end in groups]
+        token_ids = [np.concatenate([encoded[i][:input_len] for i in group])[:input_len].astype(np.int32)
+                     for group in members]
+        request_ids = [ids[group[0]] + (f"+{len(group) - 1}" if len(group) > 1 else "") for group in members]
+    output_lens = draw_output_lens(len(members), output_len, output_rng)
+    arrivals = poisson_arrivals(len(members), float(request_rate), arrival_rng)
+
     requests = [
-        Request(id=ids[i], dataset=name, label=prompts.labels[i],
-                token_ids=np.asarray(encoded[i][:max_prompt_len], dtype=np.int32),
-                output_len=int(out), arrival_time=float(t), text=prompts.texts[i])
-        for i, out, t in zip(chosen.tolist(), output_lens, arrivals, strict=True)
+        Request(id=request_id, dataset=name, label=prompts.labels[group[0]], token_ids=tokens,
+                output_len=int(out), arrival_time=float(t), text="\n\n".join(prompts.texts[i] for i in group))
+        for request_id, group, tokens, out, t in zip(request_ids, members, token_ids, output_lens, arrivals, strict=True)
     ]
     config = dict(name=name, tokenizer=tokenizer, num_requests=num_requests, max_prompt_len=max_prompt_len,
                   min_prompt_len=min_prompt_len, balanced=balanced, seed=seed,
                   output_len=output_len if isinstance(output_len, numbers.Integral) else [int(v) for v in output_len],
-                  request_rate=float(request_rate), source=source, path=path, split=split, label_field=label_field)
+                  request_rate=float(request_rate), source=source, path=path, split=split, label_field=label_field,
+                  input_len=input_len)
     return Workload(name=name, requests=requests, tokenizer=tokenizer, vocab_size=tok.vocab_size, config=config)
