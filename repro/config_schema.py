@@ -196,13 +196,11 @@ WORKLOAD = {  # load_workload's arguments
     "label_field": text(null=True),
     "input_len": integer(1, null=True),
 }
-HARDWARE = {  # the numbers repro/run.py's a2a_seconds_estimate reads; the simulator's are load_hardware's
+HARDWARE = {  # the top-level numbers; the simulator's (read by the time estimate too) are load_hardware's
     "name": text(),
     "nodes": integer(1),
     "devices_per_node": integer(1),
     "gemm_tile_tokens": integer(1),
-    "a2a_bandwidth_gbps": number(0, low_open=True),
-    "a2a_latency_us": number(0),
     "measured": OPTIONAL_MAPPING,
 }
 LOGGER = {

@@ -253,8 +253,8 @@ def _wandb_errors(what: str, where: Path, consequence: str = "nothing was publis
 
 def log_report_figures(figures_dir: Path | str, runs_dir: Path | str = "runs", *, project: str | None = None) -> bool:
     """Log the report in figures_dir to one W&B run of job_type "report": every PNG as an image keyed by its path
-    (e.g. "smoke/lar_per_layer"), and the whole folder (REPORT.md, REPORT.html, PNGs) as an artifact of type
-    "report". The run's files go under runs_dir/wandb, where `make wandb-sync` finds them; the mode is WANDB_MODE
+    (e.g. "smoke/lar_per_layer"), verdict.csv (when there) as the table "verdict", and the whole folder (REPORT.md,
+    REPORT.html, PNGs) as an artifact of type "report". The run's files go under runs_dir/wandb, where `make wandb-sync` finds them; the mode is WANDB_MODE
     (default offline). Returns False, importing nothing, when WANDB_MODE=disabled or figures_dir has no PNG.
     """
     figures_dir, runs_dir = Path(figures_dir), Path(runs_dir)
@@ -263,6 +263,7 @@ def log_report_figures(figures_dir: Path | str, runs_dir: Path | str = "runs", *
     if mode == "disabled" or not pngs:
         return False
     with _wandb_errors("log the report's figures", figures_dir, "the report itself is written"):
+        import pandas as pd
         import wandb
 
         runs_dir.mkdir(parents=True, exist_ok=True)
@@ -279,6 +280,8 @@ def log_report_figures(figures_dir: Path | str, runs_dir: Path | str = "runs", *
         )
         try:
             run.log({str(p.relative_to(figures_dir).with_suffix("").as_posix()): wandb.Image(str(p)) for p in pngs})
+            if (figures_dir / "verdict.csv").is_file():  # the reproduction verdict (repro.figures.verdict) as a table
+                run.log({"verdict": wandb.Table(dataframe=pd.read_csv(figures_dir / "verdict.csv", keep_default_na=False))})
             report = wandb.Artifact(artifact_name("report", figures_dir.resolve().name), type="report")
             report.add_dir(str(figures_dir))
             run.log_artifact(report)

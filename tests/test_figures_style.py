@@ -161,7 +161,7 @@ def test_report_html_has_anchors_a_table_of_contents_scrollable_tables_and_no_ou
     targets = re.findall(r'href="#([^"]+)"', toc)
     ids = re.findall(r'<h[23] id="([^"]+)"', page)
     assert targets == ids and len(set(ids)) == len(ids) >= 6
-    assert "experiment-paper-dp" in ids and "experiment-routing-sources" in ids
+    assert "experiment-paper_dp" in ids and "experiment-routing_sources" in ids  # GitHub's slugs (heading_slug)
     assert page.index("</h1>") < page.index('<nav class="toc">') < page.index("<h2")
     assert page.count("<table>") == page.count('<div class="table-scroll"><table>') >= 2
 

@@ -67,10 +67,12 @@ def image_data_uri(src: str, base_dir: Path) -> str:
     return f"data:{mime};base64,{base64.b64encode(path.read_bytes()).decode('ascii')}"
 
 
-def _slug(text: str, taken: set[str]) -> str:
-    """A URL fragment for a heading ("Fig. 4: latency" -> "fig-4-latency"), unique among `taken` (updated)."""
-    base = re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "section"
-    slug, n = base, 2
+def heading_slug(text: str, taken: set[str]) -> str:
+    """GitHub's anchor for a heading's text ("Table 2: TTFT / E2E" -> "table-2-ttft--e2e"): lowercase, punctuation
+    dropped (letters, digits, "_" and "-" kept), each space a "-", then "-1", "-2", ... for repeats; so a markdown
+    link to a heading works on GitHub and in REPORT.html alike. `taken` (the page's slugs so far) is updated."""
+    base = re.sub(r"[^\w\- ]", "", text.strip().lower()).replace(" ", "-") or "section"
+    slug, n = base, 1
     while slug in taken:
         slug, n = f"{base}-{n}", n + 1
     taken.add(slug)
@@ -83,7 +85,7 @@ def _anchor_headings(tokens) -> list[tuple[int, str, str]]:
     for i, token in enumerate(tokens):
         if token.type == "heading_open" and token.tag in ("h2", "h3"):
             text = "".join(c.content for c in tokens[i + 1].children or () if c.type in ("text", "code_inline"))
-            slug = _slug(text, taken)
+            slug = heading_slug(text, taken)
             token.attrSet("id", slug)
             toc.append((int(token.tag[1]), slug, text))
     return toc

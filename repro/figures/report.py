@@ -24,6 +24,7 @@ from repro.figures.palette import series_style  # noqa: E402
 from repro.figures.paper import paper_section  # noqa: E402
 from repro.figures.render import FRACTIONS, markdown_table, metric_axis, save_png  # noqa: E402
 from repro.figures.replication import replication_section  # noqa: E402
+from repro.figures.verdict import verdict_section  # noqa: E402
 
 # Hydra override keys (last dotted part) that a figure's panels and colours already tell apart; the others name a
 # job within a panel
@@ -361,6 +362,7 @@ def write_report(runs_dir: str | Path, out_dir: str | Path) -> Path:
              "routing, not a ceiling; dash-dotted). Each system has one colour in every figure. "
              "Systems are fitted on the profile split (20 % of requests), defaults tuned on the validate split "
              "(10 %), and numbers reported on the evaluate split (70 %) unless the evaluate_split column says otherwise.", ""]
+    header = len(lines)  # the verdict goes here, computed last so its links find the sections below
     lines += tuned_section(Path(runs_dir))
     lines += paper_section(summary, out_dir)
     lines += replication_section(summary, out_dir)
@@ -368,6 +370,7 @@ def write_report(runs_dir: str | Path, out_dir: str | Path) -> Path:
     for experiment, runs in summary.groupby("experiment", sort=True):
         layers = per_layer[per_layer["experiment"] == experiment] if len(per_layer) else per_layer
         lines += experiment_section(experiment, runs, layers, out_dir, partial.get(experiment, ""))
+    lines[header:header] = verdict_section(summary, runs_dir, out_dir, lines)
     report = out_dir / "REPORT.md"
     atomic_write_text(report, "\n".join(lines))
     return report

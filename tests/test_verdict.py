@@ -1,0 +1,268 @@
+"""The reproduction verdict (repro.figures.verdict): its rules on planted numbers (every verdict reachable), the
+verdicts computed from planted runs/ dirs (a flipped number flips the verdict; caps for non-paper routing and
+uncalibrated time; `not testable here` with the run that would test it), the section's place and links in
+REPORT.md / REPORT.html, and the atomic CSV."""
+
+import json
+import re
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from repro import tracking
+from repro.figures import report, verdict
+from repro.figures.html import markdown_to_html
+from repro.figures.jobs import read_jobs
+from repro.figures.verdict import (
+    NOT_REPRODUCED,
+    NOT_TESTABLE,
+    PARTLY,
+    REPRODUCED,
+    combine,
+    rule_at_most,
+    rule_band,
+    rule_gain,
+    rule_ratio,
+    verdict_section,
+    verdict_tables,
+)
+
+NAN = float("nan")
+
+# ---- rules -----------------------------------------------------------------------------------------------------
+
+
+def test_rule_band_reaches_every_verdict():
+    assert rule_band(0.55, 0.592, 0.592, 0.10) == REPRODUCED
+    assert rule_band(0.40, 0.592, 0.592, 0.10) == PARTLY  # 0.19 away but within a factor 2
+    assert rule_band(0.25, 0.592, 0.592, 0.10) == NOT_REPRODUCED
+    assert rule_band(1.30, 0.592, 0.592, 0.10) == NOT_REPRODUCED  # above twice the paper's value
+    assert rule_band(NAN, 0.592, 0.592, 0.10) == NOT_TESTABLE
+    assert rule_band(0.80, 0.833, 0.976, 0.05) == REPRODUCED and rule_band(0.70, 0.833, 0.976, 0.05) == PARTLY
+
+
+def test_rule_gain_reaches_every_verdict():
+    assert rule_gain(0.10, 0.066, 2.0) == REPRODUCED
+    assert rule_gain(0.20, 0.066, 2.0) == PARTLY  # right sign, three times the paper's
+    assert rule_gain(0.0, 0.066, 2.0) == NOT_REPRODUCED and rule_gain(-0.05, 0.066, 2.0) == NOT_REPRODUCED
+    assert rule_gain(NAN, 0.066, 2.0) == NOT_TESTABLE
+
+
+def test_rule_ratio_uses_the_interval_and_caps_a_bare_point():
+    assert rule_ratio(1.30, 1.20, 1.40, 1.31) == REPRODUCED
+    assert rule_ratio(1.10, 1.05, 1.15, 1.31) == PARTLY  # a significant gain of another size
+    assert rule_ratio(1.20, 0.90, 1.50, 1.31) == PARTLY  # holds the paper's ratio, and no gain too
+    assert rule_ratio(0.99, 0.95, 1.03, 1.31) == NOT_REPRODUCED
+    assert rule_ratio(0.80, 0.75, 0.85, 1.31) == NOT_REPRODUCED
+    assert rule_ratio(1.31, NAN, NAN, 1.31) == PARTLY  # no interval: never reproduced
+    assert rule_ratio(0.99, NAN, NAN, 1.31) == NOT_REPRODUCED
+    assert rule_ratio(NAN, NAN, NAN, 1.31) == NOT_TESTABLE
+
+
+def test_rule_at_most_and_combine():
+    assert [rule_at_most(x, 1.1, 1.5) for x in (1.0, 1.3, 2.0, NAN)] == [REPRODUCED, PARTLY, NOT_REPRODUCED, NOT_TESTABLE]
+    assert combine([REPRODUCED, REPRODUCED]) == REPRODUCED
+    assert combine([REPRODUCED, NOT_TESTABLE]) == PARTLY  # untested parts: at most partly
+    assert combine([NOT_REPRODUCED, NOT_TESTABLE]) == NOT_REPRODUCED
+    assert combine([REPRODUCED, NOT_REPRODUCED]) == PARTLY
+    assert combine([NOT_TESTABLE, NOT_TESTABLE]) == NOT_TESTABLE
+
+
+# ---- planted runs ------------------------------------------------------------------------------------------------
+
+SYNTHETIC = {"name": "synthetic_deepseek_v2_lite", "kind": "synthetic"}
+TINY = {"name": "tiny_mixtral", "kind": "tiny"}
+
+
+def write_job(root: Path, experiment: str, job: str, system: str, summary: dict, *, devices=8, attention="dp",
+              model=SYNTHETIC, workload="mmlu", eval_workload=None, trace=None, input_len=None) -> Path:
+    """A finished job as repro.run leaves it (metrics.json only)."""
+    out = root / experiment / job
+    out.mkdir(parents=True)
+    config = {"name": experiment, "parallel": {"devices": devices, "attention": attention},
+              "workload": {"name": workload, **({"input_len": input_len} if input_len else {})},
+              "model": model, "system": {"name": system}, "trace": trace}
+    if eval_workload:
+        config["eval_workload"] = {"name": eval_workload}
+    base = {"system": system, "kind": "system", "lar": 0.2, "a2a_bytes": 1024.0, "evaluate_split": "evaluate",
+            "expert_load_imbalance_max_mean": 1.2, "token_imbalance_max_mean": 1.1}
+    (out / "metrics.json").write_text(json.dumps({"summary": {**base, **summary}, "config": config}))
+    return out
+
+
+def serving(shape="deepseek_v2_lite", **extra) -> dict:
+    return {"sim_shape": shape, "sim_hardware": "h200", "sim_seeds": 3, "sim_time_basis": "uncalibrated (roofline)",
+            "slo_ttft_s": 0.05, "slo_e2e_s": 2.0, "slo_light_rate_rps": 1.0, **extra}
+
+
+def plant(root: Path, *, sem_ttft=(13.0, 13.2, 13.1), sem_lar=0.345) -> Path:
+    """Runs planted so that every rule reads `reproduced` (caps aside): serve_dp (R1, R4), serve_tp (R6),
+    paper_table2 (R5), paper_dp exact accounting (R7), cross_dataset (R8), an affinity_stats.csv (R2, R3)."""
+    dp = {"ep": ((10.0, 10.1, 9.9), (4.0, 4.1, 3.9)), "moetuner": ((10.0, 10.0, 10.0), (3.4, 3.5, 3.4)),
+          "semmoe": (sem_ttft, (12.8, 13.0, 12.9))}
+    for system, (ttft, e2e) in dp.items():
+        write_job(root, "serve_dp", f"system={system}", system, serving(
+            throughput_under_ttft_slo_rps=float(np.mean(ttft)), throughput_under_ttft_slo_rps_per_seed=list(ttft),
+            throughput_under_e2e_slo_rps=float(np.mean(e2e)), throughput_under_e2e_slo_rps_per_seed=list(e2e),
+            a2a_share_lightest=0.35, a2a_share_prefill_lightest=0.55, a2a_share_decode_lightest=0.30),
+            )
+    for system, lar, layer in (("ep", 0.125, 1.0), ("semmoe", 0.125 + 0.37, 0.58)):
+        write_job(root, "serve_tp", f"system={system}", system, serving(
+            lar_sim=lar, moe_layer_s_lightest=layer, moe_layer_prefill_s_lightest=layer, moe_layer_decode_s_lightest=1.0),
+            attention="tp")
+    for system, ttft in (("ep", 0.100), ("moetuner", 0.098), ("semmoe", 0.092)):
+        for input_len in (256, 512, 1024):
+            write_job(root, "paper_table2", f"system={system},workload.input_len={input_len}", system,
+                      serving(ttft_p99_s_lightest=ttft), attention="tp", input_len=input_len)
+    for system, lar, imbalance in (("ep", 0.125, 1.5), ("eplb", 0.13, 1.2), ("moetuner", 0.30, 1.6),
+                                   ("semmoe", sem_lar, 1.55)):
+        write_job(root, "paper_dp", f"parallel.devices=8,system={system}", system,
+                  {"lar": lar, "expert_load_imbalance_max_median": imbalance})
+    for system, lars in (("ep", (0.25, 0.25, 0.25, 0.25)), ("semmoe", (0.47, 0.41, 0.40, 0.46))):
+        for (train, evaluated), lar in zip((("mmlu", "mmlu"), ("mmlu", "arena_hard"), ("arena_hard", "mmlu"),
+                                            ("arena_hard", "arena_hard")), lars, strict=True):
+            write_job(root, "cross_dataset", f"system={system},workload={train},eval={evaluated}", system,
+                      {"lar": lar}, devices=4, attention="tp", workload=train,
+                      eval_workload=evaluated)
+    pd.DataFrame({"model_layer": [1, 2], "f1_p50": [0.875, 0.875], "topk_hotness_p50": [0.90, 0.86],
+                  "max_nontopk_hotness_p50": [0.05, 0.05]}).to_csv(root / "paper_dp" / "parallel.devices=8,system=ep"
+                                                                   / "affinity_stats.csv", index=False)
+    return root
+
+
+def tables(root: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
+    summary, _, _ = read_jobs(root)
+    return verdict_tables(summary)
+
+
+def by_claim(claims: pd.DataFrame) -> dict[str, str]:
+    return dict(zip(claims["claim"], claims["verdict"], strict=True))
+
+
+REAL = {"name": "imported", "kind": "trace"}
+
+
+def as_paper_model(root: Path) -> Path:
+    """Mark every planted job as routing imported from a trace of DeepSeek-V2-Lite itself."""
+    for run in root.rglob("metrics.json"):
+        data = json.loads(run.read_text())
+        data["config"].update(model=REAL, trace=str(root / "trace"))
+        data["summary"]["model"] = "deepseek-ai/DeepSeek-V2-Lite"
+        run.write_text(json.dumps(data))
+    return root
+
+
+def test_real_routing_planted_to_match_the_paper_is_reproduced_and_synthetic_routing_is_capped(tmp_path):
+    claims, parts = tables(as_paper_model(plant(tmp_path / "real")))
+    got = by_claim(claims)
+    assert got["R1"] == PARTLY  # the number rule says reproduced (0.55 is within 10 points); uncalibrated time caps it
+    assert parts.loc[parts["claim"] == "R1", "rule_verdict"].tolist() == [REPRODUCED]
+    for claim in ("R2", "R3", "R7", "R8"):
+        assert got[claim] == REPRODUCED, (claim, parts[parts["claim"] == claim].to_dict("records"))
+    # R4, R5 and R6 have Qwen3 parts nobody ran: their DeepSeek-V2-Lite parts are reproduced, the claim partly
+    for claim in ("R4", "R5", "R6"):
+        mine = parts[parts["claim"] == claim]
+        tested = mine[mine["part"].str.startswith("DeepSeek")]
+        assert (tested["verdict"] == REPRODUCED).all(), tested.to_dict("records")
+        assert (mine[mine["part"].str.startswith("Qwen3")]["verdict"] == NOT_TESTABLE).all()
+        assert got[claim] == PARTLY
+    assert got["R9"] == NOT_TESTABLE
+
+    claims, parts = tables(plant(tmp_path / "synthetic"))
+    tested = parts[parts["verdict"] != NOT_TESTABLE]
+    assert set(tested["verdict"]) == {PARTLY} and REPRODUCED in set(tested["rule_verdict"])
+    assert tested[tested["claim"] != "R1"]["why"].str.contains("routing is not the paper's model's").all()
+    # synthetic routing's Table 1 statistics are the generator's knobs: not a measurement
+    assert by_claim(claims)["R2"] == NOT_TESTABLE and "synthetic" in claims.set_index("claim").at["R2", "why"]
+
+
+def test_a_flipped_planted_number_flips_the_computed_verdict(tmp_path):
+    good = tables(as_paper_model(plant(tmp_path / "a")))[1].set_index(["claim", "part"])
+    bad = tables(as_paper_model(plant(tmp_path / "b", sem_ttft=(9.0, 9.1, 8.9), sem_lar=0.29)))[1]
+    bad = bad.set_index(["claim", "part"])
+    ttft_vs_ep = ("R4", "DeepSeek-V2-Lite, TTFT SLO, vs ep")
+    assert good.at[ttft_vs_ep, "verdict"] == REPRODUCED and bad.at[ttft_vs_ep, "verdict"] == NOT_REPRODUCED
+    r7 = next(p for p in good.index if p[0] == "R7" and "LAR gain" in p[1])
+    assert good.at[r7, "verdict"] == REPRODUCED and bad.at[r7, "verdict"] == NOT_REPRODUCED
+
+
+def test_without_the_runs_every_claim_is_not_testable_and_names_the_run_that_would_test_it(tmp_path):
+    write_job(tmp_path, "smoke", "job", "ep", {}, model=TINY)
+    claims, _ = tables(tmp_path)
+    assert (claims["verdict"] == NOT_TESTABLE).all()
+    why = claims.set_index("claim")["why"]
+    assert "experiment=serve_dp" in why["R1"] and "experiment=paper_table2" in why["R5"]
+    assert "experiment=cross_dataset" in why["R8"] and "moonlight_16b_a3b" in why["R9"]
+    assert "affinity_stats.csv" in why["R2"]
+
+
+# ---- the section, its links and the CSV ---------------------------------------------------------------------------
+
+
+def test_the_report_opens_with_the_verdict_and_every_link_lands_on_a_section(tmp_path):
+    root = as_paper_model(plant(tmp_path / "runs"))
+    md = report.write_report(root, tmp_path / "figs")
+    text = md.read_text()
+    headings = [line for line in text.splitlines() if line.startswith("## ")]
+    assert headings[0] == verdict.HEADING
+    links = re.findall(r"\[(R\d)\]\(#([^)]+)\)", text)
+    assert {claim for claim, _ in links} == {"R2", "R3", "R7", "R8"}  # the serving sections need sim_per_rate.csv
+    ids = set(re.findall(r'<h[23] id="([^"]+)"', markdown_to_html(md)))
+    assert {anchor for _, anchor in links} <= ids
+    anchors = dict(links)
+    assert anchors["R8"] == "experiment-cross_dataset"  # GitHub's slug of "Experiment `cross_dataset`"
+    assert anchors["R2"].startswith("token-expert-affinity") and anchors["R2"] in ids
+    csv = pd.read_csv(tmp_path / "figs" / "verdict.csv", keep_default_na=False)
+    claims = csv[csv["part"] == ""]
+    assert claims["claim"].tolist() == [f"R{i}" for i in range(1, 10)]
+    assert set(csv["verdict"]) <= set(verdict.VERDICTS)
+
+
+def test_section_without_report_lines_has_no_dangling_links_and_the_csv_is_atomic(tmp_path, monkeypatch):
+    root = plant(tmp_path / "runs")
+    summary, _, _ = read_jobs(root)
+    lines = verdict_section(summary, root, tmp_path / "out")
+    assert lines[0] == verdict.HEADING and not re.search(r"\]\(#", "\n".join(lines))
+    before = (tmp_path / "out" / "verdict.csv").read_bytes()
+
+    def half_then_fail(self, path, **kwargs):
+        Path(path).write_text("claim,part\nR1,")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(pd.DataFrame, "to_csv", half_then_fail)
+    with pytest.raises(OSError):
+        verdict_section(summary, root, tmp_path / "out")
+    assert (tmp_path / "out" / "verdict.csv").read_bytes() == before  # the old table, whole; no temp file left
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["verdict.csv"]
+
+
+def test_the_verdict_table_goes_to_wandb_with_the_report(tmp_path, monkeypatch):
+    logged = []
+
+    class Run:
+        def log(self, data):
+            logged.append(data)
+
+        def log_artifact(self, artifact):
+            pass
+
+        def finish(self, exit_code=None):
+            pass
+
+    fake = types.ModuleType("wandb")
+    fake.init = lambda **kwargs: Run()
+    fake.Settings = lambda **kwargs: kwargs
+    fake.Image = lambda path: ("image", path)
+    fake.Table = lambda dataframe: ("table", dataframe)
+    fake.Artifact = lambda name, type: types.SimpleNamespace(add_dir=lambda path: None)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    root = plant(tmp_path / "runs")
+    report.write_report(root, tmp_path / "figs")
+    assert tracking.log_report_figures(tmp_path / "figs", tmp_path / "runs")
+    table = next(data["verdict"][1] for data in logged if "verdict" in data)
+    assert table["claim"].iloc[:9].tolist() == [f"R{i}" for i in range(1, 10)] and "verdict" in table
