@@ -3,7 +3,7 @@ balance, expert weights read and MoE time per decode step, with the source's pre
 correlation beside them.
 
     python -m bench.signature_sources [--sources synthetic_deepseek_v2_lite replay_olmoe tiny_gen32]
-        [--devices 8] [--seeds 0 1 2] [--split evaluate] [--out FILE.json]
+        [--devices 8] [--seeds 0 1 2] [--fit-seeds ...] [--split evaluate] [--out FILE.json]
 
 Sources that route prompts only (the synthetic presets, OLMoE replay) are measured on a proxy: the last
 DECODE_SHARE of each prompt plays the generated tokens (`prompt_tail_as_decode`), marked "proxy" in the table.
@@ -42,6 +42,8 @@ VARIANTS = {  # name -> (system, params); coplace_only keeps each decode on its 
     "signature_exact": ("signature", {"placement": "signature_exact"}),
     "signature_slack8": ("signature", {"capacity_slack": 8}),
     "signature_eldr": ("signature_eldr", {}),
+    "signature_match_experts": ("signature", {"match": "experts"}),
+    "eldr_vanilla": ("signature_eldr", {"placement": "vanilla", "match": "experts"}),
 }
 COLUMNS = ("decode_lar", "decode_token_imbalance_max_mean", "decode_step_token_imbalance_max_mean",
            "decode_expert_load_imbalance_max_mean", "decode_batch_distinct_experts_max",
@@ -59,8 +61,10 @@ def job_config(source: str, devices: int, seed: int, split: str) -> dict:
         return OmegaConf.to_container(compose("config", overrides=overrides), resolve=True)
 
 
-def measure(source: str, devices: int, seed: int, split: str) -> list[dict]:
-    """One row per variant: decode-phase metrics of the variant on `source` (seed, split) at EP `devices`."""
+def measure(source: str, devices: int, seed: int, split: str, fit_seeds: list[int] | None = None) -> list[dict]:
+    """One row per variant and fit seed: decode-phase metrics of the variant on `source` (seed, split) at EP `devices`.
+    fit_seeds: seeds of the systems' rng (k-means start, placement swaps); default [seed]. They vary the fit alone
+    where a new config seed is costly (the tiny model retrains for every seed)."""
     from repro.run import build_traces
 
     config = job_config(source, devices, seed, split)
@@ -72,20 +76,21 @@ def measure(source: str, devices: int, seed: int, split: str) -> list[dict]:
     parallel = ParallelConfig.from_config(config["parallel"])
     shape = load_shape(DEFAULT_SHAPE)
     rows = []
-    for variant, (system, params) in VARIANTS.items():
-        plan = make_system(system, **params).fit(profile, parallel, np.random.default_rng(seed))
-        if variant == "coplace_only":
-            plan = Plan(plan.placement, plan.parallel)
-        metrics = decode_phase_metrics(plan, evaluation,
-                                       time_model=time_model(plan, evaluation, config["hardware"], shape))
-        rows.append({"source": source, "proxy": proxy, "seed": seed, "split": split, "devices": devices,
-                     "variant": variant, "signature_correlation": correlation,
-                     "eval_requests": evaluation.num_requests, **metrics})
+    for fit_seed in fit_seeds or [seed]:
+        for variant, (system, params) in VARIANTS.items():
+            plan = make_system(system, **params).fit(profile, parallel, np.random.default_rng(fit_seed))
+            if variant == "coplace_only":
+                plan = Plan(plan.placement, plan.parallel)
+            metrics = decode_phase_metrics(plan, evaluation,
+                                           time_model=time_model(plan, evaluation, config["hardware"], shape))
+            rows.append({"source": source, "proxy": proxy, "seed": seed, "fit_seed": fit_seed, "split": split,
+                         "devices": devices, "variant": variant, "signature_correlation": correlation,
+                         "eval_requests": evaluation.num_requests, **metrics})
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    """Markdown: mean (and std over seeds) of every column per source and variant."""
+    """Markdown: mean (and std over seeds and fit seeds) of every column per source and variant."""
     lines = ["| source | corr | variant | " + " | ".join(c.removeprefix("decode_") for c in COLUMNS) + " |",
              "|---" * (len(COLUMNS) + 3) + "|"]
     keys = dict.fromkeys((r["source"], r["variant"]) for r in rows)
@@ -108,11 +113,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sources", nargs="+", default=list(SOURCES), choices=list(SOURCES))
     p.add_argument("--devices", type=int, default=8)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--fit-seeds", type=int, nargs="+", help="rng seeds of the fits (default: each config seed)")
     p.add_argument("--split", default="evaluate", choices=["validate", "evaluate"])
     p.add_argument("--out", type=Path, help="JSON file of every row (written atomically)")
     args = p.parse_args(argv)
     rows = [row for source in args.sources for seed in args.seeds
-            for row in measure(source, args.devices, seed, args.split)]
+            for row in measure(source, args.devices, seed, args.split, args.fit_seeds)]
     if args.out:
         atomic_write_text(args.out, json.dumps(rows, indent=1))
     print(table(rows))
