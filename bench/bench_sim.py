@@ -30,7 +30,6 @@ from omegaconf import OmegaConf
 from repro.run import build_traces, make_job
 from repro.sim import simulate
 from repro.sim.metrics import throughput_under_slo
-from repro.traces import select_requests
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 SYSTEMS = ("ep", "eplb", "semmoe")
@@ -50,21 +49,26 @@ def job_config(system: str, quick: bool, cache_dir: str) -> dict:
     config = OmegaConf.to_container(cfg, resolve=True)
     sim = config["sim"]
     sim["rates"] = [10.0, 25.0] if quick else [10.0, 25.0, 40.0, 60.0, 80.0, 100.0, 120.0, 140.0, 160.0, 175.0]
-    sim["num_requests"] = 100 if quick else 1000
-    sim["slo"]["bisect_steps"] = 0  # the sweep only; DistServe bisection adds one simulation per step
+    # the sweep only, one seed, a fixed request count per rate: every rate below saturation, so each rule passes on
+    # the whole grid and bisection adds no run; the SLO from the system's own lightest rate (no reference runs)
+    sim.update(seeds=1, min_requests=100 if quick else 1000, duration_s=1.0, warmup_s=0.0, cooldown_s=0.0,
+               drain_s=1000.0)
+    sim["slo"]["reference"] = "self"
     return config
 
 
 def saturated(config: dict, plan, evaluation, quick: bool) -> dict:
     """One run at SATURATED_RATE: simulated requests and events per CPU second and per wall second."""
-    sim = dict(config["sim"], rates=[SATURATED_RATE], num_requests=200 if quick else 3000)
-    requests = min(sim["num_requests"], evaluation.num_requests)
+    requests = 200 if quick else 3000
+    # one run of `requests` arrivals (drawn with replacement from the evaluate split), all served to the end
+    sim = dict(config["sim"], rates=[SATURATED_RATE], min_requests=requests, duration_s=requests / SATURATED_RATE,
+               warmup_s=0.0, cooldown_s=0.0, drain_s=1000.0, slo=dict(config["sim"]["slo"], ttft_s=1.0, tpot_s=1.0, e2e_s=1.0))
     cpu, wall = time.process_time(), time.perf_counter()
     result = simulate(dict(config, sim=sim), plan, evaluation, config["hardware"], sim["shape"],
                       np.random.default_rng(config["seed"]))
     cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
     rates = result.per_rate
-    events = float(rates["iterations"].sum() + rates["num_requests"].sum())
+    events = float(rates["iterations"].sum() + rates["requests_total"].sum())
     return {
         "rate_rps": SATURATED_RATE,
         "requests": requests,
@@ -90,8 +94,6 @@ def run(quick: bool) -> dict:
         for system in systems:
             config = job_config(system, quick, cache_dir)
             profile, evaluation = build_traces(config)
-            evaluation_all = evaluation
-            evaluation = select_requests(evaluation, np.arange(min(config["sim"]["num_requests"], evaluation.num_requests)))
             parallel, fitter = make_job(config)
             started = time.perf_counter()
             plan = fitter.fit(profile, parallel, np.random.default_rng(config["seed"]))
@@ -101,18 +103,18 @@ def run(quick: bool) -> dict:
                               np.random.default_rng(config["seed"]))
             wall = time.perf_counter() - started
             rates = result.per_rate
-            events = float(rates["iterations"].sum() + rates["num_requests"].sum())
+            events = float(rates["iterations"].sum() + rates["requests_total"].sum())
             total_wall += wall
-            total_requests += float(rates["num_requests"].sum())
+            total_requests += float(rates["requests_total"].sum())
             total_events += events
             per_rate[system] = rates
             if system == "ep":
-                saturated_ep = saturated(config, plan, evaluation_all, quick)
+                saturated_ep = saturated(config, plan, evaluation, quick)
             s = result.summary
             cases[system] = {
                 "fit_s": fit_seconds,
                 "simulate_s": wall,
-                "simulated_requests_per_s": float(rates["num_requests"].sum()) / wall,
+                "simulated_requests_per_s": float(rates["requests_total"].sum()) / wall,
                 "events_per_s": events / wall,
                 "iterations": int(rates["iterations"].sum()),
                 "lar": s["lar_sim"],
@@ -138,7 +140,7 @@ def run(quick: bool) -> dict:
             "hardware": "h200 (8 GPUs), Attention-DP, EP 8, backend deepep_auto, uncalibrated",
             "rates": len(base),
             "systems": len(systems),
-            "requests_per_rate": int(base["num_requests"].iloc[0]),
+            "requests_per_rate": int(base["requests_total"].iloc[0]),
             "sweep_wall_s": total_wall,
             "simulated_requests_per_s": total_requests / total_wall,
             "events_per_s": total_events / total_wall,

@@ -223,7 +223,13 @@ EXEC = {  # ExecConfig's fields; choices and cross-field rules are check_exec_co
 }
 SIM = {  # the numbers check_sim_config compares (it owns the keys, choices and cross-field rules)
     "rates": Value(("list",)),
-    "num_requests": integer(1),
+    "duration_s": number(0, low_open=True),
+    "min_requests": integer(1),
+    "warmup_s": number(0),
+    "cooldown_s": number(0),
+    "drain_s": number(0),
+    "seeds": integer(1),
+    "stable_tolerance": number(0),
     "max_batched_tokens": integer(1),
     "max_running_requests": integer(1),
     "max_block_iterations": integer(1),
@@ -238,7 +244,10 @@ SIM_SLO = {
     "tpot_s": number(0, low_open=True, null=True),
     "e2e_s": number(0, low_open=True, null=True),
     "attainment": number(0, 1, low_open=True),
-    "bisect_steps": integer(0),
+    "reference": text(),
+    "light_rate": number(0, low_open=True, null=True),
+    "rel_tol": number(0, 1, low_open=True, high_open=True),
+    "require_stable": FLAG,
 }
 REPLAY_MODEL = {  # route_with_replay's keys
     "name": text(),

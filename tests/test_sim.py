@@ -20,8 +20,9 @@ from repro.parallel import ParallelConfig
 from repro.sim import ModelShape, load_hardware, simulate
 from repro.sim.costs import CostModel, a2a_seconds
 from repro.sim.engine import Engine, EngineConfig, Requests
-from repro.sim.metrics import bisect_goodput, paper_slo, throughput_under_slo
+from repro.sim.metrics import bisect_rate, paper_slo, phase_breakdown, throughput_under_slo
 from repro.sim.shapes import routing_map
+from repro.sim.simulate import build_requests
 from repro.sim.traffic import batch_traffic, dispatch_slots
 from repro.systems.base import Placement, Plan
 from repro.systems.ep import contiguous_placement
@@ -35,8 +36,10 @@ def load_yaml(*parts) -> dict:
 
 
 def sim_config(**overrides) -> dict:
+    """conf/sim/default.yaml with overrides; one seed and a window from 0 unless the test says otherwise."""
     sim = load_yaml("sim", "default.yaml")
     sim.pop("defaults")
+    sim.update(seeds=1, warmup_s=0.0, cooldown_s=0.0, duration_s=1.0, min_requests=20)
     slo = dict(sim["slo"], **overrides.pop("slo", {}))
     return {"sim": dict(sim, slo=slo, **overrides), "history": 2}
 
@@ -81,7 +84,7 @@ def test_hand_computed_case():
     plan = Plan(contiguous_placement(1, 2, 2), ParallelConfig(devices=2, attention="dp", bytes_per_token=4,
                                                               devices_per_node=2))
     config = sim_config(rates=[24.0], arrival="given", backend="nccl", decode_routing="captured",
-                        slo={"bisect_steps": 0})
+                        slo={})
     result = simulate(config, plan, trace, hand_hardware(), HAND_SHAPE, np.random.default_rng(0),
                       arrival_times=np.array([0.0, 0.0, 0.125]))
     a2a = ALPHA + 4 / W  # one token copy crosses in each direction
@@ -107,6 +110,31 @@ def test_hand_computed_case():
     assert result.summary["sim_output_len_source"] == "trace"
 
 
+def test_hand_case_prefill_and_decode_apart():
+    """The hand case's three iterations by phase: two hold prefill tokens (dispatch a2a, then ALPHA: no copy
+    crosses), one decodes only (dispatch a2a); a window over the whole run sums what the run sums."""
+    trace = hand_trace()
+    plan = Plan(contiguous_placement(1, 2, 2), ParallelConfig(devices=2, attention="dp", bytes_per_token=4,
+                                                              devices_per_node=2))
+    shape = ModelShape.from_config(HAND_SHAPE)
+    cost = CostModel(shape, load_hardware(hand_hardware()), routing_map(shape, trace), 2, "dp", "nccl")
+    rng = np.random.default_rng(0)
+    requests, _, _ = build_requests(trace, np.arange(3), 1, "captured", rng, rng)
+    engine = Engine(plan, requests, cost, dispatch_slots(plan.placement), EngineConfig(8192, 256, "mixed", 100, 64, 0.0, 2))
+    run = engine.run(np.array([0.0, 0.0, 0.125]))
+    a2a = ALPHA + 4 / W
+    assert run.window_iterations.tolist() == [2, 1] and run.window_prefill_tokens == 6
+    np.testing.assert_allclose(run.window_moe_seconds.sum(axis=0), run.moe_seconds, rtol=1e-12)
+    phases = phase_breakdown(run)
+    assert phases["moe_dispatch_prefill_s"] == pytest.approx((a2a + ALPHA) / 2, rel=1e-12)
+    assert phases["moe_dispatch_decode_s"] == pytest.approx(a2a, rel=1e-12)
+    assert phases["tokens_per_prefill_iteration"] == 3 and phases["tokens_per_decode_iteration"] == 1
+    assert phases["prefill_token_share"] == 1.0
+    # a window that opens after the first iteration starts leaves it out
+    late = engine.run(np.array([0.0, 0.0, 0.125]), window=(0.01, np.inf))
+    assert late.window_iterations.tolist() == [1, 1]
+
+
 class ExpertSlices(Plan):
     """Attention-TP with hindsight: each token's slice is the device of its (single) current expert."""
 
@@ -124,7 +152,7 @@ def test_attention_tp_uses_the_plans_slices():
     meta = TraceMeta(model="hand", num_experts=2, top_k=1, layer_ids=(0,), vocab_size=10, source="hand")
     trace = make_trace(meta, [0, 2, 4], np.arange(4), experts, prefill_len=[2, 2])
     parallel = ParallelConfig(devices=2, attention="tp", tokens_per_step=2, bytes_per_token=4, devices_per_node=2)
-    config = sim_config(rates=[1.0], output_len=1, backend="nccl", slo={"bisect_steps": 0})
+    config = sim_config(rates=[1.0], output_len=1, backend="nccl", slo={})
     rows = {}
     for plan in (ExpertSlices(contiguous_placement(1, 2, 2), parallel), Plan(contiguous_placement(1, 2, 2), parallel)):
         result = simulate(config, plan, trace, hand_hardware(), HAND_SHAPE, np.random.default_rng(0))
@@ -142,7 +170,7 @@ class BadSlices(Plan):
 def test_attention_tp_rejects_a_bad_shuffle():
     parallel = ParallelConfig(devices=2, attention="tp", tokens_per_step=2, bytes_per_token=4, devices_per_node=2)
     with pytest.raises(ReproError, match="BadSlices.shuffle_tokens returned no permutation"):
-        simulate(sim_config(rates=[1.0], output_len=1, slo={"bisect_steps": 0}), BadSlices(contiguous_placement(1, 2, 2), parallel),
+        simulate(sim_config(rates=[1.0], output_len=1, slo={}), BadSlices(contiguous_placement(1, 2, 2), parallel),
                  hand_trace(), hand_hardware(), HAND_SHAPE, np.random.default_rng(0))
 
 
@@ -153,7 +181,7 @@ def test_measured_tables_override_formulas():
     plan = Plan(contiguous_placement(1, 2, 2), ParallelConfig(devices=2, attention="dp", bytes_per_token=4,
                                                               devices_per_node=2))
     config = sim_config(rates=[24.0], arrival="given", backend="nccl", decode_routing="captured",
-                        slo={"bisect_steps": 0})
+                        slo={})
     result = simulate(config, plan, hand_trace(), hw, HAND_SHAPE, np.random.default_rng(0),
                       arrival_times=np.array([0.0, 0.0, 0.125]))
     # iterations move 4, 0 and 4 remote bytes (see the hand-computed case)
@@ -274,13 +302,11 @@ def test_goodput_on_a_synthetic_latency_curve():
     assert slo == pytest.approx(5 * 0.1 / 0.9)
     assert throughput_under_slo(per_rate, "ttft", "mean", slo) == pytest.approx(80 * 0.99)
     assert throughput_under_slo(per_rate, "ttft", "mean", 1e-6) == 0.0  # nobody meets it: zero, no error
-    # DistServe: attainment falls below 90 % above 57.3 req/s; the sweep brackets it in [40, 60]
-    knee = 57.3
-    attainment = lambda r: 1.0 if r <= knee else 0.5  # noqa: E731
-    goodput, bracketed = bisect_goodput(rates, np.array([attainment(r) for r in rates]), 0.9, attainment, steps=12)
-    assert bracketed and knee - 20 / 2**12 <= goodput <= knee
-    assert bisect_goodput(rates, np.zeros(len(rates)), 0.9, attainment, 5) == (0.0, True)
-    assert bisect_goodput(rates, np.ones(len(rates)), 0.9, attainment, 5) == (95.0, False)
+    # bisection on the same curve: the exact crossing 100 (1 - 0.9 / 5) = 82, found to 0.1 %
+    found = bisect_rate(lambda r: 0.1 / (1 - r / 100) <= slo, rates, 1e-3)
+    assert found["bracketed"] and found["low"] <= 82 < found["high"] <= found["low"] * 1.001
+    assert bisect_rate(lambda r: False, rates, 0.01) == {"low": 0.0, "high": 10.0, "bracketed": True, "probes": [10.0]}
+    assert bisect_rate(lambda r: True, rates, 0.01)["high"] == float("inf")
 
 
 # ---- determinism, schema, configs -----------------------------------------------------------------------------
@@ -303,7 +329,7 @@ def small_setup():
 
 def run_small(setup, seed=0, **overrides):
     trace, shape, plan = setup
-    config = sim_config(**dict({"rates": [5.0, 40.0], "output_len": [4, 24], "slo": {"bisect_steps": 1}}, **overrides))
+    config = sim_config(**dict({"rates": [5.0, 40.0], "output_len": [4, 24], "slo": {}}, **overrides))
     return simulate(config, plan, trace, load_yaml("hardware", "h200.yaml"), shape, np.random.default_rng(seed))
 
 
@@ -311,8 +337,9 @@ def test_same_seed_same_numbers_and_block_size_invariance(small_setup):
     first, again = run_small(small_setup), run_small(small_setup)
     pd.testing.assert_frame_equal(first.per_rate, again.per_rate, check_exact=True)
     pd.testing.assert_frame_equal(first.per_layer, again.per_layer, check_exact=True)
-    assert {k: v for k, v in first.summary.items() if "wall" not in k} == \
-        {k: v for k, v in again.summary.items() if "wall" not in k}
+    timing = ("wall", "cpu")
+    assert {k: v for k, v in first.summary.items() if not any(t in k for t in timing)} == \
+        {k: v for k, v in again.summary.items() if not any(t in k for t in timing)}
     other = run_small(small_setup, seed=1)
     assert not np.array_equal(other.per_rate["ttft_mean_s"], first.per_rate["ttft_mean_s"])
     # pricing decode iterations one by one changes no request time (summed breakdowns only in rounding)
@@ -331,7 +358,7 @@ def test_result_schema_and_labels(small_setup):
                 "a2a_share_lightest", "slo_ttft_s", "slo_tpot_s", "slo_e2e_s"):
         assert np.isfinite(s[key]), key
     assert 0 < s["a2a_share_lightest"] < 1
-    assert list(result.per_rate["rate"]) == [5.0, 40.0]
+    assert list(result.per_rate.query("role != 'bisect'")["rate"]) == [5.0, 40.0]
     assert {"ttft_p99_s", "tpot_p90_s", "e2e_p50_s", "throughput_rps", "output_tok_s", "a2a_share", "lar",
             "moe_gate_s", "moe_dispatch_s", "moe_experts_s", "moe_combine_s", "attainment"} <= set(result.per_rate)
     assert len(result.per_layer) == 2 * 26 and result.per_layer["dispatch_s"].gt(0).all()
@@ -371,10 +398,12 @@ def test_sim_group_composes_with_hydra():
 
 
 def test_slo_nobody_meets_reports_zero(small_setup):
-    result = run_small(small_setup, slo={"ttft_s": 1e-9, "tpot_s": 1e-9, "e2e_s": 1e-9, "bisect_steps": 1})
+    result = run_small(small_setup, slo={"ttft_s": 1e-9, "tpot_s": 1e-9, "e2e_s": 1e-9})
     s = result.summary
     assert s["throughput_under_ttft_slo_rps"] == 0.0 and s["goodput_distserve_rps"] == 0.0
-    assert len(s["warnings"]) == 3 and all(w.endswith(".") for w in s["warnings"])
+    assert s["slo_reference"] == "given"
+    lowest = [w for w in s["warnings"] if "even the lowest rate" in w]
+    assert len(lowest) == 3 and all(w.endswith(".") for w in s["warnings"])
 
 
 @pytest.mark.parametrize("field", ["gpu.hbm_gbps", "a2a.deepep_low_latency.combine.rdma_gbps", "kernel_floor_us"])
@@ -397,7 +426,7 @@ def test_trace_expert_count_mismatch_needs_an_explicit_mapping(small_setup):
     assert str(error.value).endswith(".") and not re.search(r"\.\s+[A-Z]", str(error.value))  # one sentence
     mapped = routing_map(qwen, trace, "trace")
     assert mapped.layer_weight == pytest.approx(48 / 26) and mapped.expert_intermediate == 768 * 8 // 6
-    config = sim_config(rates=[5.0], output_len=4, routing_map="trace", slo={"bisect_steps": 0})
+    config = sim_config(rates=[5.0], output_len=4, routing_map="trace", slo={})
     result = simulate(config, plan, trace, load_yaml("hardware", "h200.yaml"), load_yaml("sim", "shape", "qwen3_30b_a3b.yaml"),
                       np.random.default_rng(0))
     assert "mapped onto shape qwen3_30b_a3b" in result.summary["sim_routing_map"]

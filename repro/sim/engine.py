@@ -18,6 +18,10 @@ documented stand-in, see `simulate`). Iterations that only decode and during whi
 finishes have the same batch composition; they are costed together in one vectorised block of up to
 `max_block_iterations` (exactly what stepping one by one gives: same costs, same sequential time sums).
 
+A run may stop at a horizon (`until`): requests unfinished then keep NaN finish (and first-token) times. Over a
+measurement window (`window`, by iteration start time) the MoE-layer components are also summed apart for
+iterations that hold prefill tokens and for decode-only ones (their costs differ: see repro/sim/metrics.py).
+
 Legend: R requests, G attention groups (D ranks in DP, 1 in TP), K iterations in a block, B decode requests,
 N token rows of a block, L MoE layers, k experts per token, D devices.
 """
@@ -92,6 +96,12 @@ class RunResult:
     total_activations: int = 0
     remote_copies: int = 0
     tokens: int = 0
+    # measurement window, index 0 = iterations holding prefill tokens, 1 = decode-only iterations
+    window_moe_seconds: np.ndarray | None = None  # float64[2, L, C] component seconds summed over the window
+    window_iterations: np.ndarray | None = None  # int64[2]
+    window_seconds: np.ndarray | None = None  # float64[2] iteration seconds
+    window_tokens: np.ndarray | None = None  # int64[2] tokens in those iterations
+    window_prefill_tokens: int = 0  # prompt tokens among them
 
 
 class Engine:
@@ -119,9 +129,15 @@ class Engine:
 
     # ---- the event loop --------------------------------------------------------------------------------------
 
-    def run(self, arrivals: np.ndarray) -> RunResult:
-        """Serve every request arriving at arrivals float64[R] (seconds, any order) until all finish."""
-        num_requests = self.req.num_requests
+    def run(self, arrivals: np.ndarray, until: float = float("inf"),
+            window: tuple[float, float] = (0.0, float("inf"))) -> RunResult:
+        """Serve the first len(arrivals) requests, arriving at arrivals float64[R'] (seconds, any order), until all
+        finish or the simulated clock passes `until`; sum the window's costs for iterations starting in
+        [window[0], window[1])."""
+        num_requests = len(arrivals)
+        if num_requests > self.req.num_requests:
+            raise ReproError(f"{num_requests} arrival times for {self.req.num_requests} requests; pass at most one each.")
+        self.window = (float(window[0]), float(window[1]))
         self.plan.reset()
         self.rank = np.full(num_requests, -1, dtype=np.int64)
         self.pos = np.zeros(num_requests, dtype=np.int64)  # stream positions processed
@@ -136,6 +152,8 @@ class Engine:
         self.result = RunResult(
             arrival=np.asarray(arrivals, dtype=np.float64), first_token=np.full(num_requests, np.nan),
             finish=np.full(num_requests, np.nan), rank=self.rank, moe_seconds=np.zeros((num_layers, len(COMPONENTS))),
+            window_moe_seconds=np.zeros((2, num_layers, len(COMPONENTS))), window_iterations=np.zeros(2, np.int64),
+            window_seconds=np.zeros(2), window_tokens=np.zeros(2, np.int64),
         )
         queue = EventQueue()
         for r in np.argsort(arrivals, kind="stable"):
@@ -143,6 +161,8 @@ class Engine:
         busy = False
         while len(queue):
             now, priority, payload = queue.pop()
+            if now > until:  # the horizon: what is still queued or running stays unfinished
+                break
             if priority == ARRIVAL:
                 self._arrive(payload)
                 if not busy:  # wake up after every arrival at this instant has been queued
@@ -239,6 +259,15 @@ class Engine:
         res.moe_seconds += moe[:executed].sum(axis=0)
         for key, values in stats.items():
             setattr(res, key, getattr(res, key) + int(values[:executed].sum()))
+        starts = np.concatenate([[now], ends[: executed - 1]])
+        inside = (starts >= self.window[0]) & (starts < self.window[1])
+        if inside.any():
+            phase = 0 if segments else 1  # a block with prefill segments is one iteration
+            res.window_moe_seconds[phase] += moe[:executed][inside].sum(axis=0)
+            res.window_iterations[phase] += int(inside.sum())
+            res.window_seconds[phase] += float(total[:executed][inside].sum())
+            res.window_tokens[phase] += int(stats["tokens"][:executed][inside].sum())
+            res.window_prefill_tokens += sum(q for _, q in segments)
         queue.push(float(ends[executed - 1]), STEP_END, (dec, segments, executed))
         return True
 

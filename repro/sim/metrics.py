@@ -1,15 +1,28 @@
-"""Serving metrics of simulated runs: latency percentiles, throughput, MoE-layer breakdown, SLO goodput.
+"""Serving metrics of simulated runs: steady-state window, queue stability, latency percentiles, throughput,
+MoE-layer breakdown (prefill-containing and decode-only iterations apart), SLO rules, rate bisection, ratios.
 
 Per request: TTFT = first token - arrival; E2E = finish - arrival; TPOT = (finish - first token) / (output - 1)
-(undefined for one-token outputs, which then meet any TPOT SLO). Throughput = completed requests (or tokens) /
-(last finish - first arrival). Two goodput rules:
-  paper      SLO = multiplier (5) x a latency statistic at the lightest swept rate (Sem-MoE, after Wu et al. 2024);
-             the result is the highest measured throughput among swept rates whose statistic meets the SLO.
-  distserve  the highest request rate at which >= `attainment` (90 %) of requests meet both the TTFT and the TPOT
-             SLO, bracketed by the sweep and refined by bisection (DistServe).
-No rate meeting an SLO gives 0.0 and a warning sentence, never an error.
+(undefined, NaN, for one-token outputs, which then meet any TPOT SLO). A request unfinished when a run stops at its
+horizon has infinite latencies: it misses every SLO; the latency statistics are over finished requests and the row
+counts the unfinished ones.
 
-Legend: R requests, L MoE layers, C cost components (repro.sim.costs.COMPONENTS).
+Steady state. A run's measurement window [t0, t1] excludes the warm-up (before t0) and the drain (after t1, when
+arrivals have stopped or are about to). Latency statistics cover the requests arriving in the window; throughput is
+the requests (tokens) *completing* in the window over its length; the queue is `stable` when the waiting queue
+(requests arrived without a first token) grows by at most `tolerance` x the offered rate per second over the window
+(least-squares slope of that count sampled across the window): admissions keep up with arrivals. The running set is
+capped (max_running_requests, KV capacity), so an overload piles up there; the in-system count (arrived,
+unfinished) and completions / arrivals in the window are reported beside it.
+
+SLO rules (thresholds fixed before any bisection, the same for every system compared; see repro/sim/simulate.py):
+  paper      a latency statistic (mean by default) of the window's requests within multiplier (5) x that statistic
+             of the reference system at the lightest load (Sem-MoE's rule, after Wu et al. 2024);
+  distserve  >= `attainment` (90 %) of the window's requests meet both the TTFT and the TPOT SLO (DistServe).
+A rate meets a rule only with a stable queue (when required) and no unfinished window request: an unstable queue
+has no steady-state latency, its latencies grow with the length of the run. "Throughput under an SLO" is then found
+by `bisect_rate` to a stated relative tolerance, and ratios between systems by `ratio_interval` over paired seeds.
+
+Legend: R requests, L MoE layers, C cost components (repro.sim.costs.COMPONENTS), S seeds, T time samples.
 """
 
 from __future__ import annotations
@@ -18,6 +31,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pandas as pd
+from scipy import stats as scipy_stats
 
 from repro.errors import ConfigError
 from repro.sim.costs import COMPONENTS
@@ -25,14 +39,20 @@ from repro.sim.engine import RunResult
 
 STATISTICS = ("mean", "p50", "p90", "p99")
 LATENCIES = ("ttft", "tpot", "e2e")
+PHASES = ("prefill", "decode")  # iterations holding prefill tokens; decode-only iterations
+LAYER_COMPONENTS = ("gate", "dispatch", "experts", "combine")  # the paper's MoE-layer split (Fig. 1)
+QUEUE_SAMPLES = 64  # points of the in-system count fitted for the queue trend
 
 
 def request_latencies(run: RunResult, output_len: np.ndarray) -> dict[str, np.ndarray]:
-    """{"ttft", "tpot", "e2e"}: float64[R] seconds (tpot NaN where output_len == 1)."""
+    """{"ttft", "tpot", "e2e"}: float64[R] seconds; +inf where the run stopped first; tpot NaN where output_len == 1."""
+    first = np.where(np.isnan(run.first_token), np.inf, run.first_token)
+    finish = np.where(np.isnan(run.finish), np.inf, run.finish)
     decode_steps = (output_len - 1).astype(np.float64)
     with np.errstate(invalid="ignore", divide="ignore"):
-        tpot = np.where(decode_steps > 0, (run.finish - run.first_token) / decode_steps, np.nan)
-    return {"ttft": run.first_token - run.arrival, "tpot": tpot, "e2e": run.finish - run.arrival}
+        tpot = np.where(np.isfinite(finish), (finish - first) / decode_steps, np.inf)
+    tpot = np.where(decode_steps > 0, tpot, np.nan)
+    return {"ttft": first - run.arrival, "tpot": tpot, "e2e": finish - run.arrival}
 
 
 def statistic(values: np.ndarray, name: str) -> float:
@@ -46,31 +66,108 @@ def statistic(values: np.ndarray, name: str) -> float:
 
 
 def attainment(latency: dict[str, np.ndarray], ttft_slo: float, tpot_slo: float) -> float:
-    """Share of requests meeting both the TTFT and the TPOT SLO (a request without TPOT meets that one)."""
-    ok = (latency["ttft"] <= ttft_slo) & (~np.isfinite(latency["tpot"]) | (latency["tpot"] <= tpot_slo))
+    """Share of requests meeting both the TTFT and the TPOT SLO (a one-token request meets the TPOT one)."""
+    if not len(latency["ttft"]):
+        return float("nan")
+    ok = (latency["ttft"] <= ttft_slo) & (np.isnan(latency["tpot"]) | (latency["tpot"] <= tpot_slo))
     return float(ok.mean())
 
 
-def rate_row(rate: float, run: RunResult, prompt_len: np.ndarray, output_len: np.ndarray) -> dict:
-    """One row of the per-rate table: throughput, latency statistics, MoE-layer breakdown, LAR, engine counters."""
+def window_requests(arrival: np.ndarray, window: tuple[float, float]) -> np.ndarray:
+    """bool[R]: requests arriving in the window [t0, t1] (both ends included)."""
+    return (arrival >= window[0]) & (arrival <= window[1])
+
+
+def queue_trend(arrival: np.ndarray, leave: np.ndarray, window: tuple[float, float],
+                samples: int = QUEUE_SAMPLES) -> tuple[float, float]:
+    """(slope in requests/s, mean) of the number of requests arrived and not yet left (leave float64[R]: the time
+    a request leaves the queue measured, NaN = never) at `samples` evenly spaced times of the window: a
+    least-squares line through them."""
+    times_T = np.linspace(window[0], window[1], samples)
+    left = np.sort(leave[np.isfinite(leave)])
+    count_T = (np.searchsorted(np.sort(arrival), times_T, side="right")
+               - np.searchsorted(left, times_T, side="right")).astype(np.float64)
+    if window[1] <= window[0]:
+        return 0.0, float(count_T.mean())
+    slope = np.polyfit(times_T - times_T.mean(), count_T, 1)[0]
+    return float(slope), float(count_T.mean())
+
+
+def phase_breakdown(run: RunResult) -> dict:
+    """Per phase (prefill-containing / decode-only iterations of the window): mean seconds per iteration of every
+    MoE-layer component (mean over layers), the all-to-all share, the MoE layer's total, iterations, mean tokens
+    per iteration and mean iteration seconds. Empty phases give NaN (no iteration to average)."""
+    row: dict = {}
+    empty = run.window_iterations is None
+    for p, phase in enumerate(PHASES):
+        count = 0 if empty else int(run.window_iterations[p])
+        mean_C = run.window_moe_seconds[p].mean(axis=0) / count if count else np.full(len(COMPONENTS), np.nan)
+        for c, name in enumerate(COMPONENTS):
+            row[f"moe_{name}_{phase}_s"] = float(mean_C[c])
+        parts = dict(zip(COMPONENTS, mean_C, strict=True))
+        row[f"moe_layer_{phase}_s"] = float(sum(parts[c] for c in LAYER_COMPONENTS))
+        row[f"a2a_share_{phase}"] = a2a_share(mean_C) if count else float("nan")
+        row[f"{phase}_iterations_window"] = count
+        row[f"tokens_per_{phase}_iteration"] = float(run.window_tokens[p]) / count if count else float("nan")
+        row[f"{phase}_iteration_s"] = float(run.window_seconds[p]) / count if count else float("nan")
+    # with mixed batching most tokens of a "prefill" iteration can be decode tokens: say how many are prompt tokens
+    tokens = 0 if empty else int(run.window_tokens[0])
+    row["prefill_token_share"] = run.window_prefill_tokens / tokens if tokens else float("nan")
+    return row
+
+
+def rate_row(rate: float, run: RunResult, prompt_len: np.ndarray, output_len: np.ndarray,
+             window: tuple[float, float] | None = None, tolerance: float = 0.05) -> dict:
+    """One row of the per-rate table for the run's first len(run.arrival) requests (prompt_len / output_len of
+    at least that length): steady-state window throughput and queue stability, latency statistics of the window's
+    requests, the MoE-layer breakdown (whole run, and per phase over the window), LAR, engine counters.
+
+    window None: the whole run, [first arrival, last finish] (throughput = requests / makespan, a burst measure,
+    as a real benchmark client reports it).
+    """
+    n = len(run.arrival)
+    prompt_len, output_len = prompt_len[:n], output_len[:n]
     latency = request_latencies(run, output_len)
-    makespan = float(np.nanmax(run.finish) - run.arrival.min())
+    makespan = float(np.nanmax(run.finish) - run.arrival.min()) if np.isfinite(run.finish).any() else float("nan")
+    if window is None:
+        window = (float(run.arrival.min()), float(np.nanmax(run.finish)))
+    length = window[1] - window[0]
+    inside = window_requests(run.arrival, window)
+    done = (run.finish >= window[0]) & (run.finish <= window[1])  # NaN compares False
+    # the waiting queue (arrived, no first token yet) is where an overload piles up: the running set is capped
+    # (max_running_requests, KV capacity), and at light load its count stays near zero, so its trend is not noise
+    waiting_slope, waiting = queue_trend(run.arrival, run.first_token, window)
+    system_slope, in_system = queue_trend(run.arrival, run.finish, window)
+    arrival_rate = inside.sum() / length
+    throughput = done.sum() / length
     row: dict = {
         "rate": float(rate),
-        "num_requests": len(output_len),
+        "num_requests": int(inside.sum()),
+        "requests_total": n,
+        "window_start_s": float(window[0]),
+        "window_end_s": float(window[1]),
         "makespan_s": makespan,
-        "throughput_rps": len(output_len) / makespan,
-        "output_tok_s": float(output_len.sum()) / makespan,
-        "total_tok_s": float((output_len + prompt_len).sum()) / makespan,
+        "throughput_rps": float(throughput),
+        "output_tok_s": float(output_len[done].sum() / length),
+        "total_tok_s": float((output_len[done] + prompt_len[done]).sum() / length),
+        "arrival_rate_window_rps": float(arrival_rate),
+        "completion_to_arrival": float(throughput / arrival_rate) if arrival_rate > 0 else float("nan"),
+        "queue_slope_rps": waiting_slope,
+        "waiting_mean": waiting,
+        "in_system_slope_rps": system_slope,
+        "in_system_mean": in_system,
+        "stable": bool(waiting_slope <= tolerance * rate),
+        "unfinished": int((inside & ~np.isfinite(run.finish)).sum()),
     }
     for name in LATENCIES:
         for stat in STATISTICS:
-            row[f"{name}_{stat}_s"] = statistic(latency[name], stat)
-    per_iteration = run.moe_seconds / max(run.iterations, 1)  # [L, C] mean over iterations
+            row[f"{name}_{stat}_s"] = statistic(latency[name][inside], stat)
+    per_iteration = run.moe_seconds / max(run.iterations, 1)  # [L, C] mean over all iterations of the run
     mean_layer = per_iteration.mean(axis=0)
     for c, name in enumerate(COMPONENTS):
         row[f"moe_{name}_s"] = float(mean_layer[c])
     row["a2a_share"] = a2a_share(mean_layer)
+    row.update(phase_breakdown(run))
     row.update(
         lar=run.local_activations / max(run.total_activations, 1),
         remote_token_copies=run.remote_copies,
@@ -78,7 +175,7 @@ def rate_row(rate: float, run: RunResult, prompt_len: np.ndarray, output_len: np
         prefill_iterations=run.prefill_iterations,
         blocks=run.blocks,
         events=run.events,
-        busy_share=run.busy_seconds / makespan,
+        busy_share=run.busy_seconds / makespan if makespan > 0 else float("nan"),
         tokens_per_iteration=run.tokens / max(run.iterations, 1),
     )
     return row
@@ -87,55 +184,102 @@ def rate_row(rate: float, run: RunResult, prompt_len: np.ndarray, output_len: np
 def a2a_share(components_C: np.ndarray) -> float:
     """(dispatch + combine) / (gate + dispatch + experts + combine) of one MoE layer (the paper's Fig. 1 split)."""
     c = dict(zip(COMPONENTS, components_C, strict=True))
-    layer = c["gate"] + c["dispatch"] + c["experts"] + c["combine"]
+    layer = sum(c[name] for name in LAYER_COMPONENTS)
     return float((c["dispatch"] + c["combine"]) / layer) if layer > 0 else float("nan")
 
 
 def layer_rows(rate: float, run: RunResult, layer_ids) -> list[dict]:
-    """One row per MoE layer: mean seconds per iteration of each component, and its all-to-all share."""
+    """One row per MoE layer: mean seconds per iteration of each component over the whole run, and over the window's
+    prefill-containing (`_prefill_s`) and decode-only (`_decode_s`) iterations apart, with the all-to-all shares."""
     per_iteration = run.moe_seconds / max(run.iterations, 1)
+    counts = run.window_iterations if run.window_iterations is not None else np.zeros(2, np.int64)
     rows = []
     for layer, values in enumerate(per_iteration):
         row = {"rate": float(rate), "layer": layer, "layer_id": int(layer_ids[layer])}
         row.update({f"{name}_s": float(v) for name, v in zip(COMPONENTS, values, strict=True)})
         row["a2a_share"] = a2a_share(values)
+        for p, phase in enumerate(PHASES):
+            mean_C = run.window_moe_seconds[p, layer] / counts[p] if counts[p] else np.full(len(COMPONENTS), np.nan)
+            row.update({f"{name}_{phase}_s": float(v) for name, v in zip(COMPONENTS, mean_C, strict=True)})
+            row[f"a2a_share_{phase}"] = a2a_share(mean_C) if counts[p] else float("nan")
         rows.append(row)
     return rows
 
 
 def paper_slo(per_rate: pd.DataFrame, latency: str, stat: str, multiplier: float) -> float:
-    """multiplier x the `latency`_`stat` at the lightest swept rate."""
+    """multiplier x the `latency`_`stat` at the lightest swept rate (the first row of that rate)."""
     lightest = per_rate.loc[per_rate["rate"].idxmin()]
     return float(multiplier * lightest[f"{latency}_{stat}_s"])
 
 
 def throughput_under_slo(per_rate: pd.DataFrame, latency: str, stat: str, slo: float) -> float:
-    """Highest measured throughput (req/s) among swept rates whose `latency`_`stat` is within `slo`; 0.0 if none."""
+    """Highest measured throughput (req/s) among swept rates whose `latency`_`stat` is within `slo`; 0.0 if none.
+    A grid reading, kept for tables that hold no bisection; `bisect_rate` is the measurement."""
     meets = per_rate[per_rate[f"{latency}_{stat}_s"] <= slo]
     return float(meets["throughput_rps"].max()) if len(meets) else 0.0
 
 
-def bisect_goodput(rates: np.ndarray, attained: np.ndarray, target: float, probe: Callable[[float], float],
-                   steps: int) -> tuple[float, bool]:
-    """(goodput rate, bracketed): the DistServe rule over a sweep, refined by `steps` bisection probes.
+def bisect_rate(meets: Callable[[float], bool], grid: np.ndarray, rel_tol: float, start: int = 0,
+                max_probes: int = 64) -> dict:
+    """The highest rate meeting an SLO rule, to a relative tolerance: walk the ascending `grid` from index `start`
+    to a bracket (a meeting grid rate next to a failing one), then bisect it geometrically until
+    high / low - 1 <= rel_tol. meets(rate) runs (or looks up) one simulation.
 
-    rates float64[n] ascending with attained float64[n] (share of requests meeting the SLOs); probe(rate) runs
-    one more simulation and returns its attainment. Not bracketed when even the highest rate meets the target
-    (the goodput is then at least that rate). 0.0 when the lightest rate already misses it.
+    Returns {"low": highest rate seen to meet (0.0 when even grid[0] fails), "high": lowest rate seen to fail
+    above it (inf when even grid[-1] meets: not bracketed), "bracketed": bool, "probes": rates asked in order}.
+    With a noisy (not monotone) rule the walk stops at the first crossing it meets from `start`.
     """
-    if steps < 0:
-        raise ConfigError(f"sim.slo.bisect_steps must be >= 0, got {steps}.")
-    ok = attained >= target
-    if not ok[0]:
-        return 0.0, True
-    first_miss = int(np.argmin(ok)) if not ok.all() else len(ok)
-    if first_miss == len(ok):
-        return float(rates[-1]), False
-    low, high = float(rates[first_miss - 1]), float(rates[first_miss])
-    for _ in range(steps):
-        middle = 0.5 * (low + high)
-        if probe(middle) >= target:
+    grid = np.asarray(grid, dtype=np.float64)
+    if not len(grid) or np.any(grid <= 0) or np.any(np.diff(grid) <= 0):
+        raise ConfigError(f"the rate grid must be ascending rates > 0, got {grid.tolist()}.")
+    if not rel_tol > 0:
+        raise ConfigError(f"sim.slo.rel_tol must be > 0, got {rel_tol!r}.")
+    probes: list[float] = []
+
+    def ask(rate: float) -> bool:
+        probes.append(float(rate))
+        return bool(meets(float(rate)))
+
+    i = int(np.clip(start, 0, len(grid) - 1))
+    if ask(grid[i]):
+        while i + 1 < len(grid) and ask(grid[i + 1]):
+            i += 1
+        if i + 1 == len(grid):
+            return {"low": float(grid[-1]), "high": float("inf"), "bracketed": False, "probes": probes}
+        low, high = float(grid[i]), float(grid[i + 1])
+    else:
+        while i > 0 and not ask(grid[i - 1]):
+            i -= 1
+        if i == 0:
+            return {"low": 0.0, "high": float(grid[0]), "bracketed": True, "probes": probes}
+        low, high = float(grid[i - 1]), float(grid[i])
+    while high / low - 1 > rel_tol * (1 + 1e-9) and len(probes) < max_probes:  # a ladder step is one tolerance
+        middle = float(np.sqrt(low * high))
+        if ask(middle):
             low = middle
         else:
             high = middle
-    return low, True
+    return {"low": low, "high": high, "bracketed": True, "probes": probes}
+
+
+def ratio_interval(numerator_S, denominator_S, confidence: float = 0.95) -> dict:
+    """Paired ratio of two systems' per-seed values (same seed = same arrivals and requests): the mean of the
+    per-seed ratios and its Student-t interval at `confidence`.
+
+    numerator_S, denominator_S: float[S] (S >= 2 for an interval). Returns {"mean", "low", "high", "n",
+    "ratios": list}; a seed whose denominator is 0 gives no ratio (it is left out and n says how many remain);
+    NaN bounds when fewer than 2 ratios remain.
+    """
+    num, den = np.asarray(numerator_S, dtype=np.float64), np.asarray(denominator_S, dtype=np.float64)
+    if num.shape != den.shape or num.ndim != 1:
+        raise ConfigError(f"ratio_interval needs two per-seed value lists of one length, got {num.shape} and {den.shape}.")
+    if not 0 < confidence < 1:
+        raise ConfigError(f"ratio_interval's confidence must be in (0, 1), got {confidence!r}.")
+    keep = (den != 0) & np.isfinite(num) & np.isfinite(den)
+    ratios = num[keep] / den[keep]
+    n = len(ratios)
+    mean = float(ratios.mean()) if n else float("nan")
+    if n < 2:
+        return {"mean": mean, "low": float("nan"), "high": float("nan"), "n": n, "ratios": ratios.tolist()}
+    half = scipy_stats.t.ppf(0.5 + confidence / 2, n - 1) * ratios.std(ddof=1) / np.sqrt(n)
+    return {"mean": mean, "low": float(mean - half), "high": float(mean + half), "n": n, "ratios": ratios.tolist()}

@@ -1,24 +1,46 @@
-"""`simulate`: one system's plan served on simulated hardware over a sweep of request rates.
+"""`simulate`: one system's plan served on simulated hardware, measured in steady state over request rates.
 
     result = simulate(config, plan, trace, config["hardware"], config["sim"]["shape"], np.random.default_rng(seed))
-    result.summary     # dict: goodputs, SLOs, headline breakdown, what the numbers rest on (same keys for every system)
-    result.per_rate    # DataFrame, one row per simulated rate (columns of repro.sim.metrics.rate_row + SLO flags)
-    result.per_layer   # DataFrame, one row per (rate, MoE layer): gate / dispatch / experts / combine seconds
+    result.summary     # dict: throughput under each SLO rule per seed and its mean, the SLOs and how they were set,
+                       # headline breakdown, what the numbers rest on (same keys for every system)
+    result.per_rate    # DataFrame, one row per (grid rate, seed): repro.sim.metrics.rate_row + SLO flags
+    result.per_layer   # DataFrame, one row per (grid rate, seed, MoE layer): component seconds, prefill/decode apart
+    result.probes      # DataFrame, one row per simulation run (reference, grid and bisection probes), role column
+    result.tables      # {"sim_per_rate", "sim_per_layer", "sim_probes"}: what a job writes as CSV
 
-Requests are the first `sim.num_requests` of the trace (its order is the arrival order). Prompts are the tokens
-before prefill_len. Output lengths: the trace's generated tokens when it has any ("trace"), else `sim.output_len`
-(a fixed count, or [lo, hi] drawn uniformly with the seed). Decode routing (`sim.decode_routing`):
-  captured         decode step j feeds generated token j - 1 with its captured routing (needs generated tokens);
-  prompt_resample  decode step j reuses the routing (all layers) and id of a prompt token of the same request drawn
-                   uniformly with the seed: the request's own experts, at the prompt's frequencies, with no drift;
-  auto             captured when the trace has generated tokens, else prompt_resample.
-Arrivals: a unit-rate pattern scaled to each rate (Poisson: cumulative Exp(1) gaps drawn once with the seed, or
-`arrival_times` given by the caller, normalised to unit rate), so every rate and every system sees the same
-arrival order and the same relative gaps. Summary fields say which of these choices made the numbers.
+Method (conf/sim/default.yaml holds the defaults; every choice is stated in the summary):
+- Seeds. `sim.seeds` seeds are spawned from `rng`; seed s draws its own Poisson arrivals and its own requests, so
+  systems simulated with the same `rng` seed see the same arrivals and requests seed by seed (paired seeds).
+- Requests. At rate r, max(`min_requests`, ceil(r x `duration_s`)) requests arrive; they are drawn from the
+  trace's requests uniformly WITH replacement (one seeded sequence per seed; every rate uses its prefix), so the
+  number of requests scales with the rate; the number of distinct trace requests used is reported. With
+  `arrival: given`, the trace's first len(arrival_times) requests in order arrive at those times (normalised to
+  unit rate, scaled per rate). Prompts are the tokens before prefill_len. Output lengths: the trace's generated
+  tokens when it has any ("trace"), else `sim.output_len` (a fixed count, or [lo, hi] drawn uniformly).
+- Decode routing (`sim.decode_routing`): captured (decode step j feeds generated token j - 1 with its captured
+  routing; needs generated tokens) | prompt_resample (decode step j reuses the routing of a prompt token of the
+  same request drawn uniformly: the request's own experts, at the prompt's frequencies, no drift) | auto.
+- Window. Measurement window [`warmup_s`, last arrival - `cooldown_s`]; the run stops `drain_s` after the last
+  arrival (requests still unfinished then miss every SLO). Throughput, latencies and queue stability come from
+  the window (repro/sim/metrics.py).
+- SLOs, fixed before any bisection and the same for every system compared: `slo.reference: ep` serves vanilla EP's
+  plan (repro/systems/ep.py, fitted here on the same trace and parallel config) at `slo.light_rate` (null: the
+  lowest grid rate) on every seed, pools the window requests of those runs and takes multiplier x their statistic
+  (mean by default) of TTFT, TPOT and E2E; every system of a comparison run with the same config and seed thus
+  gets the same SLO values. `reference: self` uses this plan instead (an own-SLO number, not for comparisons);
+  `slo.ttft_s` etc. set a value directly.
+- Rules and bisection. A rate meets: `ttft` / `e2e` (the paper's rule) when the window's statistic is within the
+  SLO; `distserve` when >= `attainment` of the window's requests meet TTFT and TPOT; `capacity` when the queue is
+  stable. With `require_stable` every rule also needs a stable queue and no unfinished window request. Every seed
+  runs the rate grid (the per-rate table), then `bisect_rate` walks the grid to each rule's crossing and bisects
+  it to `slo.rel_tol`; probes are cached per seed, so rules share runs. Throughput under a rule is the window
+  throughput of the highest rate meeting it (DistServe goodput: that rate), per seed and as a mean; ratios
+  between systems come from the per-seed values (repro.sim.metrics.ratio_interval).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -30,14 +52,15 @@ from repro.sim.costs import A2A_BACKENDS, CostModel
 from repro.sim.engine import SCHEDULES, Engine, EngineConfig, Requests
 from repro.sim.hardware import Hardware, load_hardware
 from repro.sim.metrics import (
+    LATENCIES,
     STATISTICS,
     attainment,
-    bisect_goodput,
+    bisect_rate,
     layer_rows,
-    paper_slo,
     rate_row,
     request_latencies,
-    throughput_under_slo,
+    statistic,
+    window_requests,
 )
 from repro.sim.shapes import ModelShape, routing_map
 from repro.sim.traffic import dispatch_slots
@@ -46,12 +69,15 @@ from repro.traces import RoutingTrace
 
 DECODE_ROUTINGS = ("auto", "captured", "prompt_resample")
 ARRIVALS = ("poisson", "given")
+REFERENCES = ("ep", "self")
+RULES = ("ttft", "e2e", "distserve", "capacity")  # the paper's TTFT and E2E rules, DistServe goodput, stable queue
 SIM_KEYS = {
-    "rates", "num_requests", "arrival", "output_len", "decode_routing", "backend", "schedule", "max_batched_tokens",
-    "max_running_requests", "max_block_iterations", "iteration_overhead_us", "kv_capacity_tokens", "routing_map",
-    "slo", "shape",
+    "rates", "duration_s", "min_requests", "warmup_s", "cooldown_s", "drain_s", "seeds", "stable_tolerance",
+    "arrival", "output_len", "decode_routing", "backend", "schedule", "max_batched_tokens", "max_running_requests",
+    "max_block_iterations", "iteration_overhead_us", "kv_capacity_tokens", "routing_map", "slo", "shape",
 }
-SLO_KEYS = {"multiplier", "statistic", "ttft_s", "tpot_s", "e2e_s", "attainment", "bisect_steps"}
+SLO_KEYS = {"multiplier", "statistic", "reference", "light_rate", "ttft_s", "tpot_s", "e2e_s", "attainment", "rel_tol",
+            "require_stable"}
 
 
 @dataclass
@@ -59,6 +85,12 @@ class SimResult:
     summary: dict
     per_rate: pd.DataFrame
     per_layer: pd.DataFrame
+    probes: pd.DataFrame
+
+    @property
+    def tables(self) -> dict[str, pd.DataFrame]:
+        """The tables a job writes, by file stem."""
+        return {"sim_per_rate": self.per_rate, "sim_per_layer": self.per_layer, "sim_probes": self.probes}
 
 
 def check_sim_config(sim: dict) -> dict:
@@ -70,14 +102,25 @@ def check_sim_config(sim: dict) -> dict:
     rates = np.asarray(sim["rates"], dtype=np.float64).ravel()
     if not len(rates) or not np.all(np.isfinite(rates)) or np.any(rates <= 0):
         raise ConfigError(f"sim.rates must be request rates > 0 (requests per second), got {sim['rates']!r}.")
+    if len(np.unique(rates)) != len(rates):
+        raise ConfigError(f"sim.rates must not repeat a rate, got {sim['rates']!r}.")
     choices = (("arrival", ARRIVALS), ("decode_routing", DECODE_ROUTINGS), ("backend", A2A_BACKENDS),
                ("schedule", SCHEDULES))
     for key, allowed in choices:
         if sim[key] not in allowed:
             raise ConfigError(f"sim.{key} must be one of {allowed}, got {sim[key]!r}.")
-    for key in ("num_requests", "max_batched_tokens", "max_running_requests", "max_block_iterations"):
-        if not isinstance(sim[key], int | np.integer) or sim[key] < 1:
+    for key in ("min_requests", "seeds", "max_batched_tokens", "max_running_requests", "max_block_iterations"):
+        if not isinstance(sim[key], int | np.integer) or isinstance(sim[key], bool) or sim[key] < 1:
             raise ConfigError(f"sim.{key} must be an integer >= 1, got {sim[key]!r}.")
+    for key in ("duration_s", "warmup_s", "cooldown_s", "drain_s", "stable_tolerance"):
+        value = sim[key]
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+            raise ConfigError(f"sim.{key} must be a number >= 0, got {value!r}.")
+    if not sim["duration_s"] > sim["warmup_s"] + sim["cooldown_s"]:
+        raise ConfigError(
+            f"sim.duration_s={sim['duration_s']} leaves no measurement window after warmup_s={sim['warmup_s']} and "
+            f"cooldown_s={sim['cooldown_s']}; make duration_s longer than their sum."
+        )
     if sim["max_running_requests"] > sim["max_batched_tokens"]:
         raise ConfigError(
             f"sim.max_running_requests={sim['max_running_requests']} exceeds sim.max_batched_tokens="
@@ -95,8 +138,17 @@ def check_sim_config(sim: dict) -> dict:
         raise ConfigError(f"sim.slo must have exactly the keys {sorted(SLO_KEYS)}, got {sorted(slo)}.")
     if slo["statistic"] not in STATISTICS:
         raise ConfigError(f"sim.slo.statistic must be one of {STATISTICS}, got {slo['statistic']!r}.")
+    if slo["reference"] not in REFERENCES:
+        raise ConfigError(f"sim.slo.reference must be one of {REFERENCES}, got {slo['reference']!r}.")
     if not 0 < slo["attainment"] <= 1 or slo["multiplier"] <= 0:
         raise ConfigError(f"sim.slo needs 0 < attainment <= 1 and multiplier > 0, got {slo}.")
+    if not (isinstance(slo["rel_tol"], int | float) and 0 < slo["rel_tol"] < 1):
+        raise ConfigError(f"sim.slo.rel_tol must be a relative tolerance in (0, 1), got {slo['rel_tol']!r}.")
+    if not isinstance(slo["require_stable"], bool):
+        raise ConfigError(f"sim.slo.require_stable must be true or false, got {slo['require_stable']!r}.")
+    light = slo["light_rate"]
+    if light is not None and not (isinstance(light, int | float) and light > 0):
+        raise ConfigError(f"sim.slo.light_rate must be null (the lowest rate) or a rate > 0, got {light!r}.")
     for key in ("ttft_s", "tpot_s", "e2e_s"):
         if slo[key] is not None and not slo[key] > 0:
             raise ConfigError(f"sim.slo.{key} must be null (derived) or seconds > 0, got {slo[key]!r}.")
@@ -105,17 +157,19 @@ def check_sim_config(sim: dict) -> dict:
     return dict(sim, rates=sorted(rates.tolist()), slo=slo)
 
 
-def build_requests(trace: RoutingTrace, num_requests: int, output_len, decode_routing: str,
+def build_requests(trace: RoutingTrace, picked: np.ndarray, output_len, decode_routing: str,
                    rng_output: np.random.Generator, rng_decode: np.random.Generator) -> tuple[Requests, str, str]:
-    """(Requests of the first num_requests of the trace, decode routing used, output length source)."""
-    n = min(num_requests, trace.num_requests)
-    offsets = np.asarray(trace.offsets[: n + 1], dtype=np.int64)
-    lengths = np.diff(offsets)
-    prompt = np.asarray(trace.prefill_len[:n], dtype=np.int64)
+    """(Requests of the trace requests `picked` int[R], in that order and repeats allowed; decode routing used;
+    output length source). The compact rows are the trace's own rows, shared by repeats."""
+    picked = np.asarray(picked, dtype=np.int64)
+    n = len(picked)
+    offsets = np.asarray(trace.offsets, dtype=np.int64)
+    prompt = np.asarray(trace.prefill_len, dtype=np.int64)[picked]
     if np.any(prompt < 1):
-        bad = int(np.argmax(prompt < 1))
-        raise TraceError(f"request {bad} of the trace has prefill_len {prompt[bad]}; every request needs a prompt token.")
-    generated = lengths - prompt
+        bad = int(picked[np.argmax(prompt < 1)])
+        raise TraceError(f"request {bad} of the trace has prefill_len {trace.prefill_len[bad]}; every request needs a "
+                         "prompt token.")
+    generated = (offsets[picked + 1] - offsets[picked]) - prompt
     if decode_routing == "auto":
         decode_routing = "captured" if generated.any() else "prompt_resample"
     if decode_routing == "captured" and not generated.any():
@@ -129,7 +183,7 @@ def build_requests(trace: RoutingTrace, num_requests: int, output_len, decode_ro
     else:
         out, source = np.full(n, int(output_len)), f"fixed:{int(output_len)}"
     out = out.astype(np.int64)
-    row_start = offsets[:-1] - offsets[0]
+    row_start = offsets[picked] - offsets[0]
     stream_len = prompt + out - 1
     stream_start = np.concatenate([[0], np.cumsum(stream_len)[:-1]])
     position = np.arange(stream_len.sum()) - np.repeat(stream_start, stream_len)  # position in its request
@@ -143,7 +197,8 @@ def build_requests(trace: RoutingTrace, num_requests: int, output_len, decode_ro
         stream = row_start[owner] + np.where(position < prompt[owner], position, drawn)
     requests = Requests(
         prompt_len=prompt, output_len=out, row_start=row_start, stream_start=stream_start, stream=stream,
-        experts=np.array(trace.experts[offsets[0] : offsets[-1]]), token_ids=np.array(trace.token_ids[offsets[0] : offsets[-1]]),
+        experts=np.asarray(trace.experts[offsets[0] : offsets[-1]]),
+        token_ids=np.asarray(trace.token_ids[offsets[0] : offsets[-1]]),
     )
     return requests, decode_routing, source
 
@@ -189,72 +244,250 @@ def unit_rate_pattern(arrival: str, num_requests: int, rng: np.random.Generator,
     """float64[R] arrival times of a unit-rate process (request i arrives at pattern[i] / rate)."""
     if arrival == "poisson":
         return np.cumsum(rng.exponential(1.0, size=num_requests))
-    if arrival_times is None:
-        raise ConfigError("sim.arrival=given needs arrival_times (seconds per request) passed to simulate.")
-    times = np.asarray(arrival_times, dtype=np.float64)[:num_requests]
-    if len(times) < num_requests or not np.all(np.isfinite(times)) or np.any(times < 0) or times.max() <= 0:
-        raise ConfigError(f"arrival_times must hold {num_requests} finite times >= 0 with a positive last one.")
-    return times * (num_requests / times.max())
+    times = np.asarray(arrival_times, dtype=np.float64)
+    if times.ndim != 1 or len(times) < 1 or not np.all(np.isfinite(times)) or np.any(times < 0) or times.max() <= 0:
+        raise ConfigError("arrival_times must be one finite time >= 0 per request with a positive last one.")
+    return times * (len(times) / times.max())
+
+
+def requests_at(rate: float, sim: dict) -> int:
+    """Requests offered at `rate`: max(min_requests, ceil(rate x duration_s))."""
+    return max(int(sim["min_requests"]), math.ceil(rate * sim["duration_s"] - 1e-9))
+
+
+@dataclass
+class Pool:
+    """One seed's requests and arrival pattern: rate r serves the first n(r) of them."""
+
+    requests: Requests
+    pattern: np.ndarray  # float64[R] unit-rate arrival times
+    picked: np.ndarray  # int64[R] trace request of each
+    decode_routing: str
+    output_source: str
+
+
+def _pool(trace: RoutingTrace, sim: dict, size: int, rng: np.random.Generator,
+          arrival_times: np.ndarray | None) -> Pool:
+    rng_arrival, rng_sample, rng_output, rng_decode = rng.spawn(4)
+    if sim["arrival"] == "given":
+        if arrival_times is None:
+            raise ConfigError("sim.arrival=given needs arrival_times (seconds per request) passed to simulate.")
+        size = len(arrival_times)
+        if size > trace.num_requests:
+            raise ConfigError(f"{size} arrival_times for a trace of {trace.num_requests} requests; pass at most one "
+                              "per trace request.")
+        picked = np.arange(size)
+    else:
+        picked = rng_sample.integers(0, trace.num_requests, size=size)
+    requests, decode_routing, source = build_requests(trace, picked, sim["output_len"], sim["decode_routing"],
+                                                      rng_output, rng_decode)
+    pattern = unit_rate_pattern(sim["arrival"], size, rng_arrival, arrival_times)
+    return Pool(requests, pattern, picked, decode_routing, source)
+
+
+class _Runner:
+    """Runs (and caches) one seed's simulations of one plan: rate -> rate_row with the SLO flags."""
+
+    def __init__(self, engine: Engine, pool: Pool, sim: dict, layer_ids, seed: int, role_log: list, plan: str):
+        self.engine, self.pool, self.sim, self.layer_ids, self.seed = engine, pool, sim, layer_ids, seed
+        self.plan = plan  # "plan" (the system measured) or "reference" (vanilla EP serving for the SLO)
+        self.cache: dict[float, dict] = {}
+        self.latency: dict[float, dict] = {}  # window requests' latencies (reference runs keep them for the SLO)
+        self.layers: dict[float, list[dict]] = {}
+        self.log = role_log
+        self.slo: dict | None = None
+
+    def measure(self, rate: float, role: str) -> dict:
+        rate = float(rate)
+        if rate in self.cache:
+            return self.cache[rate]
+        sim, pool = self.sim, self.pool
+        n = len(pool.pattern) if sim["arrival"] == "given" else requests_at(rate, sim)
+        arrivals = pool.pattern[:n] / rate
+        last = float(arrivals.max())
+        window = (float(sim["warmup_s"]), last - float(sim["cooldown_s"]))
+        if window[1] <= window[0]:
+            raise ConfigError(
+                f"at {rate:g} req/s the arrivals end at {last:.4g} s, before the measurement window [warmup_s="
+                f"{sim['warmup_s']}, last arrival - cooldown_s={sim['cooldown_s']}] opens; raise sim.duration_s or "
+                "sim.min_requests, or lower warmup_s / cooldown_s."
+            )
+        run = self.engine.run(arrivals, until=last + float(sim["drain_s"]), window=window)
+        req = pool.requests
+        row = rate_row(rate, run, req.prompt_len, req.output_len, window, sim["stable_tolerance"])
+        inside = window_requests(run.arrival, window)
+        latency = {k: v[inside] for k, v in request_latencies(run, req.output_len[:n]).items()}
+        row.update(seed=self.seed, plan=self.plan, role=role, distinct_prompts=int(len(np.unique(pool.picked[:n]))),
+)
+        self.latency[rate] = latency
+        if self.slo is not None:
+            self._flag(row, latency)
+        self.cache[rate] = row
+        self.layers[rate] = layer_rows(rate, run, self.layer_ids)
+        self.log.append(row)
+        return row
+
+    def _flag(self, row: dict, latency: dict) -> None:
+        slo, sim = self.slo, self.sim
+        stat = sim["slo"]["statistic"]
+        steady = (row["stable"] and row["unfinished"] == 0) or not sim["slo"]["require_stable"]
+        row["attainment"] = attainment(latency, slo["ttft"], slo["tpot"])
+        for name in ("ttft", "e2e"):
+            row[f"meets_{name}_slo"] = bool(steady and row[f"{name}_{stat}_s"] <= slo[name])
+        row["meets_distserve_slo"] = bool(steady and row["attainment"] >= sim["slo"]["attainment"])
+        row["meets_capacity"] = bool(row["stable"] and row["unfinished"] == 0)
+
+    def set_slo(self, slo: dict) -> None:
+        self.slo = slo
+        for rate, row in self.cache.items():
+            self._flag(row, self.latency[rate])
+
+
+def _same_plan(plan: Plan, other: Plan) -> bool:
+    """Whether two plans schedule alike: both the base Plan (no scheduler of their own) with one placement."""
+    return (type(plan) is Plan and type(other) is Plan and plan.parallel == other.parallel
+            and np.array_equal(plan.placement.physical_to_logical, other.placement.physical_to_logical))
 
 
 def simulate(config: dict, plan: Plan, trace: RoutingTrace, hardware: dict, shape: dict, rng: np.random.Generator,
              *, arrival_times: np.ndarray | None = None, progress: bool = False) -> SimResult:
-    """Sweep config["sim"]["rates"] for `plan` on `trace` (see the module docstring); same inputs, same numbers."""
-    started = time.perf_counter()
+    """Measure `plan` on `trace` in steady state (see the module docstring); same inputs, same numbers."""
+    started, cpu_started = time.perf_counter(), time.process_time()
     sim = check_sim_config(config.get("sim") or {})
     model = ModelShape.from_config(shape)
     hw = load_hardware(hardware)
     mapping = routing_map(model, trace, sim["routing_map"])
     _check_fit(plan, trace, hw)
     parallel = plan.parallel
-    rng_arrival, rng_output, rng_decode = rng.spawn(3)
-    requests, decode_routing, output_source = build_requests(
-        trace, sim["num_requests"], sim["output_len"], sim["decode_routing"], rng_output, rng_decode)
-    pattern = unit_rate_pattern(sim["arrival"], requests.num_requests, rng_arrival, arrival_times)
+    slo_cfg, stat = sim["slo"], sim["slo"]["statistic"]
+    grid = np.asarray(sim["rates"], dtype=np.float64)
+    light_rate = float(slo_cfg["light_rate"] or grid[0])
+    size = max(requests_at(float(grid[-1]), sim), requests_at(light_rate, sim))
     capacity = sim.get("kv_capacity_tokens") or kv_capacity(model, hw, parallel.devices, parallel.attention)
-    engine = Engine(
-        plan, requests, CostModel(model, hw, mapping, parallel.devices, parallel.attention, sim["backend"]),
-        dispatch_slots(plan.placement),
-        EngineConfig(sim["max_batched_tokens"], sim["max_running_requests"], sim["schedule"], int(capacity),
-                     sim["max_block_iterations"], sim["iteration_overhead_us"] * 1e-6, int(config.get("history", 2))),
-    )
+    cost = CostModel(model, hw, mapping, parallel.devices, parallel.attention, sim["backend"])
+    engine_config = EngineConfig(sim["max_batched_tokens"], sim["max_running_requests"], sim["schedule"], int(capacity),
+                                 sim["max_block_iterations"], sim["iteration_overhead_us"] * 1e-6,
+                                 int(config.get("history", 2)))
+    derive = [name for name in ("ttft", "tpot", "e2e") if slo_cfg[f"{name}_s"] is None]
+    reference_plan = plan
+    if derive and slo_cfg["reference"] == "ep":
+        from repro.systems.ep import VanillaEP
 
-    rows, layers, latencies = [], [], []
-    rates = sim["rates"]
+        fitted = VanillaEP().fit(trace, parallel, np.random.default_rng(0))  # contiguous blocks: no randomness used
+        reference_plan = plan if _same_plan(plan, fitted) else fitted
+
+    log: list[dict] = []
+    bar = None
     if progress:
         from tqdm import tqdm
 
-        rates = tqdm(rates, desc="simulate rates", unit="rate")
-    for rate in rates:
-        run = engine.run(pattern / rate)
-        rows.append(rate_row(rate, run, requests.prompt_len, requests.output_len))
-        layers += layer_rows(rate, run, trace.meta.layer_ids)
-        latencies.append(request_latencies(run, requests.output_len))
-    per_rate = pd.DataFrame(rows)
-    per_layer = pd.DataFrame(layers)
+        bar = tqdm(desc="simulate runs", unit="run")
+        log = _ProgressLog(bar)
+    runners, references, pools = [], [], []
+    for seed, seed_rng in enumerate(rng.spawn(sim["seeds"])):
+        pool = _pool(trace, sim, size, seed_rng, arrival_times)
+        pools.append(pool)
+        engine = Engine(plan, pool.requests, cost, dispatch_slots(plan.placement), engine_config)
+        runners.append(_Runner(engine, pool, sim, trace.meta.layer_ids, seed, log, "plan"))
+        if reference_plan is plan:
+            references.append(runners[-1])
+        else:
+            ref_engine = Engine(reference_plan, pool.requests, cost, dispatch_slots(reference_plan.placement),
+                                engine_config)
+            references.append(_Runner(ref_engine, pool, sim, trace.meta.layer_ids, seed, log, "reference"))
 
-    slo, stat, warnings = sim["slo"], sim["slo"]["statistic"], []
-    derived = {name: slo[f"{name}_s"] or paper_slo(per_rate, name, stat, slo["multiplier"]) for name in ("ttft", "e2e", "tpot")}
-    for name in ("ttft", "e2e"):
-        per_rate[f"meets_{name}_slo"] = per_rate[f"{name}_{stat}_s"] <= derived[name]
-    per_rate["attainment"] = [attainment(lat, derived["ttft"], derived["tpot"]) for lat in latencies]
+    # the SLOs, fixed before any bisection: multiplier x the reference's statistic at the light rate, seeds pooled
+    slo = {}
+    for name in ("ttft", "tpot", "e2e"):
+        if slo_cfg[f"{name}_s"] is not None:
+            slo[name] = float(slo_cfg[f"{name}_s"])
+            continue
+        pooled = np.concatenate([ref.latency[light_rate][name] if light_rate in ref.latency
+                                 else _light(ref, light_rate)[name] for ref in references])
+        slo[name] = float(slo_cfg["multiplier"] * statistic(pooled, stat))
+    for runner in runners:
+        runner.set_slo(slo)
 
-    def probe(rate: float) -> float:
-        return attainment(request_latencies(engine.run(pattern / rate), requests.output_len), derived["ttft"], derived["tpot"])
+    # seed 0 runs the grid and bisects each rule from it; the other seeds walk a ladder of rel_tol steps from seed
+    # 0's rate for that rule (a bracket is then one step wide), falling back to the grid when seed 0 found none
+    results: dict[str, list[dict]] = {rule: [] for rule in RULES}
+    for runner in runners:
+        if runner.seed == 0:
+            for rate in grid:
+                runner.measure(rate, "grid")
+        for rule in RULES:
+            key = "meets_capacity" if rule == "capacity" else f"meets_{rule}_slo"
+            ladder, start = grid, 0
+            if runner.seed > 0 and results[rule][0]["low"] > 0 and results[rule][0]["bracketed"]:
+                ladder, start = rate_ladder(results[rule][0]["low"], grid[0], grid[-1], slo_cfg["rel_tol"])
+            found = bisect_rate(lambda r, k=key, run=runner: run.measure(r, "bisect")[k], ladder, slo_cfg["rel_tol"],
+                                start)
+            found["throughput"] = runner.cache[found["low"]]["throughput_rps"] if found["low"] > 0 else 0.0
+            results[rule].append(found)
+    if bar is not None:
+        bar.close()
 
-    goodput, bracketed = bisect_goodput(per_rate["rate"].to_numpy(), per_rate["attainment"].to_numpy(),
-                                        slo["attainment"], probe, slo["bisect_steps"])
-    under = {name: throughput_under_slo(per_rate, name, stat, derived[name]) for name in ("ttft", "e2e")}
-    for name, value in under.items():
-        if value == 0.0:
-            warnings.append(f"no swept rate meets the {name.upper()} SLO of {derived[name]:.4g} s ({stat}); "
-                            f"throughput under it is reported as 0.")
-    if goodput == 0.0:
-        warnings.append(f"fewer than {slo['attainment']:.0%} of requests meet TTFT <= {derived['ttft']:.4g} s and "
-                        f"TPOT <= {derived['tpot']:.4g} s even at the lightest rate; DistServe goodput is reported as 0.")
-    lightest, heaviest = per_rate.iloc[0], per_rate.iloc[-1]
-    wall = time.perf_counter() - started
-    iterations = int(per_rate["iterations"].sum())
+    per_rate = pd.DataFrame([row for runner in runners for _, row in sorted(runner.cache.items())])
+    per_layer = pd.DataFrame([dict(row, seed=0) for rate in grid for row in runners[0].layers[float(rate)]])
+    probes = pd.DataFrame(list(log))
+    summary = _summary(sim, slo, stat, light_rate, results, per_rate, probes, pools, trace, hw, model, mapping,
+                       parallel, capacity, reference_plan is plan, time.perf_counter() - started,
+                       time.process_time() - cpu_started)
+    return SimResult(summary, per_rate, per_layer, probes)
+
+
+def rate_ladder(rate: float, lowest: float, highest: float, rel_tol: float) -> tuple[np.ndarray, int]:
+    """(rates float64[n], index of `rate`): rate x (1 + rel_tol)^k for every integer k keeping it in [lowest,
+    highest] (and `rate` itself)."""
+    step = math.log1p(rel_tol)
+    below = math.floor(math.log(rate / lowest) / step + 1e-9) if rate > lowest else 0
+    above = math.floor(math.log(highest / rate) / step + 1e-9) if highest > rate else 0
+    return rate * np.exp(step * np.arange(-below, above + 1)), below
+
+
+def _finite(value: float) -> float | None:
+    """The value, or None (JSON null) where it is not finite: metrics.json holds strict JSON."""
+    return float(value) if np.isfinite(value) else None
+
+
+def _light(reference: _Runner, rate: float) -> dict:
+    reference.measure(rate, "reference")
+    return reference.latency[rate]
+
+
+class _ProgressLog(list):
+    """The probe log, ticking a progress bar per simulation."""
+
+    def __init__(self, bar):
+        super().__init__()
+        self.bar = bar
+
+    def append(self, row: dict) -> None:
+        super().append(row)
+        self.bar.update(1)
+        self.bar.set_postfix(seed=row["seed"], rate=f"{row['rate']:.4g}")
+
+
+def _summary(sim, slo, stat, light_rate, results, per_rate, probes, pools, trace, hw, model, mapping, parallel,
+             capacity, reference_is_plan, wall, cpu) -> dict:
+    slo_cfg, warnings = sim["slo"], []
+    names = {"ttft": "the paper's TTFT rule", "e2e": "the paper's E2E rule", "distserve": "DistServe's rule",
+             "capacity": "queue stability"}
+    for rule, found in results.items():
+        lows = [f["low"] for f in found]
+        if min(lows) == 0.0:
+            warnings.append(f"under {names[rule]} even the lowest rate {sim['rates'][0]:g} req/s fails on "
+                            f"{lows.count(0.0)} of {len(lows)} seeds; its throughput is reported as 0 there.")
+        if not all(f["bracketed"] for f in found):
+            warnings.append(f"under {names[rule]} the highest rate {sim['rates'][-1]:g} req/s still passes on some "
+                            "seeds; the value there is a lower bound (raise sim.rates).")
+    seed0 = per_rate[(per_rate["seed"] == 0) & per_rate["rate"].isin(sim["rates"])]
+    lightest, heaviest = seed0.iloc[0], seed0.iloc[-1]
+    stable = seed0[seed0["stable"]]
+    busiest = stable.iloc[-1] if len(stable) else lightest  # the heaviest stable grid rate: steady-state batches
+    first = pools[0]
+    reference = "given" if not any(slo_cfg[f"{n}_s"] is None for n in ("ttft", "tpot", "e2e")) else (
+        "self" if slo_cfg["reference"] == "self" else "ep" + (" (this plan)" if reference_is_plan else ""))
     summary = {
         "sim_time_basis": ("calibrated: " + ", ".join(hw.calibrated_parts)) if hw.calibrated_parts else
         "uncalibrated (roofline compute, all-to-all fitted to published curves); compare systems, not seconds",
@@ -263,39 +496,75 @@ def simulate(config: dict, plan: Plan, trace: RoutingTrace, hardware: dict, shap
         "sim_shape": model.name,
         "sim_routing_source": f"{trace.meta.source or 'unknown'}:{trace.meta.model}:{trace.meta.dataset}",
         "sim_routing_map": mapping.description,
-        "sim_decode_routing": decode_routing,
-        "sim_output_len_source": output_source,
+        "sim_decode_routing": first.decode_routing,
+        "sim_output_len_source": first.output_source,
         "sim_arrival": sim["arrival"],
         "sim_backend": sim["backend"],
         "sim_schedule": sim["schedule"],
         "sim_attention": parallel.attention,
         "sim_devices": parallel.devices,
-        "sim_num_requests": requests.num_requests,
+        "sim_seeds": sim["seeds"],
+        "sim_duration_s": float(sim["duration_s"]),
+        "sim_warmup_s": float(sim["warmup_s"]),
+        "sim_cooldown_s": float(sim["cooldown_s"]),
+        "sim_drain_s": float(sim["drain_s"]),
+        "sim_stable_tolerance": float(sim["stable_tolerance"]),
+        "sim_num_requests": int(probes["requests_total"].sum()),  # simulated requests, all runs
+        "sim_requests_per_rate": [int(r) for r in seed0["requests_total"]],
+        "sim_trace_requests": trace.num_requests,
+        "sim_distinct_prompts": int(max(len(np.unique(p.picked)) for p in pools)),  # in the largest run of a seed
+        "sim_sampling": "trace order (given arrivals)" if sim["arrival"] == "given" else "uniform with replacement",
         "sim_kv_capacity_tokens": int(capacity),
-        "sim_rates": [float(r) for r in per_rate["rate"]],
+        "sim_rates": [float(r) for r in sim["rates"]],
+        "sim_runs": len(probes),
         "slo_statistic": stat,
-        "slo_ttft_s": derived["ttft"],
-        "slo_e2e_s": derived["e2e"],
-        "slo_tpot_s": derived["tpot"],
-        "slo_derived_from_lightest_rate": {name: slo[f"{name}_s"] is None for name in ("ttft", "e2e", "tpot")},
-        "throughput_under_ttft_slo_rps": under["ttft"],
-        "throughput_under_e2e_slo_rps": under["e2e"],
-        "goodput_distserve_rps": goodput,
-        "goodput_distserve_bracketed": bracketed,
-        "goodput_attainment_target": slo["attainment"],
+        "slo_reference": reference,
+        "slo_light_rate_rps": light_rate,
+        "slo_multiplier": float(slo_cfg["multiplier"]),
+        "slo_ttft_s": slo["ttft"],
+        "slo_e2e_s": slo["e2e"],
+        "slo_tpot_s": slo["tpot"],
+        "slo_rel_tol": float(slo_cfg["rel_tol"]),
+        "slo_require_stable": bool(slo_cfg["require_stable"]),
+        "goodput_attainment_target": slo_cfg["attainment"],
+    }
+    keys = {"ttft": "throughput_under_ttft_slo_rps", "e2e": "throughput_under_e2e_slo_rps",
+            "distserve": "goodput_distserve_throughput_rps", "capacity": "capacity_rps"}
+    for rule, found in results.items():
+        throughput = [float(f["throughput"]) for f in found]
+        summary[keys[rule]] = float(np.mean(throughput))
+        summary[keys[rule] + "_per_seed"] = throughput
+        summary[f"rate_{rule}_rps_per_seed"] = [float(f["low"]) for f in found]
+        summary[f"rate_{rule}_fails_rps_per_seed"] = [_finite(f["high"]) for f in found]  # null: none failed
+        summary[f"bracketed_{rule}"] = bool(all(f["bracketed"] for f in found))
+    summary["goodput_distserve_rps"] = float(np.mean(summary["rate_distserve_rps_per_seed"]))  # DistServe: the rate
+    summary["goodput_distserve_rps_per_seed"] = summary["rate_distserve_rps_per_seed"]
+    summary["goodput_distserve_bracketed"] = summary["bracketed_distserve"]
+    summary.update({
         "a2a_share_lightest": float(lightest["a2a_share"]),
         "a2a_share_heaviest": float(heaviest["a2a_share"]),
         "moe_layer_s_lightest": float(sum(lightest[f"moe_{c}_s"] for c in ("gate", "dispatch", "experts", "combine"))),
+        "sim_heaviest_stable_rate_rps": float(busiest["rate"]),
+    })
+    for phase in ("prefill", "decode"):  # Fig. 1 for both kinds of iteration, lightest and heaviest stable rate
+        for label, row in (("lightest", lightest), ("heaviest_stable", busiest)):
+            # null: no such iteration in the window (at high load every mixed batch holds a prefill chunk)
+            for column in (f"moe_layer_{phase}_s", f"a2a_share_{phase}", f"tokens_per_{phase}_iteration"):
+                summary[f"{column}_{label}"] = _finite(row[column])
+    summary.update({
         "ttft_p99_s_lightest": float(lightest["ttft_p99_s"]),
         "e2e_p50_s_lightest": float(lightest["e2e_p50_s"]),
         "lar_sim": float(np.average(per_rate["lar"])),
         "sim_wall_s": wall,
-        "sim_iterations": iterations,
-        "sim_requests_per_wall_s": requests.num_requests * len(per_rate) / wall,
-        "sim_events_per_wall_s": (iterations + requests.num_requests * len(per_rate)) / wall,
+        "sim_cpu_s": cpu,
+        "sim_iterations": int(probes["iterations"].sum()),
+        "sim_requests_per_wall_s": float(probes["requests_total"].sum()) / wall,
+        "sim_events_per_wall_s": float(probes["iterations"].sum() + probes["requests_total"].sum()) / wall,
         "warnings": warnings,
-    }
-    return SimResult(summary, per_rate, per_layer)
+    })
+    for name in LATENCIES:  # keep the statistic a reader compares the SLO with beside it
+        summary[f"{name}_{stat}_s_lightest"] = float(lightest[f"{name}_{stat}_s"])
+    return summary
 
 
 __all__ = ["SimResult", "check_sim_config", "simulate"]
