@@ -40,7 +40,13 @@ from repro.affinity.tables import (
 from repro.errors import ConfigError, TraceError
 from repro.parallel import ParallelConfig
 from repro.systems.base import Placement, Plan
-from repro.systems.semmoe.cocluster import CoclusterResult, SparseAffinity, balanced_cocluster
+from repro.systems.semmoe.cocluster import (
+    CoclusterResult,
+    SparseAffinity,
+    balance_expert_load,
+    balanced_cocluster,
+    check_expert_load_cap,
+)
 from repro.systems.semmoe.dp import (
     DP_ASSIGNS,
     DP_SCHEDULERS,
@@ -323,6 +329,10 @@ class SemMoE:
     profile's mean generated tokens per request); see repro.systems.semmoe.dp.
     hierarchical: on several nodes (parallel.devices_per_node < D), co-cluster by node first, then by device
     inside each node (repro.systems.semmoe.topology); no effect on one node.
+    expert_load_cap (beyond the paper; None = off): after each group's co-clustering, experts of a layer swap
+    devices until the busiest device's profile expert load is <= cap x the mean, losing the least local mass
+    (`balance_expert_load`; swaps stay inside a node when hierarchical); plan.info reports the swaps and the
+    profile's expert load max/mean before and after.
     """
 
     name = "semmoe"
@@ -354,6 +364,7 @@ class SemMoE:
         dp_scheduler: str = "paper",
         dp_balance_weight: float = 0.0,
         dp_decode_tokens: float | None = None,
+        expert_load_cap: float | None = None,
     ):
         if not 0.0 < float(theta) < 1.0:
             raise ConfigError(f"system.params.theta must be strictly between 0 and 1, got {theta}.")
@@ -426,6 +437,7 @@ class SemMoE:
         self.hierarchical = bool(hierarchical)
         self.dp_scheduler, self.dp_balance_weight = dp_scheduler, float(dp_balance_weight)
         self.dp_decode_tokens = None if dp_decode_tokens is None else float(dp_decode_tokens)
+        self.expert_load_cap = check_expert_load_cap(expert_load_cap)
 
     def _solver_args(self) -> dict:
         return dict(
@@ -516,9 +528,13 @@ class SemMoE:
         layer_groups = [list(range(num_layers))] if units == "requests" else [[layer] for layer in range(num_layers)]
         # one clustering shared by every layer (requests), or one per layer (tokens: memory stays at one layer's
         # nonzeros)
+        load_swaps, load_before, load_after = 0, [], []
         for layers in layer_groups:
             affinity = sparse(layers)
             result = self._solve_group(affinity, unit_load[solver_units], parallel, rng)
+            if self.expert_load_cap is not None:
+                result, swaps, before, after = self._balance_load(result, affinity, profile, keep, layers, parallel)
+                load_swaps, load_before, load_after = load_swaps + swaps, [*load_before, before], [*load_after, after]
             expert_device[layers] = result.expert_device
             objectives.append(result.objective)
             if on_group is not None:
@@ -533,7 +549,29 @@ class SemMoE:
             "solver_load_share": float(unit_load[solver_units].sum() / unit_load.sum()),
             "solver_seconds": time.perf_counter() - started,
         }
+        if self.expert_load_cap is not None:
+            info.update(expert_load_cap=self.expert_load_cap, expert_load_swaps=int(load_swaps),
+                        profile_expert_load_max_mean_before=float(np.mean(np.concatenate(load_before))),
+                        profile_expert_load_max_mean_after=float(np.mean(np.concatenate(load_after))))
         return expert_device, info
+
+    def _balance_load(
+        self, result: CoclusterResult, affinity: SparseAffinity, profile: RoutingTrace, keep: np.ndarray,
+        layers: list[int], parallel: ParallelConfig,
+    ) -> tuple[CoclusterResult, int, np.ndarray, np.ndarray]:
+        """(the group's result with `balance_expert_load` applied, swaps, profile expert load max/mean per layer
+        float[L'] before and after). Expert loads count every kept profile token, not only the solver units'."""
+        expert_load = np.stack([
+            np.bincount(np.asarray(profile.experts[keep, layer]).ravel(), minlength=affinity.num_experts)
+            for layer in layers
+        ]).astype(np.float64)
+        node = np.arange(parallel.devices) // parallel.devices_per_node
+        same_node = node[:, None] == node[None, :] if self.hierarchical and parallel.num_nodes > 1 else None
+        gain = affinity.cluster_affinity(result.unit_cluster, parallel.devices)
+        balanced, swaps = balance_expert_load(result.expert_device, expert_load, gain, self.expert_load_cap, same_node)
+        out = CoclusterResult(result.unit_cluster, balanced, result.objective, result.history)
+        return (out, swaps, _load_max_mean(result.expert_device, expert_load, parallel.devices),
+                _load_max_mean(balanced, expert_load, parallel.devices))
 
     def _solve_group(
         self, affinity: SparseAffinity, unit_load: np.ndarray, parallel: ParallelConfig, rng: np.random.Generator
@@ -623,6 +661,15 @@ class SemMoE:
             token_frequency, info, self.dp_assign, self.dp_token_price, self.dp_scheduler, self.dp_balance_weight,
             decode_tokens,
         )
+
+
+def _load_max_mean(expert_device: np.ndarray, expert_load: np.ndarray, num_devices: int) -> np.ndarray:
+    """float64[L] busiest device's expert load / mean per layer; expert_device int[L, E], expert_load float[L, E]."""
+    num_layers = expert_device.shape[0]
+    key = np.arange(num_layers)[:, None] * num_devices + expert_device
+    load = np.bincount(key.ravel(), weights=expert_load.ravel(), minlength=num_layers * num_devices)
+    load = load.reshape(num_layers, num_devices)
+    return load.max(axis=1) / np.maximum(load.mean(axis=1), 1e-30)
 
 
 def present_device_mass(token_row: np.ndarray, experts: np.ndarray, num_rows: int, present: np.ndarray) -> np.ndarray:
