@@ -266,3 +266,21 @@ def test_the_verdict_table_goes_to_wandb_with_the_report(tmp_path, monkeypatch):
     assert tracking.log_report_figures(tmp_path / "figs", tmp_path / "runs")
     table = next(data["verdict"][1] for data in logged if "verdict" in data)
     assert table["claim"].iloc[:9].tolist() == [f"R{i}" for i in range(1, 10)] and "verdict" in table
+
+
+def set_summary(job_dir: Path, **values) -> None:
+    data = json.loads((job_dir / "metrics.json").read_text())
+    data["summary"].update(values)
+    (job_dir / "metrics.json").write_text(json.dumps(data))
+
+
+def test_a_throughput_the_sweep_never_capped_is_a_bound_not_a_measurement(tmp_path):
+    root = as_paper_model(plant(tmp_path / "runs"))
+    set_summary(root / "serve_dp" / "system=semmoe", bracketed_ttft=False)
+    parts = tables(root)[1].set_index(["claim", "part"])
+    one_open = parts.loc[("R4", "DeepSeek-V2-Lite, TTFT SLO, vs ep")]
+    assert (one_open["rule_verdict"], one_open["verdict"]) == (PARTLY, PARTLY) and "lower bound" in one_open["why"]
+    assert parts.at[("R4", "DeepSeek-V2-Lite, E2E SLO, vs ep"), "verdict"] == REPRODUCED  # E2E was bracketed
+    set_summary(root / "serve_dp" / "system=ep", bracketed_ttft=False)
+    both_open = tables(root)[1].set_index(["claim", "part"]).loc[("R4", "DeepSeek-V2-Lite, TTFT SLO, vs ep")]
+    assert both_open["verdict"] == NOT_TESTABLE and "raise sim.rates" in both_open["why"]
