@@ -438,7 +438,8 @@ def simulate(config: dict, plan: Plan, trace: RoutingTrace, hardware: dict, shap
 
 def rate_ladder(rate: float, lowest: float, highest: float, rel_tol: float) -> tuple[np.ndarray, int]:
     """(rates float64[n], index of `rate`): rate x (1 + rel_tol)^k for every integer k keeping it in [lowest,
-    highest] (and `rate` itself)."""
+    highest] (and `rate` itself, first clipped into that range)."""
+    rate = min(max(rate, lowest), highest)
     step = math.log1p(rel_tol)
     below = math.floor(math.log(rate / lowest) / step + 1e-9) if rate > lowest else 0
     above = math.floor(math.log(highest / rate) / step + 1e-9) if highest > rate else 0

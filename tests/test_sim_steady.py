@@ -1,0 +1,257 @@
+"""repro.sim's steady-state method: queue stability, the measurement window, the horizon, bisection, seeds, one SLO
+for every system, and the paired ratio interval.
+
+Legend: R requests, L MoE layers, k experts per token, E experts.
+"""
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from omegaconf import OmegaConf
+
+from repro.errors import ConfigError
+from repro.parallel import ParallelConfig
+from repro.sim import simulate
+from repro.sim.engine import Engine, EngineConfig, Requests, RunResult
+from repro.sim.metrics import bisect_rate, rate_row, ratio_interval, request_latencies
+from repro.sim.simulate import _pool, check_sim_config, rate_ladder
+from repro.systems.base import Placement, Plan
+from repro.systems.ep import contiguous_placement
+from repro.traces import TraceMeta, make_trace
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_yaml(*parts) -> dict:
+    return OmegaConf.to_container(OmegaConf.load(ROOT.joinpath("conf", *parts)), resolve=True)
+
+
+def sim_section(**overrides) -> dict:
+    sim = load_yaml("sim", "default.yaml")
+    sim.pop("defaults")
+    slo = dict(sim["slo"], **overrides.pop("slo", {}))
+    return dict(sim, slo=slo, **overrides)
+
+
+# ---- a queue whose capacity is known: one request per 1 s iteration --------------------------------------------
+
+
+class OneSecondEngine(Engine):
+    """Every iteration costs 1 s and serves one one-token request: an M/D/1 server of capacity 1 request/s."""
+
+    def _cost_block(self, dec, segments, num_k):
+        zeros = np.zeros(num_k, dtype=np.int64)
+        stats = {"local_activations": zeros, "total_activations": zeros, "remote_copies": zeros, "tokens": zeros}
+        return np.ones(num_k), np.zeros((num_k, 1, 6)), stats
+
+
+def one_second_server(n: int) -> Engine:
+    requests = Requests(prompt_len=np.ones(n, np.int64), output_len=np.ones(n, np.int64), row_start=np.arange(n),
+                        stream_start=np.arange(n), stream=np.arange(n), experts=np.zeros((n, 1, 1), np.int16),
+                        token_ids=np.zeros(n, np.int32))
+    plan = Plan(contiguous_placement(1, 1, 1), ParallelConfig(devices=1, attention="dp", tokens_per_step=1))
+    return OneSecondEngine(plan, requests, None, np.zeros((1, 1, 1), np.int32), EngineConfig(8, 1, "mixed", 10, 1, 0.0, 0))
+
+
+def measure(engine: Engine, rate: float, duration: float = 600.0, warmup: float = 100.0) -> dict:
+    n = int(rate * duration)
+    arrivals = np.cumsum(np.random.default_rng(7).exponential(1.0, n)) / rate
+    window = (warmup, float(arrivals[-1]))
+    run = engine.run(arrivals, until=arrivals[-1] + 5.0, window=window)
+    return rate_row(rate, run, engine.req.prompt_len, engine.req.output_len, window, tolerance=0.02)
+
+
+def test_a_planted_overload_is_flagged_unstable():
+    """Above capacity the waiting queue grows at arrival - capacity; below it, it does not."""
+    engine = one_second_server(1200)
+    under, over = measure(engine, 0.7), measure(engine, 1.5)
+    assert under["stable"] and abs(under["queue_slope_rps"]) < 0.02 * 0.7
+    assert under["completion_to_arrival"] == pytest.approx(1.0, abs=0.03)
+    assert not over["stable"]
+    assert over["queue_slope_rps"] == pytest.approx(0.5, rel=0.1)  # 1.5 arrive, 1 leaves per second
+    assert over["throughput_rps"] == pytest.approx(1.0, rel=0.02)  # the server's capacity, not the offered rate
+    assert over["completion_to_arrival"] == pytest.approx(1 / 1.5, rel=0.05)
+    assert over["unfinished"] > 0  # the backlog outlives the 5 s horizon
+
+
+def test_bisection_on_the_queue_finds_its_capacity():
+    """Bisection over `stable` on the 1 req/s server ends within its tolerance of the capacity (the stability
+    test's own 2 % slack and the sampling noise of a critical queue allowed)."""
+    engine = one_second_server(1200)
+    found = bisect_rate(lambda r: measure(engine, r)["stable"], np.array([0.25, 0.5, 2.0]), rel_tol=0.02)
+    assert found["bracketed"] and found["high"] / found["low"] - 1 <= 0.02 * (1 + 1e-9)
+    assert 0.9 <= found["low"] <= 1.05
+
+
+@pytest.mark.parametrize("capacity", [57.3, 1234.5, 3999.0])
+def test_bisection_converges_on_a_monotone_toy(capacity):
+    grid = np.array([100.0, 500.0, 1000.0, 2000.0, 4000.0]) * (0.1 if capacity < 100 else 1)
+    found = bisect_rate(lambda r: r <= capacity, grid, rel_tol=0.01)
+    assert found["bracketed"] and found["low"] <= capacity < found["high"] <= found["low"] * 1.01 * (1 + 1e-9)
+    # from a ladder of one-tolerance steps started near the answer: a few probes, no bisection needed
+    ladder, start = rate_ladder(capacity * 1.03, grid[0], grid[-1], 0.01)
+    assert ladder[start] == pytest.approx(min(capacity * 1.03, grid[-1]))  # clipped into the grid's range
+    assert np.allclose(ladder[1:] / ladder[:-1], 1.01) and ladder[0] >= grid[0] and ladder[-1] <= grid[-1]
+    near = bisect_rate(lambda r: r <= capacity, ladder, 0.01, start)
+    assert near["low"] <= capacity < near["high"] and len(near["probes"]) <= 5
+
+
+def test_bisection_refuses_a_bad_grid():
+    with pytest.raises(ConfigError, match="ascending rates > 0"):
+        bisect_rate(lambda r: True, np.array([10.0, 5.0]), 0.01)
+    with pytest.raises(ConfigError, match="rel_tol must be > 0"):
+        bisect_rate(lambda r: True, np.array([10.0]), 0.0)
+
+
+# ---- the window and the horizon ----------------------------------------------------------------------------------
+
+
+def test_window_excludes_warm_up_and_drain():
+    """10 req/s over [0, 10] s; requests arriving in the window [2, 8] take 0.5 s, the others 1 s. Latency
+    statistics see only the window's arrivals; throughput counts completions in the window over its length."""
+    arrival = np.round(np.arange(101) * 0.1, 10)
+    inside = (arrival >= 2) & (arrival <= 8)
+    e2e = np.where(inside, 0.5, 1.0)
+    run = RunResult(arrival, arrival + 0.1, arrival + e2e, np.zeros(101, np.int64), np.zeros((1, 6)),
+                    busy_seconds=1.0)
+    out = np.full(101, 3)
+    row = rate_row(10.0, run, np.ones(101, np.int64), out, window=(2.0, 8.0))
+    assert row["num_requests"] == inside.sum() == 61
+    assert row["e2e_mean_s"] == pytest.approx(0.5) and row["e2e_p99_s"] == pytest.approx(0.5)
+    finish = arrival + e2e
+    assert row["throughput_rps"] == pytest.approx(((finish >= 2) & (finish <= 8)).sum() / 6.0)
+    assert row["output_tok_s"] == pytest.approx(3 * row["throughput_rps"])
+    whole = rate_row(10.0, run, np.ones(101, np.int64), out)  # no window: the whole run, a burst measure
+    assert whole["e2e_mean_s"] > 0.5 and whole["throughput_rps"] == pytest.approx(101 / whole["makespan_s"])
+
+
+def test_unfinished_requests_miss_every_slo():
+    arrival = np.array([0.0, 1.0, 2.0])
+    first = np.array([0.1, 1.1, np.nan])
+    finish = np.array([0.5, np.nan, np.nan])  # the horizon came before r1 finished and before r2 started
+    run = RunResult(arrival, first, finish, np.zeros(3, np.int64), np.zeros((1, 6)), busy_seconds=1.0)
+    latency = request_latencies(run, np.array([5, 5, 5]))
+    assert np.isinf(latency["e2e"][1:]).all() and np.isinf(latency["tpot"][1:]).all() and np.isinf(latency["ttft"][2])
+    row = rate_row(1.0, run, np.ones(3, np.int64), np.array([5, 5, 5]), window=(0.0, 2.0))
+    assert row["unfinished"] == 2 and row["e2e_mean_s"] == pytest.approx(0.5)  # statistics over finished ones
+
+
+# ---- seeds, the SLO reference, whole runs --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small():
+    """A small routed trace (4 MoE layers, 16 experts, top-2) mapped onto the DeepSeek-V2-Lite shape."""
+    rng = np.random.default_rng(5)
+    lengths = rng.integers(8, 40, 30)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    meta = TraceMeta(model="toy", num_experts=16, top_k=2, layer_ids=(1, 2, 3, 4), vocab_size=500, source="synthetic",
+                     dataset="toy")
+    experts = np.argsort(rng.random((int(offsets[-1]), 4, 16)), axis=2)[:, :, :2].astype(np.int16)
+    trace = make_trace(meta, offsets, rng.integers(0, 500, offsets[-1]), experts)
+    return trace, load_yaml("sim", "shape", "deepseek_v2_lite.yaml"), load_yaml("hardware", "h200.yaml")
+
+
+def run_small(small, plan=None, seed=0, **overrides):
+    trace, shape, hardware = small
+    plan = plan or Plan(contiguous_placement(4, 16, 8), ParallelConfig(devices=8, attention="dp"))
+    sim = sim_section(**dict(dict(rates=[20.0, 80.0], duration_s=2.0, min_requests=30, warmup_s=0.5, cooldown_s=0.1,
+                                  output_len=[2, 8], routing_map="trace", seeds=2), **overrides))
+    return simulate({"sim": sim}, plan, trace, hardware, shape, np.random.default_rng(seed))
+
+
+def test_seeds_change_arrivals_and_sampling_and_a_seed_repeats_bit_for_bit(small):
+    trace = small[0]
+    sim = check_sim_config(sim_section(output_len=[4, 16]))
+    first, second = (_pool(trace, sim, 200, g, None) for g in np.random.default_rng(3).spawn(2))
+    again = _pool(trace, sim, 200, np.random.default_rng(3).spawn(1)[0], None)
+    assert not np.array_equal(first.picked, second.picked) and not np.array_equal(first.pattern, second.pattern)
+    assert not np.array_equal(first.requests.output_len, second.requests.output_len)
+    for a, b in ((first.picked, again.picked), (first.pattern, again.pattern), (first.requests.stream, again.requests.stream)):
+        np.testing.assert_array_equal(a, b)
+    assert len(np.unique(first.picked)) < 200 <= len(first.picked)  # drawn with replacement from 30 requests
+    one, two = run_small(small), run_small(small)
+    for name in ("per_rate", "per_layer", "probes"):
+        pd.testing.assert_frame_equal(getattr(one, name), getattr(two, name), check_exact=True)
+    # seed 0's runs do not depend on how many seeds follow it
+    single = run_small(small, seeds=1)
+    query = "seed == 0 and rate in [20.0, 80.0]"
+    pd.testing.assert_frame_equal(single.per_rate.query(query).reset_index(drop=True),
+                                  one.per_rate.query(query).reset_index(drop=True),
+                                  check_exact=True, check_like=True)
+    other = run_small(small, seed=1)
+    assert not np.array_equal(other.per_rate["ttft_mean_s"], one.per_rate["ttft_mean_s"])
+
+
+def test_results_state_the_method(small):
+    result = run_small(small)
+    s, rows = result.summary, result.per_rate
+    assert s["sim_seeds"] == 2 and s["sim_warmup_s"] == 0.5 and s["sim_cooldown_s"] == 0.1
+    assert s["sim_requests_per_rate"] == [40, 160]  # ceil(rate x 2 s), at least 30
+    assert 1 <= s["sim_distinct_prompts"] <= s["sim_trace_requests"] == 30
+    assert len(s["throughput_under_ttft_slo_rps_per_seed"]) == 2 and len(s["goodput_distserve_rps_per_seed"]) == 2
+    assert s["slo_reference"] == "ep (this plan)" and s["slo_rel_tol"] == 0.02
+    grid = rows[rows["role"] != "bisect"]
+    # the window closes cooldown_s before the last arrival, which comes near requests / rate (Poisson: 4 sd)
+    last = grid["window_end_s"] + 0.1
+    nominal = grid["requests_total"] / grid["rate"]
+    assert (grid["window_start_s"] == 0.5).all() and (abs(last - nominal) < 4 * np.sqrt(grid["requests_total"]) / grid["rate"]).all()
+    for column in ("stable", "queue_slope_rps", "completion_to_arrival", "moe_dispatch_prefill_s",
+                   "moe_dispatch_decode_s", "a2a_share_decode", "meets_ttft_slo", "meets_distserve_slo"):
+        assert column in rows, column
+    assert {"dispatch_prefill_s", "combine_decode_s", "seed"} <= set(result.per_layer)
+    assert set(result.tables) == {"sim_per_rate", "sim_per_layer", "sim_probes"}
+
+
+def test_every_system_gets_vanilla_eps_slo(small):
+    """The paper rule's SLO is fixed by vanilla EP's light load before any bisection: a plan with another placement
+    gets the very same SLO values (reference: ep), and its own ones only with reference: self."""
+    ep = run_small(small)
+    rng = np.random.default_rng(0)
+    shuffled = Plan(Placement(np.stack([rng.permutation(16) for _ in range(4)]), 8, 16),
+                    ParallelConfig(devices=8, attention="dp"))
+    other = run_small(small, plan=shuffled)
+    assert other.summary["slo_reference"] == "ep"
+    for key in ("slo_ttft_s", "slo_tpot_s", "slo_e2e_s"):
+        assert other.summary[key] == ep.summary[key]
+    assert (other.probes["plan"] == "reference").sum() == 2  # one light-load run of vanilla EP per seed
+    own = run_small(small, plan=shuffled, slo={"reference": "self"})
+    assert own.summary["slo_ttft_s"] != ep.summary["slo_ttft_s"]
+
+
+def test_ratio_interval_of_paired_seeds():
+    out = ratio_interval([110.0, 120.0, 130.0], [100.0, 100.0, 100.0])
+    half = 4.302652729911275 * 0.1 / np.sqrt(3)  # t(0.975, 2 dof) x sd / sqrt(n)
+    assert out["mean"] == pytest.approx(1.2) and out["n"] == 3
+    assert out["low"] == pytest.approx(1.2 - half) and out["high"] == pytest.approx(1.2 + half)
+    dropped = ratio_interval([1.0, 2.0, 3.0], [0.0, 1.0, 1.0])  # a zero denominator gives no ratio
+    assert dropped["n"] == 2 and dropped["ratios"] == [2.0, 3.0]
+    assert np.isnan(ratio_interval([1.0], [2.0])["low"])
+    with pytest.raises(ConfigError, match="one length"):
+        ratio_interval([1.0, 2.0], [1.0])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"duration_s": 2.0, "warmup_s": 1.5, "cooldown_s": 0.5}, "leaves no measurement window"),
+    ({"seeds": 0}, "sim.seeds must be an integer >= 1"),
+    ({"drain_s": -1}, "sim.drain_s must be a number >= 0"),
+    ({"rates": [10.0, 10.0]}, "must not repeat a rate"),
+    ({"slo": {"rel_tol": 0}}, "sim.slo.rel_tol must be a relative tolerance"),
+    ({"slo": {"reference": "eplb"}}, "sim.slo.reference must be one of"),
+    ({"slo": {"require_stable": "yes"}}, "sim.slo.require_stable must be true or false"),
+])
+def test_bad_method_settings_are_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        check_sim_config(sim_section(**overrides))
+
+
+def test_a_window_that_never_opens_is_refused(small):
+    """Given arrivals spread over 0.3 s at 10 req/s end before the 0.5 s warm-up is over."""
+    trace, shape, hardware = small
+    sim = sim_section(rates=[10.0], arrival="given", warmup_s=0.5, cooldown_s=0.0, routing_map="trace", seeds=1)
+    plan = Plan(contiguous_placement(4, 16, 8), ParallelConfig(devices=8, attention="dp"))
+    with pytest.raises(ConfigError, match="before the measurement window"):
+        simulate({"sim": sim}, plan, trace, hardware, shape, np.random.default_rng(0),
+                 arrival_times=np.array([0.0, 0.05, 0.1]))
