@@ -146,14 +146,21 @@ def by_claim(claims: pd.DataFrame) -> dict[str, str]:
 REAL = {"name": "imported", "kind": "trace"}
 
 
-def as_paper_model(root: Path) -> Path:
-    """Mark every planted job as routing imported from a trace of DeepSeek-V2-Lite itself."""
+def as_trace(root: Path, source: str = "hf_capture", model: str = "deepseek-ai/DeepSeek-V2-Lite") -> Path:
+    """Make every planted job's routing an imported trace (its meta.json says where it came from)."""
+    trace = root.parent / f"trace-{root.name}"
+    trace.mkdir(exist_ok=True)
+    (trace / "meta.json").write_text(json.dumps({"source": source, "model": model}))
     for run in root.rglob("metrics.json"):
         data = json.loads(run.read_text())
-        data["config"].update(model=REAL, trace=str(root / "trace"))
-        data["summary"]["model"] = "deepseek-ai/DeepSeek-V2-Lite"
+        data["config"].update(model=REAL, trace=str(trace))
         run.write_text(json.dumps(data))
     return root
+
+
+def as_paper_model(root: Path) -> Path:
+    """Every planted job's routing captured from DeepSeek-V2-Lite itself (an imported trace)."""
+    return as_trace(root)
 
 
 def test_real_routing_planted_to_match_the_paper_is_reproduced_and_synthetic_routing_is_capped(tmp_path):
@@ -284,3 +291,14 @@ def test_a_throughput_the_sweep_never_capped_is_a_bound_not_a_measurement(tmp_pa
     set_summary(root / "serve_dp" / "system=ep", bracketed_ttft=False)
     both_open = tables(root)[1].set_index(["claim", "part"]).loc[("R4", "DeepSeek-V2-Lite, TTFT SLO, vs ep")]
     assert both_open["verdict"] == NOT_TESTABLE and "raise sim.rates" in both_open["why"]
+
+
+def test_an_imported_trace_counts_as_the_paper_model_only_when_captured_from_it(tmp_path):
+    kinds = {}
+    for name, source, model in (("captured", "hf_capture", "deepseek-ai/DeepSeek-V2-Lite"),
+                                ("olmoe", "hf_capture", "allenai/OLMoE-1B-7B-0924"),
+                                ("synthetic", "synthetic", "synthetic_deepseek_v2_lite")):
+        root = as_trace(plant(tmp_path / name), source, model)
+        parts = tables(root)[1]
+        kinds[name] = set(parts.loc[parts["verdict"] != NOT_TESTABLE, "routing_kind"])
+    assert kinds == {"captured": {"paper_model"}, "olmoe": {"real"}, "synthetic": {"synthetic"}}

@@ -218,17 +218,35 @@ def _metrics(run_dir: str) -> dict:
     return json.loads((Path(run_dir) / "metrics.json").read_text(encoding="utf-8"))
 
 
+def _trace_origin(trace: str, summary: dict) -> tuple[str, str]:
+    """(source, model) of an imported trace: its meta.json, else the simulator's "source:model:dataset" note."""
+    try:
+        meta = json.loads((Path(trace) / "meta.json").read_text(encoding="utf-8"))
+        return str(meta.get("source") or ""), str(meta.get("model") or "")
+    except (OSError, ValueError, AttributeError):
+        source, _, rest = str(summary.get("sim_routing_source") or "").partition(":")
+        return source, rest.rpartition(":")[0] or str(summary.get("model") or "")
+
+
+TRACE_SOURCE_KINDS = {"synthetic": "synthetic", "replay": "replay", "tiny_model": "tiny"}  # meta.source -> kind
+
+
 def routing_source(run_dir: str) -> tuple[str, str]:
-    """(kind, words) of a job's routing: kind `paper_model` (captured from or imported for one of the paper's
-    models), `real` (another real model), `replay`, `tiny`, `synthetic`."""
+    """(kind, words) of a job's routing: kind `paper_model` (captured from one of the paper's models, live or as an
+    imported trace), `real` (another real model, or an imported trace of unknown origin), `replay`, `tiny`,
+    `synthetic`."""
     data = _metrics(run_dir)
     cfg, summary = data["config"], data["summary"]
     model = cfg.get("model") or {}
     name, kind = str(model.get("name", "?")), str(model.get("kind", "?"))
-    if cfg.get("trace") or kind == "hf":
-        real = str(summary.get("model") or model.get("checkpoint") or name)
-        words = f"{'imported trace' if cfg.get('trace') else 'captured'} routing of `{real}`"
-        return ("paper_model" if PAPER_MODELS.search(real) else "real"), words
+    if cfg.get("trace"):
+        source, name = _trace_origin(cfg["trace"], summary)
+        kind = TRACE_SOURCE_KINDS.get(source, "hf")
+        if kind == "hf":
+            return ("paper_model" if PAPER_MODELS.search(name) else "real"), f"imported trace of `{name or '?'}`"
+    if kind == "hf":
+        real = str(model.get("checkpoint") or name)
+        return ("paper_model" if PAPER_MODELS.search(real) else "real"), f"captured routing of `{real}`"
     words = {"synthetic": f"synthetic router `{name}`", "tiny": f"small model `{name}` trained here",
              "replay": f"routing replayed from `{name}`'s measured tables"}.get(kind, f"`{name}` ({kind})")
     return kind, words
@@ -238,8 +256,9 @@ _SOURCE_RANK = {"paper_model": 0, "real": 1, "replay": 2, "tiny": 3, "synthetic"
 
 
 def _value(row: pd.Series, key: str) -> float:
+    """row[key] as a float; NaN when absent or not a number (a None in metrics.json)."""
     v = row.get(key)
-    return float(v) if isinstance(v, int | float | np.number) and v is not None else float("nan")
+    return float(v) if isinstance(v, int | float | np.number) else float("nan")
 
 
 def _col(summary: pd.DataFrame, key: str) -> pd.Series:
@@ -247,7 +266,7 @@ def _col(summary: pd.DataFrame, key: str) -> pd.Series:
 
 
 def _setting(row: pd.Series) -> str:
-    """`experiment`: shape, EP, attention mode, hardware, seeds (as available)."""
+    """The setting in words: experiment, shape, EP degree, attention mode, hardware, seeds, workload (as known)."""
     parts = [f"`{row['experiment']}`"]
     shape = row.get("sim_shape")
     if isinstance(shape, str):
