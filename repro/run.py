@@ -268,57 +268,6 @@ def build_traces(cfg: dict, on_progress=None) -> tuple[RoutingTrace, RoutingTrac
 # ---- one job -------------------------------------------------------------------------------------------------
 
 
-def a2a_seconds_estimate(traffic: np.ndarray, hardware: dict) -> float:
-    """Dispatch + combine time if every layer's all-to-all is bound by its busiest device's send or receive.
-
-    traffic int[L, D, D] dispatch bytes; combine mirrors it, so the total is twice the dispatch time.
-    One node (hardware nodes <= 1): bytes / a2a_bandwidth_gbps + a2a_latency_us per layer. Several nodes
-    (a multi-node profile such as h100_2x8_ib): per link level, with the profile's NCCL all-to-all
-    bandwidths (a2a.nccl.dispatch nvlink_gbps / rdma_gbps / latency_us) and devices_per_node: a device's
-    intra-node bytes go over NVLink and its inter-node bytes over its NIC at the same time, so a layer takes
-    the slowest device's max(intra / NVLink, inter / RDMA) + latency.
-    """
-    if hardware.get("nodes", 1) <= 1:
-        busiest = np.maximum(traffic.sum(axis=2), traffic.sum(axis=1)).max(axis=1)  # [L]
-        per_layer = busiest / (hardware["a2a_bandwidth_gbps"] * 1e9) + hardware["a2a_latency_us"] * 1e-6
-        return float(2 * per_layer.sum())
-    link = hardware["a2a"]["nccl"]["dispatch"]
-    node = np.arange(traffic.shape[1]) // int(hardware["devices_per_node"])
-    inter = node[:, None] != node[None, :]  # [D, D]
-    seconds = []
-    for mask, gbps in ((~inter, link["nvlink_gbps"]), (inter, link["rdma_gbps"])):
-        level = traffic * mask
-        busiest = np.maximum(level.sum(axis=2), level.sum(axis=1))  # [L, D] send or receive per device
-        seconds.append(busiest / (gbps * 1e9))
-    per_layer = np.maximum(*seconds).max(axis=1) + link["latency_us"] * 1e-6
-    return float(2 * per_layer.sum())
-
-
-def check_a2a_hardware(hardware: dict) -> None:
-    """One ConfigError sentence unless `hardware` holds the numbers a2a_seconds_estimate divides by: positive
-    bandwidths (zero or negative ones would put Infinity or negative seconds into metrics.json), latencies >= 0."""
-    name = hardware.get("name", "<unnamed>") if isinstance(hardware, dict) else "<unnamed>"
-
-    def number(dotted: str, positive: bool, integer: bool = False) -> None:
-        node = hardware
-        for part in dotted.split("."):
-            node = node.get(part) if isinstance(node, dict) else None
-        kind = int if integer else int | float
-        if not isinstance(node, kind) or isinstance(node, bool) or node < (1 if integer else 0) or (positive and node == 0):
-            what = "an integer >= 1" if integer else "a number > 0" if positive else "a number >= 0"
-            raise ConfigError(f"hardware profile {name!r}: {dotted} must be {what}, got {node!r}; fix the profile "
-                              "(conf/hardware/*.yaml) or the hardware.* override.")
-
-    number("nodes", positive=True, integer=True)
-    if hardware["nodes"] <= 1:
-        number("a2a_bandwidth_gbps", positive=True)
-        number("a2a_latency_us", positive=False)
-        return
-    number("devices_per_node", positive=True, integer=True)
-    for field, positive in (("nvlink_gbps", True), ("rdma_gbps", True), ("latency_us", False)):
-        number(f"a2a.nccl.dispatch.{field}", positive)
-
-
 def unrouted_experts(*traces: RoutingTrace) -> int:
     """Expert ids below meta.num_experts that no token of these traces is routed to, in any layer."""
     num_experts = traces[0].meta.num_experts
@@ -332,7 +281,6 @@ def make_job(config: dict):
 
     check_config(config)  # every key known, every value of its type and range (one sentence)
     check_trace_options(config)
-    check_a2a_hardware(config["hardware"])
     parallel = ParallelConfig.from_config(config["parallel"])
     system = make_system(config["system"]["name"], **(config["system"].get("params") or {}))
     lookback = getattr(system, "lookback", 0)
@@ -360,7 +308,7 @@ def make_job(config: dict):
 def fit_and_evaluate(config: dict, profile: RoutingTrace, evaluation: RoutingTrace, progress: bool = False):
     """(summary, EvalResult, plan): fit config's system on the profile (a hindsight system or bound on
     `evaluation`) and account it exactly on `evaluation`. The one place a system meets routing."""
-    from repro.eval import evaluate
+    from repro.eval import evaluate, time_model_from_config
 
     parallel, system = make_job(config)
     kind = getattr(system, "kind", "system")
@@ -370,7 +318,9 @@ def fit_and_evaluate(config: dict, profile: RoutingTrace, evaluation: RoutingTra
     t0 = time.perf_counter()
     plan = system.fit(fit_on, parallel, np.random.default_rng(config["seed"]))
     fit_seconds = time.perf_counter() - t0
-    result = evaluate(plan, evaluation, history=config["history"], progress=progress)
+    # the critical-path time (dispatch + experts + combine of the busiest rank) priced by the simulator's cost model
+    result = evaluate(plan, evaluation, history=config["history"], progress=progress,
+                      time_model=time_model_from_config(config, plan, evaluation))
     eval_seconds = time.perf_counter() - t0 - fit_seconds
 
     summary = dict(result.summary)
@@ -387,7 +337,8 @@ def fit_and_evaluate(config: dict, profile: RoutingTrace, evaluation: RoutingTra
         fit_requests=fit_on.num_requests,
         fit_seconds=fit_seconds,
         eval_seconds=eval_seconds,
-        a2a_seconds_est=a2a_seconds_estimate(result.traffic, config["hardware"]),
+        # all-to-all part of that time (the busiest rank's dispatch + combine, per link level)
+        a2a_seconds_est=result.summary["time_estimate_dispatch_s"] + result.summary["time_estimate_combine_s"],
     )
     if kind == "bound" and "lar_bound" in plan.info:
         # a bound reports its proven ceiling; the evaluated plan is the feasible witness below it

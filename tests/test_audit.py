@@ -39,7 +39,6 @@ BAD_VALUES = [
     ("config", ["seed=abc"], "seed must be an integer >= 0"),
     ("config", ["history=-1"], "history must be an integer >= 0, got -1."),
     ("config", ["hardware.nodes=abc"], "hardware.nodes must be an integer >= 1, got 'abc'"),
-    ("config", ["hardware.a2a_bandwidth_gbps=0"], "hardware.a2a_bandwidth_gbps must be a number > 0"),
     ("config", ["hardware.gpu.hbm_gbps=-1"], "gpu.hbm_gbps must be a positive number"),
     ("config", ["+exec=default", "exec.timeout_s=-1"], "exec.timeout_s must be a number > 0, got -1"),
     ("config", ["+exec=default", "exec.max_tokens=abc"], "exec.max_tokens must be an integer >= 1"),

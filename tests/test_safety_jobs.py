@@ -225,9 +225,8 @@ def test_torchrun_with_another_world_size_is_refused_before_any_rendezvous(tmp_p
 @pytest.mark.parametrize(
     "override, field",
     [
-        ("hardware.a2a_bandwidth_gbps=0", "a2a_bandwidth_gbps"),
-        ("hardware.a2a_bandwidth_gbps=-5", "a2a_bandwidth_gbps"),
-        ("hardware.a2a_latency_us=-1", "a2a_latency_us"),
+        ("hardware.gpu.hbm_gbps=0", "hbm_gbps"),
+        ("hardware.gpu.hbm_gbps=-5", "hbm_gbps"),
         ("hardware.nodes=abc", "nodes"),
         ("hardware=h100_2x8_ib hardware.a2a.nccl.dispatch.rdma_gbps=0", "a2a.nccl.dispatch.rdma_gbps"),
     ],
@@ -240,20 +239,6 @@ def test_hardware_bandwidths_that_would_give_infinite_seconds_are_refused(overri
         make_job(compose("logger=none", *override.split()))
     message = str(refused.value)
     assert field in message and override.split("=")[-1] in message and "\n" not in message
-
-
-def test_a2a_estimate_inputs_are_checked_on_their_own():
-    from repro.run import check_a2a_hardware
-
-    one_node = {"name": "x", "nodes": 1, "a2a_bandwidth_gbps": 100, "a2a_latency_us": 0}
-    check_a2a_hardware(one_node)
-    for bad in ({"a2a_bandwidth_gbps": 0}, {"a2a_bandwidth_gbps": True}, {"a2a_latency_us": -1e-3}, {"nodes": 0}):
-        with pytest.raises(ConfigError, match=f"hardware profile 'x': {next(iter(bad))} must be"):
-            check_a2a_hardware(dict(one_node, **bad))
-    two_nodes = dict(one_node, nodes=2, devices_per_node=8,
-                     a2a={"nccl": {"dispatch": {"nvlink_gbps": 300, "rdma_gbps": 0, "latency_us": 1}}})
-    with pytest.raises(ConfigError, match=r"a2a\.nccl\.dispatch\.rdma_gbps must be a number > 0, got 0"):
-        check_a2a_hardware(two_nodes)
 
 
 def test_simulator_refuses_zero_rdma_bandwidth_across_nodes():

@@ -11,15 +11,11 @@ from repro.engines.layout import ModelLayout
 from repro.engines.sglang import check_location
 from repro.eval import evaluate
 from repro.parallel import ParallelConfig
-from repro.run import a2a_seconds_estimate
 from repro.systems import make_system
 from repro.systems.semmoe import SparseAffinity
 from repro.systems.semmoe.topology import hierarchical_cocluster, node_subproblem
 from repro.systems.semmoe.tp import align_to_slices
 from repro.traces import TraceMeta, make_trace
-
-H100_2X8 = {"nodes": 2, "devices_per_node": 2, "a2a_bandwidth_gbps": 40, "a2a_latency_us": 20,
-            "a2a": {"nccl": {"dispatch": {"latency_us": 20, "nvlink_gbps": 300, "rdma_gbps": 40}}}}
 
 
 def test_node_subproblem_by_hand():
@@ -92,19 +88,6 @@ def test_hierarchical_cocluster_returns_a_balanced_flat_solution():
     assert all(np.bincount(row, minlength=8).tolist() == [2] * 8 for row in result.expert_device)
     assert result.unit_cluster.min() >= 0 and result.unit_cluster.max() < 8
     assert result.objective == result.history[-1]
-
-
-def test_a2a_estimate_prices_each_link_level():
-    traffic = np.zeros((1, 4, 4))
-    traffic[0, 0, 1] = 300e9  # inside node 0: 1 s on NVLink at 300 GB/s
-    traffic[0, 2, 0] = 20e9  # node 1 -> node 0: 0.5 s on the NIC at 40 GB/s
-    # device 0 sends 1 s over NVLink and receives 0.5 s over RDMA at once: 1 s; x2 for the combine, + latency
-    assert a2a_seconds_estimate(traffic, H100_2X8) == pytest.approx(2 * (1.0 + 20e-6))
-    traffic[0, 3, 0] = 30e9  # device 0 now receives 50 GB over its NIC: 1.25 s
-    assert a2a_seconds_estimate(traffic, H100_2X8) == pytest.approx(2 * (1.25 + 20e-6))
-    # one node: the single-bandwidth rule, unchanged (busiest device: device 0 sends 300 GB at 40 GB/s)
-    one = dict(H100_2X8, nodes=1)
-    assert a2a_seconds_estimate(traffic, one) == pytest.approx(2 * (300e9 / 40e9 + 20e-6))
 
 
 def test_align_by_node_keeps_overflow_on_its_node_when_it_can():
