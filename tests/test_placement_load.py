@@ -124,3 +124,19 @@ def test_the_capped_placement_reads_the_profile_split_only(tmp_path, attention):
     base = placement(None)
     np.testing.assert_array_equal(placement(changed(np.concatenate([split.validate, split.evaluate]))), base)
     assert not np.array_equal(placement(changed(split.profile)), base)
+
+
+def test_the_cap_is_semmoes_configured_default_and_the_paper_placement_stays_selectable():
+    """conf/system/semmoe.yaml sets expert_load_cap (chosen on validate, see its comment); the class default and
+    system=semmoe_paper place experts as the paper does, and semmoe_paper refuses a cap."""
+    from omegaconf import OmegaConf
+
+    from repro.systems import make_system
+
+    params = OmegaConf.to_container(OmegaConf.load("conf/system/semmoe.yaml"))["params"]
+    assert params["expert_load_cap"] >= 1.0 and SemMoE(**params).expert_load_cap == params["expert_load_cap"]
+    assert SemMoE().expert_load_cap is None
+    paper = OmegaConf.to_container(OmegaConf.load("conf/system/semmoe_paper.yaml"))["params"]
+    assert make_system("semmoe_paper", **{**params, **paper}).expert_load_cap is None
+    with pytest.raises(ConfigError, match="semmoe_paper places experts as the paper does"):
+        make_system("semmoe_paper", expert_load_cap=1.05)

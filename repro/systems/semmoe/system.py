@@ -701,8 +701,9 @@ class SemMoEHierarchical(SemMoE):
 
 
 class SemMoEPaper(SemMoE):
-    """`system=semmoe_paper`: Sem-MoE with the paper's Attention-DP scheduler (Algorithm 2, dp_scheduler="paper"),
-    for the reproduction verdict; system=semmoe's configured default is the time-aware scheduler."""
+    """`system=semmoe_paper`: Sem-MoE with the paper's Attention-DP scheduler (Algorithm 2, dp_scheduler="paper")
+    and placement (no expert-load post-pass), for the reproduction verdict; system=semmoe's configured defaults are
+    the time-aware scheduler and expert_load_cap."""
 
     name = "semmoe_paper"
 
@@ -713,7 +714,12 @@ class SemMoEPaper(SemMoE):
                 f"system=semmoe_paper runs the paper's DP scheduler; got dp_scheduler={params.get('dp_scheduler')!r}, "
                 f"dp_balance_weight={params.get('dp_balance_weight')}: use system=semmoe for the time-aware one."
             )
-        super().__init__(**{**params, "dp_scheduler": "paper", "dp_balance_weight": 0.0})
+        if params.get("expert_load_cap"):
+            raise ConfigError(
+                f"system=semmoe_paper places experts as the paper does; got expert_load_cap={params['expert_load_cap']}: "
+                "use system=semmoe for the load-capped placement."
+            )
+        super().__init__(**{**params, "dp_scheduler": "paper", "dp_balance_weight": 0.0, "expert_load_cap": None})
 
 
 def check_semmoe_params(name: str, params: dict, own: tuple[str, ...] = ()) -> None:
