@@ -23,6 +23,7 @@ from repro.systems.semmoe.replicate import (
     present_from,
     present_local_mass,
     replicate_cocluster,
+    time_replicas,
 )
 from repro.systems.semmoe.system import present_device_mass
 from repro.traces import TraceMeta, make_trace
@@ -42,6 +43,22 @@ def test_choose_replicas_by_hand():
     assert hottest_replicas(hotness, primary, 1).tolist() == [[[2], [1]]]
     present = present_from(expert_device, replicas, 2)
     assert present[0].tolist() == [[True, False], [True, True], [False, True], [True, True]]
+
+
+def test_time_replicas_relieve_the_busiest_device_and_weigh_locality():
+    # 1 layer, D=3, one expert per device; units on device 0 use expert 0 (10), on device 1 expert 0 (5), on
+    # device 2 experts 0 (5) and 1 (6): device 0 serves 20 of 26 activations
+    primary = present_from(np.array([[0, 1, 2]]), np.zeros((1, 3, 0), dtype=np.int64), 3)
+    gain = np.array([[[10.0, 0.0, 0.0], [5.0, 0.0, 0.0], [5.0, 6.0, 0.0]]])
+    # balance only: device 2 copies expert 0 (busiest device 20 -> 12.5: its own 5 local, device 1's 5 split),
+    # though expert 1 would turn more mass local (6) and is what the affinity choice takes
+    assert time_replicas(gain, primary, 1, 0.0)[0, 2, 0] == 0
+    assert time_replicas(gain, primary, 1, 100.0)[0, 2, 0] == 1
+    assert choose_replicas(gain, primary, 1, gain.sum(axis=1))[0, 2, 0] == 1
+    for weight in (0.0, 1.0, 100.0):
+        replicas = time_replicas(gain, primary, 2, weight)
+        present = present_from(np.array([[0, 1, 2]]), replicas, 3)
+        assert np.all(present.sum(axis=1) == 3)  # each device: its primary + 2 distinct new experts
 
 
 def test_replicated_masses_equal_the_unreplicated_ones_without_replicas():
@@ -151,3 +168,17 @@ def test_bad_input_raises_one_clear_sentence(planted_split):
         make_system("semmoe_replicated", replicas=1)
     with pytest.raises(ConfigError, match="replica_choice must be one of"):
         make_system("semmoe_replicated", replica_choice="random")
+    with pytest.raises(ConfigError, match="replica_remote_weight must be >= 0"):
+        make_system("semmoe_replicated", replica_choice="time", replica_remote_weight=-1)
+
+
+@pytest.mark.parametrize("attention", ["dp", "tp"])
+def test_time_replica_choice_fits_and_serves(planted_split, attention):
+    profile, evaluation = planted_split
+    parallel = ParallelConfig(devices=2, attention=attention, tokens_per_step=96, devices_per_node=2)
+    plan = make_system("semmoe_replicated", replicas_per_device=1, replica_choice="time",
+                       replica_remote_weight=1.0).fit(profile, parallel, np.random.default_rng(0))
+    summary = evaluate(plan, evaluation).summary
+    assert plan.info["replica_choice"] == "time" and summary["replica_slots"] == 2
+    # the planted instance: one replica of expert 4 on A's device turns all of A's mass local (as affinity does)
+    assert summary["lar"] == 1.0

@@ -40,7 +40,7 @@ from repro.systems.semmoe.cocluster import SparseAffinity, _objective, assign_un
 from repro.systems.semmoe.system import SemMoE, SemMoEPlan, UnitGroup, check_semmoe_params
 from repro.traces import RoutingTrace
 
-REPLICA_CHOICES = ("affinity", "hottest")
+REPLICA_CHOICES = ("affinity", "hottest", "time")
 
 
 def check_replicas(replicas_per_device: int, num_experts: int, num_devices: int) -> None:
@@ -83,6 +83,46 @@ def choose_replicas(
     gain = np.take_along_axis(gain, by_hotness[:, None, :], axis=2)
     order = np.argsort(-gain, axis=2, kind="stable")[:, :, :replicas_per_device]  # stable: hotter first on ties
     return np.take_along_axis(np.broadcast_to(by_hotness[:, None, :], gain.shape), order, axis=2)
+
+
+def time_replicas(
+    cluster_affinity: np.ndarray, present: np.ndarray, replicas_per_device: int, remote_weight: float
+) -> np.ndarray:
+    """int64[L, D, r] replicas chosen greedily, one slot at a time, by a critical-path proxy per layer:
+    the busiest device's expected expert load + remote_weight x the remote activations per device.
+
+    cluster_affinity float[L, D, E] activations of expert e by the units clustered to device d; present bool[L, E, D]
+    (primary copies). Expected loads: a unit's activation is served by its own device when that holds a copy,
+    otherwise shared evenly by the expert's copies (the least-loaded dispatch rule's mean); so a replica of a hot
+    expert that overloads its device takes load off it (a candidate by the max term) and one of an expert a
+    device's units use turns their mass local (the remote term). Each step takes the (device with a free slot,
+    expert not on it) of the lowest cost, ties to the one that turns the most mass local. O(r x D x D^2 x E)
+    per layer. remote_weight 0: balance only; large: the affinity choice (most remote mass turned local).
+    """
+    num_layers, num_devices, num_experts = cluster_affinity.shape
+    out = np.empty((num_layers, num_devices, replicas_per_device), dtype=np.int64)
+    eye = np.eye(num_devices, dtype=bool)[:, :, None]  # [X, D, 1]: candidate device d is device x
+    for layer in range(num_layers):
+        gain = np.asarray(cluster_affinity[layer], dtype=np.float64)  # [D, E]
+        has = present[layer].T.copy()  # [D, E]
+        taken = np.zeros(num_devices, dtype=np.int64)
+        scale = max(gain.sum(), 1e-30)
+        for _ in range(replicas_per_device * num_devices):
+            copies = has.sum(axis=0)  # [E]
+            remote = np.where(has, 0.0, gain).sum(axis=0)  # [E] activations from devices without a copy
+            load = np.where(has, gain + remote / copies, 0.0).sum(axis=1)  # [D]
+            new_share = (remote[None, :] - gain) / (copies + 1)[None, :]  # [D, E] remote share per copy after (d, e)
+            new_load = (load[:, None, None] + has[:, None, :] * (new_share - remote / copies)[None, :, :]
+                        + eye * (gain + new_share)[None, :, :])  # [X, D, E]
+            cost = (new_load.max(axis=0) + remote_weight * (remote.sum() - gain) / num_devices) / scale
+            valid = ~has & (taken < replicas_per_device)[:, None]
+            cost = np.where(valid, cost, np.inf)
+            tied = valid & (cost <= cost.min() + 1e-12)
+            device, expert = np.unravel_index(np.argmax(np.where(tied, gain, -1.0)), gain.shape)
+            out[layer, device, taken[device]] = expert
+            has[device, expert] = True
+            taken[device] += 1
+    return out
 
 
 def hottest_replicas(hotness: np.ndarray, present: np.ndarray, replicas_per_device: int) -> np.ndarray:
@@ -174,8 +214,9 @@ def replicated_placement(
 
 
 class SemMoEReplicated(SemMoE):
-    """Sem-MoE with r extra slots per device filled by `replica_choice`:
-    "affinity" (`replicate_cocluster`, the default) or "hottest" (`hottest_replicas`).
+    """Sem-MoE with r extra slots per device filled by `replica_choice`: "affinity" (`replicate_cocluster`),
+    "hottest" (`hottest_replicas`) or "time" (`time_replicas`, the critical-path proxy with weight
+    replica_remote_weight; the r = 0 unit clusters are kept, replica_rounds does not apply).
 
     replicas_per_device: r (0 gives Sem-MoE's plan exactly). replica_rounds: alternations of replica choice and
     unit re-clustering. Every other parameter is SemMoE's.
@@ -183,8 +224,10 @@ class SemMoEReplicated(SemMoE):
 
     name = "semmoe_replicated"
 
-    def __init__(self, replicas_per_device: int = 0, replica_rounds: int = 4, replica_choice: str = "affinity", **params):
-        check_semmoe_params(self.name, params, ("replicas_per_device", "replica_rounds", "replica_choice"))
+    def __init__(self, replicas_per_device: int = 0, replica_rounds: int = 4, replica_choice: str = "affinity",
+                 replica_remote_weight: float = 1.0, **params):
+        check_semmoe_params(self.name, params,
+                            ("replicas_per_device", "replica_rounds", "replica_choice", "replica_remote_weight"))
         super().__init__(**params)
         if int(replicas_per_device) < 0:
             raise ConfigError(f"system.params.replicas_per_device must be >= 0, got {replicas_per_device}.")
@@ -193,7 +236,9 @@ class SemMoEReplicated(SemMoE):
         if replica_choice not in REPLICA_CHOICES:
             raise ConfigError(f"system.params.replica_choice must be one of {REPLICA_CHOICES}, got {replica_choice!r}.")
         self.replicas_per_device, self.replica_rounds = int(replicas_per_device), int(replica_rounds)
-        self.replica_choice = replica_choice
+        if not float(replica_remote_weight) >= 0:
+            raise ConfigError(f"system.params.replica_remote_weight must be >= 0, got {replica_remote_weight}.")
+        self.replica_choice, self.replica_remote_weight = replica_choice, float(replica_remote_weight)
 
     def fit(self, profile: RoutingTrace, parallel: ParallelConfig, rng: np.random.Generator) -> SemMoEPlan:
         """Co-clustering at r = 0, then the replicas (per unit group), then the online tables with replicas."""
@@ -207,10 +252,13 @@ class SemMoEReplicated(SemMoE):
         def replicate(group: UnitGroup, group_expert_device: np.ndarray) -> None:
             started_group = time.perf_counter()
             layers = list(group.layers)
+            no_replicas = np.zeros((len(layers), parallel.devices, 0), dtype=np.int64)
+            primary = present_from(group_expert_device, no_replicas, parallel.devices)
             if self.replica_choice == "hottest":
-                no_replicas = np.zeros((len(layers), parallel.devices, 0), dtype=np.int64)
-                primary = present_from(group_expert_device, no_replicas, parallel.devices)
                 replicas[layers] = hottest_replicas(expert_load[layers], primary, self.replicas_per_device)
+            elif self.replica_choice == "time":
+                gain = group.affinity.cluster_affinity(group.unit_cluster, parallel.devices)
+                replicas[layers] = time_replicas(gain, primary, self.replicas_per_device, self.replica_remote_weight)
             else:
                 result = replicate_cocluster(
                     group.affinity, group.unit_load, group.unit_cluster, group_expert_device, parallel.devices,
@@ -223,6 +271,8 @@ class SemMoEReplicated(SemMoE):
         expert_device, info = self.cocluster(profile, parallel, rng, replicate if self.replicas_per_device else None)
         info["replicas_per_device"] = self.replicas_per_device
         info["replica_choice"] = self.replica_choice
+        if self.replica_choice == "time":
+            info["replica_remote_weight"] = self.replica_remote_weight
         if self.replicas_per_device == 0:
             plan = self.plan_for_placement(profile, parallel, expert_device, info)
             plan.info["fit_seconds"] = time.perf_counter() - started
