@@ -307,6 +307,15 @@ def _systems(jobs: pd.DataFrame) -> dict[str, pd.Series]:
     return {s: g.iloc[0] for s, g in jobs.groupby("system", sort=False)}
 
 
+def _first_sweep(jobs: pd.DataFrame) -> dict[str, pd.Series]:
+    """{system: job} of the first job's sweep (its folder): two sweeps of one experiment with different settings
+    are never mixed in one comparison."""
+    if not len(jobs):
+        return {}
+    folders = pd.Series([str(Path(d).parent) for d in jobs["run_dir"]], index=jobs.index)
+    return _systems(jobs[folders == folders.iloc[0]])
+
+
 # ---- one function per claim: parts -------------------------------------------------------------------------------
 
 
@@ -448,9 +457,8 @@ def _dp_panels(summary: pd.DataFrame, shapes: dict[str, str]) -> dict[str, dict[
         sel = jobs[jobs["sim_shape"] == shape]
         if len(sel):
             first = sel.iloc[0]
-            same = sel[(sel["experiment"] == first["experiment"]) & (sel["devices"] == first["devices"])
-                       & (sel["eval_workload"] == first["eval_workload"])]
-            panels[label] = _systems(same)
+            panels[label] = _first_sweep(sel[(sel["devices"] == first["devices"])
+                                             & (sel["eval_workload"] == first["eval_workload"])])
     return panels
 
 
@@ -483,7 +491,7 @@ def parts_r5(summary: pd.DataFrame) -> list[dict]:
         quoted = max(paper_row.ttft_p99_ep, paper_row.ttft_p99_moetuner) / paper_row.ttft_p99_semmoe - 1
         part, paper = f"{paper_row.model}, input {paper_row.input}", f"{_pct(paper_best)} (quoted {_pct(quoted)})"
         sel = jobs[(jobs["sim_shape"] == shape) & (jobs["input_len"] == paper_row.input)]
-        systems = _systems(sel[sel["experiment"] == sel["experiment"].iloc[0]]) if len(sel) else {}
+        systems = _first_sweep(sel)
         bases = [b for b in ("ep", "moetuner") if b in systems]
         if "semmoe" not in systems or not bases:
             parts.append(_absent("R5", part, paper, f"no Attention-TP serving run of semmoe and a baseline at fixed "
@@ -508,19 +516,21 @@ def parts_r6(summary: pd.DataFrame) -> list[dict]:
     for shape, label in SHAPES.items():
         lar_gain, latency_cut = PAPER_FIG5A[shape]
         sel = jobs[jobs["sim_shape"] == shape]
-        systems = _systems(sel[sel["experiment"] == sel["experiment"].iloc[0]]) if len(sel) else {}
+        systems = _first_sweep(sel)
         if not {"ep", "semmoe"} <= set(systems):
             why = f"no Attention-TP serving run of ep and semmoe on the {label} shape at EP 8"
             parts += [_absent("R6", f"{label}, LAR gain", f"+{100 * lar_gain:.0f} %", why),
                       _absent("R6", f"{label}, MoE-layer latency reduction", _pct(latency_cut), why)]
             continue
         ep, sem = systems["ep"], systems["semmoe"]
-        lar = {s: _value(r, "lar_sim") if _finite(_value(r, "lar_sim")) else _value(r, "lar") for s, r in systems.items()}
+        # the LAR of the simulated batches (mean over the runs) when kept, else the exact accounting of the trace
+        lar_key = "lar_sim" if _finite(_value(sem, "lar_sim"), _value(ep, "lar_sim")) else "lar"
+        lar = {s: _value(r, lar_key) for s, r in systems.items()}
         points, relative = lar["semmoe"] - lar["ep"], lar["semmoe"] / lar["ep"] - 1
         best = max((rule_gain(points, lar_gain, 1.5), rule_gain(relative, lar_gain, 1.5)), key=_STRENGTH.get)
         parts.append(_part("R6", f"{label}, LAR gain", f"+{100 * lar_gain:.0f} %",
-                           f"{lar['ep']:.3f} -> {lar['semmoe']:.3f}: {100 * points:+.1f} points, {_pct(relative, True)} "
-                           "relative", best, sem))
+                           f"{lar_key} {lar['ep']:.3f} -> {lar['semmoe']:.3f}: {100 * points:+.1f} points, "
+                           f"{_pct(relative, True)} relative", best, sem))
         # the paper's TP runs are prompt forwards (1 req/s, TTFT): prefill-containing iterations when measured apart
         key = "moe_layer_prefill_s_lightest" if _finite(_value(sem, "moe_layer_prefill_s_lightest")) else "moe_layer_s_lightest"
         cut = 1 - _value(sem, key) / _value(ep, key)
