@@ -5,14 +5,17 @@ with efficiency factors (roofline), NVLink inside a node and RDMA across nodes, 
 (nccl, deepep_normal, deepep_low_latency) one parameter set per direction (dispatch, combine): a fixed latency,
 the effective bandwidth of each link level, and the per-message half-bandwidth size of the message-size ramp.
 `measured` tables (from repro/exec benchmarks or a GPU) override the formulas where given; `calibrated_parts`
-says which. Every number's source is a comment in the YAML file.
+says which. Every number's source is a comment in the YAML file. A GPU's own measurements, written by
+`make gpu-check` as conf/hardware/measured/<name>.yaml, merge into the `measured` of the profile of that name.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
+import yaml
 
 from repro.errors import ConfigError
 
@@ -96,8 +99,41 @@ def _table(rows, where: str) -> np.ndarray:
     return table[np.argsort(table[:, 0], kind="stable")]
 
 
-def load_hardware(profile: dict) -> Hardware:
-    """Validate a hardware profile dict; a missing or non-positive field is one ConfigError naming it."""
+MEASURED_DIR = Path(__file__).resolve().parents[2] / "conf" / "hardware" / "measured"
+
+
+def merged_measured(profile: dict, directory: Path | None = MEASURED_DIR) -> dict:
+    """The profile's `measured` section with <directory>/<name>.yaml (bench.gpu_check's output) merged in.
+
+    The file holds {ranks: GPUs it was measured on, measured: {expert_gemm: ..., kernel_floor_us: ..., a2a: ...}}.
+    The profile's own entries win (a table written into a profile is a deliberate choice). Expert GEMM tables
+    and the kernel floor describe one GPU, so they always merge; all-to-all tables merge only into a profile of
+    exactly `ranks` devices, since a 2-GPU curve does not price an 8-GPU all-to-all. No file: the section as is.
+    """
+    own = dict(profile.get("measured") or {})
+    path = None if directory is None else Path(directory) / f"{profile.get('name')}.yaml"
+    if path is None or not path.is_file():
+        return own
+    try:
+        document = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"{path} is not readable YAML ({type(e).__name__}); rerun make gpu-check or delete it.") from None
+    found = document.get("measured") if isinstance(document, dict) else None
+    if not isinstance(found, dict) or not all(isinstance(found.get(k, {}), dict) for k in ("expert_gemm", "a2a")):
+        raise ConfigError(f"{path} must hold a `measured:` mapping as bench.gpu_check writes it; rerun make gpu-check or delete it.")
+    merged = {**found, **own}
+    merged["expert_gemm"] = {**found.get("expert_gemm", {}), **(own.get("expert_gemm") or {})}
+    devices = profile["nodes"] * profile["devices_per_node"]
+    file_a2a = found.get("a2a", {}) if document.get("ranks") == devices else {}
+    merged["a2a"] = {b: {**(file_a2a.get(b) or {}), **((own.get("a2a") or {}).get(b) or {})}
+                     for b in set(file_a2a) | set(own.get("a2a") or {})}
+    return merged
+
+
+def load_hardware(profile: dict, measured_dir: Path | None = MEASURED_DIR) -> Hardware:
+    """Validate a hardware profile dict; a missing or non-positive field is one ConfigError naming it.
+
+    measured_dir: where a GPU's measured/<name>.yaml is merged from (`merged_measured`); None reads none."""
     if not isinstance(profile, dict):
         raise ConfigError(f"hardware must be a mapping (a conf/hardware/*.yaml profile), got {type(profile).__name__}.")
     name = profile.get("name", "<unnamed>")
@@ -112,8 +148,13 @@ def load_hardware(profile: dict) -> Hardware:
         if dotted != "name" and (not isinstance(value, int | float) or value < 0 or (value == 0 and not dotted.endswith(
                 ("latency_us", "peer_half_kb", "token_header_bytes", "rdma_gbps", "kernel_floor_us")))):
             raise ConfigError(f"hardware profile {name!r}: {dotted} must be a positive number, got {value!r}.")
-    measured = profile.get("measured") or {}
+    measured = merged_measured(profile, measured_dir)
     parts: list[str] = []
+    kernel_floor_us = measured.get("kernel_floor_us", profile["kernel_floor_us"])
+    if not isinstance(kernel_floor_us, int | float) or kernel_floor_us < 0:
+        raise ConfigError(f"hardware profile {name!r}: measured.kernel_floor_us must be a number >= 0, got {kernel_floor_us!r}.")
+    if "kernel_floor_us" in measured:
+        parts.append("kernel_floor")
     backends = {}
     for b in BACKENDS:
         cfg = profile["a2a"][b]
@@ -148,7 +189,7 @@ def load_hardware(profile: dict) -> Hardware:
         hbm_bytes=gpu["hbm_gb"] * 1e9,
         memory_fraction=float(profile["memory_fraction"]),
         gemm_tile_tokens=int(profile["gemm_tile_tokens"]),
-        kernel_floor=profile["kernel_floor_us"] * 1e-6,
+        kernel_floor=kernel_floor_us * 1e-6,
         collective_latency=profile["collective"]["latency_us"] * 1e-6,
         collective_nvlink=profile["collective"]["nvlink_gbps"] * 1e9,
         collective_rdma=profile["collective"]["rdma_gbps"] * 1e9,
