@@ -14,8 +14,9 @@ from repro.traces import TraceMeta, make_trace
 
 # every DP system of the suite that obeys the request-count balance (<= ceil(R/D) requests per rank) with E/D
 # experts per device; fit_assign with its default token balance may break the count balance and is checked apart
-DP_SYSTEMS = [("ep", {}), ("semmoe", {}), ("semmoe", {"dp_assign": "batch_window"}), ("moetuner", {}), ("eplb", {}),
-              ("fit_assign", {"token_balance": None})]
+DP_SYSTEMS = [("ep", {}), ("semmoe", {}), ("semmoe", {"dp_assign": "batch_window"}), ("semmoe", {"expert_load_cap": 1.0}),
+              ("moetuner", {}), ("eplb", {}), ("fit_assign", {"token_balance": None}),
+              ("fit_assign", {"token_balance": None, "expert_load_cap": 1.0})]
 
 
 def alternating_trace(num_requests=8):
@@ -131,3 +132,35 @@ def test_node_bound_covers_every_dp_systems_node_local_rate(seed):
         assert evaluate(system, trace).summary["node_local_activation_rate"] <= node_bound + 1e-9, name
     one_node = ParallelConfig(devices=4, attention="dp", tokens_per_step=16, devices_per_node=4)
     assert "node_local_bound" not in make_system("dp_bound").fit(trace, one_node, np.random.default_rng(0)).info
+
+
+def test_bound_and_hindsight_plans_carry_the_time_objective():
+    """dp_bound's witness and fit_assign are priced by the same time estimate as every system (the evaluator's);
+    the bound says it bounds LAR under request-count balance only and that its time is the witness's; fit_assign's
+    time variant (expert_load_cap) lowers the evaluated busiest device's expert load without losing the count
+    balance it was given."""
+    from omegaconf import OmegaConf
+    from test_run import ROOT
+
+    from repro.eval import load_shape, time_model
+
+    hardware = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "hardware" / "h200.yaml"))
+    trace = random_trace(3, num_requests=40, num_experts=8, num_layers=3)
+    parallel = ParallelConfig(devices=4, attention="dp", tokens_per_step=16)
+
+    def summary(name, **params):
+        plan = make_system(name, **params).fit(trace, parallel, np.random.default_rng(0))
+        model = time_model(plan, trace, hardware, load_shape("deepseek_v2_lite"))
+        return evaluate(plan, trace, time_model=model).summary
+
+    bound = summary("dp_bound")
+    assert bound["time_estimate_s"] > 0 and bound["plan_time_estimate_of"] == "witness"
+    sentence = make_system("dp_bound").bound_constraint
+    assert "only under that request-count balance" in sentence and "not a bound on time" in sentence
+    plain = summary("fit_assign", token_balance=None)
+    timed = summary("fit_assign", token_balance=None, expert_load_cap=1.0)
+    assert plain["time_estimate_s"] > 0 and timed["time_estimate_s"] > 0
+    assert timed["plan_oracle_expert_load_cap"] == 1.0 and plain["plan_oracle_expert_load_cap"] == 0.0
+    assert timed["expert_load_imbalance_max_mean"] < plain["expert_load_imbalance_max_mean"]
+    with pytest.raises(ConfigError, match="expert_load_cap must be null / 0"):
+        make_system("fit_assign", expert_load_cap=0.5)

@@ -195,7 +195,9 @@ class DPBound:
     fits_on_evaluation = True
     bound_constraint = (
         "Attention-DP LAR ceiling: any request assignment with at most ceil(R/D) requests per rank and any placement "
-        "with P/D expert slots per device per layer (P = E + num_redundant); LP relaxation, per layer."
+        "with P/D expert slots per device per layer (P = E + num_redundant); LP relaxation, per layer. It bounds "
+        "the LAR only under that request-count balance (token-balanced schedulers, e.g. semmoe's time scheduler, may "
+        "exceed it), and its time_estimate_s is the request-count-balanced witness's, not a bound on time."
     )
 
     def __init__(self, bases: list[str] | tuple[str, ...] = ("semmoe", "ep"), rounds: int = 5, num_redundant: int = 0):
@@ -256,6 +258,8 @@ class DPBound:
             "bound_max_requests_per_rank": int(-(-evaluation.num_requests // num_devices)),
             "bound_slots_per_device": num_slots // num_devices,
             "witness_base": base,
+            # the evaluator's time estimate of this plan is the witness's (request-count balanced), not a time bound
+            "time_estimate_of": "witness",
             "bound_seconds": bound_seconds,
         }
         info["bound_gap"] = info["lar_bound"] - info["lar_feasible"]

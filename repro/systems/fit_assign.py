@@ -21,7 +21,9 @@ maximise the total score under a balance constraint:
     `token_balance` null or 0: request-count balance (R/D ± 1 per rank, exact max-weight transportation, token
     loads unconstrained), the balance round-robin schedulers obey.
 Then, when the placement has no replicas, the experts of each layer are re-placed exactly given the assignment
-(E/D per device), alternating for `rounds` rounds (a round keeps the previous assignment when the new one does
+(E/D per device; with `expert_load_cap` c, then swapped until the busiest device's expert load on the evaluated
+routing is <= c x the mean, Sem-MoE's post-pass: the time-objective variant, since the exact re-placement alone
+piles hot experts and the busiest device's expert load sets the critical path), alternating for `rounds` rounds (a round keeps the previous assignment when the new one does
 not score higher on the new placement, so the objective never decreases). assign_requests then replays the
 fitted ranks in trace order and refuses a different trace. TP: the token oracle on the placement fitted on the
 evaluation trace.
@@ -40,6 +42,7 @@ from repro.parallel import ParallelConfig
 from repro.systems.base import Placement, Plan
 from repro.systems.milp import solve_milp
 from repro.systems.oracle import ALIGN_MODES, TokenOraclePlan, make_base, max_weight_transport
+from repro.systems.semmoe.cocluster import balance_expert_load, check_expert_load_cap
 from repro.traces import RoutingTrace
 
 
@@ -130,12 +133,16 @@ def check_token_balance(token_balance: float | None) -> None:
 
 
 def fit_request_assignment(
-    trace: RoutingTrace, placement: Placement, rounds: int, token_balance: float | None = None
+    trace: RoutingTrace, placement: Placement, rounds: int, token_balance: float | None = None,
+    expert_load_cap: float | None = None,
 ) -> tuple[np.ndarray, Placement, list[float], dict]:
     """Alternate request assignment and (without replicas) exact per-layer expert placement.
 
     token_balance b ≥ 1: every rank's token load (prompt + generated) ≤ b × mean, request counts free
     (`token_balanced_assign`); None or 0: R/D ± 1 requests per rank, exact max-weight transportation.
+    expert_load_cap c ≥ 1: each re-placement is followed by Sem-MoE's expert-load post-pass on the trace's own
+    expert loads (`balance_expert_load`: swaps until the busiest device's load ≤ c × mean, least local mass lost),
+    the critical-path side of the objective (a device's expert load sets its expert compute and receives).
     Returns (rank int[R], the final placement, local activations after each round (non-decreasing: a round
     keeps the previous ranks when the new ones score no higher on the new placement), info: the LP bound of the
     last balanced assignment (local activations) and the fitted max/mean token load).
@@ -170,6 +177,10 @@ def fit_request_assignment(
                                            what="fit-assign expert placement"), axis=1)
             for counts in per_layer
         ])
+        if expert_load_cap:
+            gain = np.stack([(counts.T @ onehot).T for counts in per_layer])  # [L, D, E]
+            load = np.stack([counts.sum(axis=0) for counts in per_layer])  # [L, E]
+            expert_device, _ = balance_expert_load(expert_device, load, gain, expert_load_cap)
         placement = Placement.from_expert_device(expert_device, num_devices)
     token_load = np.bincount(rank, weights=length, minlength=num_devices)
     info["token_imbalance_max_mean"] = float(token_load.max() / token_load.mean())
@@ -230,6 +241,7 @@ class FitAssign:
         rounds: int = 3,
         align: str = "exact",
         token_balance: float | None = 1.3,
+        expert_load_cap: float | None = None,
     ):
         if align not in ALIGN_MODES:
             raise ConfigError(f"system.params.align must be one of {ALIGN_MODES}, got {align!r}.")
@@ -238,6 +250,7 @@ class FitAssign:
         check_token_balance(token_balance)
         self.base, self.base_params, self.rounds, self.align = base, dict(base_params or {}), int(rounds), align
         self.token_balance = float(token_balance) if token_balance else None
+        self.expert_load_cap = check_expert_load_cap(expert_load_cap)
 
     def fit(self, evaluation: RoutingTrace, parallel: ParallelConfig, rng: np.random.Generator) -> Plan:
         base_plan = make_base(self.base, self.base_params).fit(evaluation, parallel, rng)
@@ -246,10 +259,11 @@ class FitAssign:
         ranks = None
         if parallel.attention == "dp":
             ranks, placement, history, fit_info = fit_request_assignment(
-                evaluation, placement, self.rounds, self.token_balance
+                evaluation, placement, self.rounds, self.token_balance, self.expert_load_cap
             )
             total = max(evaluation.num_tokens * evaluation.num_layers * evaluation.meta.top_k, 1)
             info["oracle_token_balance"] = self.token_balance or 0.0
+            info["oracle_expert_load_cap"] = self.expert_load_cap or 0.0
             info["oracle_lar_fit"] = history[-1] / total
             info["oracle_lar_first_round"] = history[0] / total
             info["oracle_token_imbalance_fit"] = fit_info["token_imbalance_max_mean"]
