@@ -61,6 +61,7 @@ from repro.systems.semmoe.dp import (
     window_exact_assign,
     window_lookahead,
 )
+from repro.systems.semmoe.predictor import DP_PREDICTORS, fit_request_predictor, learned_request_scores
 from repro.systems.semmoe.topology import hierarchical_cocluster
 from repro.systems.semmoe.tp import align_to_slices, predict_devices
 from repro.traces import RoutingTrace
@@ -115,7 +116,16 @@ class SemMoEPlan(Plan):
         dp_scheduler: str = "paper",
         dp_balance_weight: float = 0.0,
         dp_decode_tokens: float = 0.0,
+        dp_predictor: str = "tables",
+        learned_table: np.ndarray | None = None,
+        learned_prior: np.ndarray | None = None,
     ):
+        if dp_predictor not in DP_PREDICTORS or (dp_predictor == "learned") != (learned_table is not None):
+            raise ConfigError(
+                f"dp_predictor must be one of {DP_PREDICTORS} and 'learned' comes with its fitted table, got "
+                f"{dp_predictor!r} with{'out' if learned_table is None else ''} a table; refit the plan."
+            )
+        self.dp_predictor, self.learned_table, self.learned_prior = dp_predictor, learned_table, learned_prior
         if dp_assign not in DP_ASSIGNS:
             raise ConfigError(f"dp_assign must be one of {DP_ASSIGNS}, got {dp_assign!r}.")
         if dp_scheduler not in DP_SCHEDULERS:
@@ -184,7 +194,11 @@ class SemMoEPlan(Plan):
     def assign_requests(self, token_ids: np.ndarray, offsets: np.ndarray, prefill_len: np.ndarray) -> np.ndarray:
         """int64[R] DP rank per request (Algorithm 2); requests stay on their rank for decode."""
         token_ids = self._check_tokens(token_ids)
-        if self.dp_scoring == "expected":
+        if self.dp_predictor == "learned":  # repro.systems.semmoe.predictor: prior already subtracted
+            scores = learned_request_scores(
+                self.learned_table, self.learned_prior, self.row_of_token, token_ids, offsets, prefill_len
+            )
+        elif self.dp_scoring == "expected":
             scores = request_scores(self.dp_score, self.row_of_token, token_ids, offsets, prefill_len)
         else:
             scores = request_votes(
@@ -196,6 +210,8 @@ class SemMoEPlan(Plan):
         if self.dp_assign == "batch_window":
             # gain: the request's expected local activations per layer (tokens), without the prior: a per-rank
             # constant cancels inside a window, and prior x prompt length would not
+            if self.dp_predictor == "learned":  # the predicted shares themselves (no prior), as for the tables
+                scores = scores + self.learned_prior.astype(np.float32)
             gain = scores * (prompt_len * self._gain_scale)[:, None]
             lookahead = window_lookahead(len(gain), self._position, self.dp_window * self.parallel.devices)
             ranks, self._position, self._taken, self._queued = window_exact_assign(
@@ -207,7 +223,8 @@ class SemMoEPlan(Plan):
             self._assigned_requests += len(ranks)
             return ranks
         # online: request r's rank depends on its own prompt and the requests before it only
-        scores = scores - self.dp_prior.astype(np.float32)
+        if self.dp_predictor == "tables":
+            scores = scores - self.dp_prior.astype(np.float32)
         if self.dp_scheduler == "time":
             ranks, self._queued, self._assigned_requests = token_balance_assign(
                 scores, prompt_len + self.dp_decode_tokens, self._queued, self._assigned_requests,
@@ -257,6 +274,8 @@ class SemMoEPlan(Plan):
             "token_confidence": self.token_confidence,
             "dp_score": self.dp_score,
             "token_frequency": self.token_frequency,
+            "learned_table": self.learned_table,
+            "learned_prior": self.learned_prior,
         }
         if self.markov_device is not None:
             tables.update(markov_device=self.markov_device, markov_confidence=self.markov_confidence)
@@ -274,6 +293,7 @@ class SemMoEPlan(Plan):
             "dp_scheduler": self.dp_scheduler,
             "dp_balance_weight": self.dp_balance_weight,
             "dp_decode_tokens": self.dp_decode_tokens,
+            "dp_predictor": self.dp_predictor,
         }
         (directory / "semmoe.json").write_text(json.dumps(scalars))
 
@@ -298,7 +318,8 @@ class SemMoEPlan(Plan):
             scalars["lookback"], scalars["load_aware_lambda"], scalars["dp_window"], scalars["dp_scoring"],
             read("token_frequency"), info, _saved_dp_assign(scalars), scalars.get("dp_token_price", 0.0),
             scalars.get("dp_scheduler", "paper"), scalars.get("dp_balance_weight", 0.0),
-            scalars.get("dp_decode_tokens", 0.0),
+            scalars.get("dp_decode_tokens", 0.0), scalars.get("dp_predictor", "tables"), read("learned_table"),
+            read("learned_prior"),
         )
 
 
@@ -365,6 +386,7 @@ class SemMoE:
         dp_balance_weight: float = 0.0,
         dp_decode_tokens: float | None = None,
         expert_load_cap: float | None = None,
+        dp_predictor: str = "tables",
     ):
         if not 0.0 < float(theta) < 1.0:
             raise ConfigError(f"system.params.theta must be strictly between 0 and 1, got {theta}.")
@@ -424,6 +446,8 @@ class SemMoE:
             )
         if int(dp_window) < 1:
             raise ConfigError(f"system.params.dp_window must be >= 1 (requests per rank per mask window), got {dp_window}.")
+        if dp_predictor not in DP_PREDICTORS:
+            raise ConfigError(f"system.params.dp_predictor must be one of {DP_PREDICTORS}, got {dp_predictor!r}.")
         if cluster_units not in CLUSTER_UNITS:
             raise ConfigError(f"system.params.cluster_units must be one of {CLUSTER_UNITS}, got {cluster_units!r}.")
         self.theta, self.alpha, self.beta, self.gamma = float(theta), float(alpha), float(beta), float(gamma)
@@ -438,6 +462,7 @@ class SemMoE:
         self.dp_scheduler, self.dp_balance_weight = dp_scheduler, float(dp_balance_weight)
         self.dp_decode_tokens = None if dp_decode_tokens is None else float(dp_decode_tokens)
         self.expert_load_cap = check_expert_load_cap(expert_load_cap)
+        self.dp_predictor = dp_predictor
 
     def _solver_args(self) -> dict:
         return dict(
@@ -654,12 +679,18 @@ class SemMoE:
             generated = np.diff(np.asarray(profile.offsets, dtype=np.int64)) - np.asarray(profile.prefill_len)
             decode_tokens = float(generated.mean()) if len(generated) else 0.0
         info.update(dp_scheduler=self.dp_scheduler, dp_balance_weight=self.dp_balance_weight,
-                    dp_decode_tokens=decode_tokens)
+                    dp_decode_tokens=decode_tokens, dp_predictor=self.dp_predictor)
+        learned_table = learned_prior = None
+        if self.dp_predictor == "learned":  # ridge on the profile's prompt bags -> device shares (predictor.py)
+            learned_table, learned_prior, predictor_info = fit_request_predictor(
+                profile, placement, row_of_token, num_rows + 1
+            )
+            info.update(predictor_info)
         return SemMoEPlan(
             placement, parallel, token_vocab, row_of_token, token_device, token_confidence, dp_score,
             markov_device, markov_confidence, self.lookback, self.load_aware_lambda, self.dp_window, self.dp_scoring,
             token_frequency, info, self.dp_assign, self.dp_token_price, self.dp_scheduler, self.dp_balance_weight,
-            decode_tokens,
+            decode_tokens, self.dp_predictor, learned_table, learned_prior,
         )
 
 
