@@ -49,6 +49,8 @@ import numpy as np
 import pandas as pd
 
 from repro.atomic import atomic_write
+from repro.errors import ReproError
+from repro.figures import table2
 from repro.figures.html import heading_slug
 from repro.figures.paper import (
     PAPER_A2A_SHARE,
@@ -56,9 +58,11 @@ from repro.figures.paper import (
     PAPER_FIG5A,
     PAPER_FIG5B_LAR_GAIN,
     PAPER_MOONLIGHT,
-    PAPER_TABLE2,
+    as_the_papers_system,
 )
 from repro.figures.render import markdown_table
+from repro.figures.table2 import paper_reductions, table2_frame
+from repro.sim.metrics import ratio_interval
 
 REPRODUCED, PARTLY, NOT_REPRODUCED, NOT_TESTABLE = "reproduced", "partly", "not reproduced", "not testable here"
 VERDICTS = (REPRODUCED, PARTLY, NOT_REPRODUCED, NOT_TESTABLE)
@@ -74,7 +78,8 @@ BASELINES = ("ep", "eplb", "moetuner")  # deployable baselines of Sem-MoE (bound
 @dataclass(frozen=True)
 class Claim:
     """One claim of the paper: what it says, the paper's value in words, the rule in words, where the report shows
-    it (heading prefixes: a section, optionally a subsection inside it), how to produce it, and its caps."""
+    it (the start of a heading's text, optionally of a subheading inside it; {experiment}: the experiment the value
+    comes from), how to produce it, and its caps."""
 
     id: str
     claim: str
@@ -91,52 +96,52 @@ CLAIMS = (
           "59.2 % (DeepSeek-V2-Lite, SGLang + DeepEP, 8 GPUs)",
           "reproduced: nearest of our shares (lightest / heaviest stable rate x all / prefill / decode iterations) "
           "within 10 points; partly: within a factor 2; uncalibrated time: at most partly",
-          ("### Fig. 1",), SERVE_DP, ("uncalibrated",)),
+          ("Fig. 1",), SERVE_DP, ("uncalibrated",)),
     Claim("R2", "Table 1: a token's top-k experts are predictable from its id",
           "p50 over tokens: top-k hotness 0.833-0.976, max non-top-k hotness 0.042-0.056, static F1 0.833-1.000",
           "median over layers of the per-layer p50: reproduced within 0.05 of the paper's range; partly within a "
           "factor 2; synthetic routing not testable; non-paper routing at most partly",
-          ("## Experiment `{experiment}`", "### Token-expert affinity"), "any `python -m repro.run` job (affinity_stats.csv)",
+          ("Experiment `{experiment}`", "Token-expert affinity"), "any `python -m repro.run` job (affinity_stats.csv)",
           ("routing",)),
     Claim("R3", "Static top-k predictor on a 25/75 split: 96.3 % precision, 78.8 % F1 (App. A.2)",
           "precision 96.3 %, F1 78.8 %",
           "median over layers of the per-layer F1 p50 (= precision here): reproduced within 0.10; partly within a "
           "factor 2; synthetic routing not testable; non-paper routing at most partly",
-          ("## Experiment `{experiment}`", "### Token-expert affinity"), "any `python -m repro.run` job (affinity_stats.csv)",
+          ("Experiment `{experiment}`", "Token-expert affinity"), "any `python -m repro.run` job (affinity_stats.csv)",
           ("routing",)),
     Claim("R4", "Attention-DP throughput under SLO, Sem-MoE / baseline (Fig. 4)",
           "DeepSeek-V2-Lite 1.31x / 3.21x vs SGLang, 1.32x / 3.78x vs MoETuner; Qwen3 1.98x / 1.11x, 1.35x / 1.32x "
           "(TTFT / E2E SLO)",
           "95 % interval of the paired-seed ratio: reproduced if it holds the paper's ratio and lies above 1; "
           "partly if only one of the two; point without interval at most partly; non-paper routing at most partly",
-          ("### Tables 5-6",), SERVE_DP + "; Qwen3 shape: `experiment=paper` (not in make reproduce)", ("routing",)),
+          ("Tables 5-6",), SERVE_DP + "; Qwen3 shape: `experiment=paper` (not in make reproduce)", ("routing",)),
     Claim("R5", "Attention-TP p99 TTFT reduction at 1 req/s, inputs 256 / 512 / 1024 (Table 2)",
           "vs best baseline: DeepSeek-V2-Lite 6.6 / 3.8 / 9.4 %, Qwen3 13.1 / 17.7 / 3.4 % (quoted: worse baseline "
           "/ Sem-MoE - 1)",
           "reduction vs the best baseline: reproduced if > 0 and within a factor 2 of the paper's; partly if > 0; "
           "non-paper routing at most partly",
-          ("### Table 2",), "`python -m repro.run -m experiment=paper_table2`", ("routing",)),
+          ("Table 2",), "`python -m repro.run -m experiment=paper_table2`", ("routing",)),
     Claim("R6", "Attention-TP single-layer LAR gain and lower expert-layer latency (Fig. 5a)",
           "LAR +37 % / +43 %, MoE-layer latency -41.8 % / -46.6 % (DeepSeek-V2-Lite / Qwen3)",
           "gain > 0 and within a factor 1.5 of the paper's (LAR: better of points / relative reading): reproduced; "
           "> 0: partly; non-paper routing at most partly",
-          ("### Fig. 5a",), "`python -m repro.run -m experiment=serve_tp` (in `make reproduce`)", ("routing",)),
+          ("Fig. 5a",), "`python -m repro.run -m experiment=serve_tp` (in `make reproduce`)", ("routing",)),
     Claim("R7", "Co-clustering: best LAR, +15.4 % over MoETuner, with balanced clusters, EP 8 (Fig. 5b)",
           "+15.4 % LAR over the best baseline (MoETuner); balanced expert load",
           "LAR gain over the best deployable baseline > 0 and within a factor 1.5: reproduced, > 0: partly; "
           "expert max/median vs ep <= 1.10 reproduced, <= 1.50 partly; non-paper routing at most partly",
-          ("### Fig. 5b",), "`python -m repro.run -m experiment=paper_dp` / `paper_tp` (in `make reproduce`)",
+          ("Fig. 5b",), "`python -m repro.run -m experiment=paper_dp` / `paper_tp` (in `make reproduce`)",
           ("routing",)),
     Claim("R8", "Zero-shot cross-dataset LAR (Tables 3-4)",
           "out-of-distribution LAR 1.65x SGLang's (DeepSeek-V2-Lite); in-distribution 5.9 points higher",
           "OOD LAR gain over ep and the in- minus out-of-distribution LAR: > 0 and within a factor 1.5 "
           "(gain) / 2 (gap) reproduced, > 0 partly; non-paper routing at most partly",
-          ("## Experiment `cross_dataset`",),
+          ("Experiment `cross_dataset`",),
           "`python -m repro.run -m experiment=cross_dataset` (needs the arena-hard prompts of the shared data folder, `REPRO_SHARED_DATA`; in `make reproduce` when present)",
           ("routing",)),
     Claim("R9", "Moonlight-16B throughput under SLO (Tables 5-6)",
           "average 1.12x / 1.22x (TTFT SLO), 1.10x / 1.14x (E2E SLO) vs SGLang / MoETuner",
-          "as R4", ("### Tables 5-6",),
+          "as R4", ("Tables 5-6",),
           "`python -m repro.run -m experiment=serve_dp sim/shape=moonlight_16b_a3b` (the DeepSeek-V2-Lite-shaped "
           "synthetic router has Moonlight's 64 experts, top-6 and 26 MoE layers); not in make reproduce",
           ("routing",)),
@@ -407,8 +412,6 @@ def throughput_ratio(numerator: pd.Series, denominator: pd.Series, rule: str) ->
     key = f"throughput_under_{rule}_slo_rps"
     num, den = numerator.get(key + "_per_seed"), denominator.get(key + "_per_seed")
     if isinstance(num, list) and isinstance(den, list) and len(num) == len(den) and len(num) >= 2:
-        from repro.sim.metrics import ratio_interval  # lands with the per-seed keys (steady-state simulator)
-
         return ratio_interval(num, den)
     a, b = _value(numerator, key), _value(denominator, key)
     return {"mean": a / b if _finite(a, b) and b > 0 else float("nan"), "low": float("nan"), "high": float("nan"),
@@ -473,39 +476,34 @@ def parts_r9(summary: pd.DataFrame) -> list[dict]:
     return _ratio_parts("R9", panels, PAPER_MOONLIGHT, "Moonlight-16B")
 
 
-def _input_len(run_dir: str) -> float:
-    value = (_metrics(run_dir)["config"].get("workload") or {}).get("input_len")
-    return float(value) if isinstance(value, int | float) else float("nan")
-
-
 def parts_r5(summary: pd.DataFrame) -> list[dict]:
-    jobs = _serving(summary)
-    jobs = jobs[jobs["attention"] == "tp"].copy()
-    jobs["input_len"] = [_input_len(d) for d in jobs["run_dir"]]
-    jobs = jobs[jobs["input_len"].notna()]
+    """Table 2 from repro.figures.table2 (experiment paper_table2): the p99 TTFT reduction vs the best baseline."""
+    try:
+        frame = table2_frame(summary)
+    except ReproError as error:
+        frame, why = pd.DataFrame(), str(error)
+    else:
+        why = "no paper_table2 job of ep, moetuner and semmoe at this input on this shape"
+    ours = frame.set_index(["model", "input"]) if len(frame) else frame
+    semmoe = _serving(summary)
+    semmoe = semmoe[(semmoe["experiment"] == table2.EXPERIMENT) & (semmoe["system"] == "semmoe")]
     parts = []
-    for paper_row in PAPER_TABLE2.itertuples(index=False):
-        shape = next(s for s, label in SHAPES.items() if label == paper_row.model)
-        best = min(paper_row.ttft_p99_ep, paper_row.ttft_p99_moetuner)
-        paper_best = 1 - paper_row.ttft_p99_semmoe / best
-        quoted = max(paper_row.ttft_p99_ep, paper_row.ttft_p99_moetuner) / paper_row.ttft_p99_semmoe - 1
-        part, paper = f"{paper_row.model}, input {paper_row.input}", f"{_pct(paper_best)} (quoted {_pct(quoted)})"
-        sel = jobs[(jobs["sim_shape"] == shape) & (jobs["input_len"] == paper_row.input)]
-        systems = _first_sweep(sel)
-        bases = [b for b in ("ep", "moetuner") if b in systems]
-        if "semmoe" not in systems or not bases:
-            parts.append(_absent("R5", part, paper, f"no Attention-TP serving run of semmoe and a baseline at fixed "
-                                 f"inputs on the {paper_row.model} shape"))
+    for paper_row in paper_reductions().itertuples(index=False):
+        key = (paper_row.model, paper_row.input)
+        part = f"{paper_row.model}, input {paper_row.input}"
+        paper = f"{_pct(paper_row.ttft_p99_vs_best)} (quoted {_pct(paper_row.ttft_p99_quoted)})"
+        row = ours.loc[key] if len(ours) and key in ours.index else None
+        if row is None or not _finite(row.get("ttft_p99_vs_best", np.nan)):
+            parts.append(_absent("R5", part, paper, why))
             continue
-        ttft = {s: _value(systems[s], "ttft_p99_s_lightest") for s in ["semmoe", *bases]}
-        base_ttft = [ttft[b] for b in bases]
-        ours = 1 - ttft["semmoe"] / min(base_ttft)
-        ours_quoted = max(base_ttft) / ttft["semmoe"] - 1
-        rate = _value(systems["semmoe"], "slo_light_rate_rps")
-        text = (f"{_pct(ours)} vs best of {'/'.join(bases)} (quoted reading {_pct(ours_quoted)})"
-                + (f" at {rate:g} req/s" if _finite(rate) else ""))
-        note = "" if len(bases) == 2 else "moetuner not run: reduction vs ep only"
-        parts.append(_part("R5", part, paper, text, rule_gain(ours, paper_best, 2.0), systems["semmoe"], note))
+        seeds = (f" [seeds {_pct(row['ttft_p99_vs_best_seed_min'], True)}, {_pct(row['ttft_p99_vs_best_seed_max'], True)}]"
+                 if _finite(row.get("ttft_p99_vs_best_seed_min", np.nan)) else "")
+        text = (f"{_pct(row['ttft_p99_vs_best'])}{seeds} vs best baseline (quoted reading {_pct(row['ttft_p99_quoted'])}; "
+                f"p99 ms ep / MoETuner / Sem-MoE {row['ttft_p99_ep_ms']:.2f} / {row['ttft_p99_moetuner_ms']:.2f} / "
+                f"{row['ttft_p99_semmoe_ms']:.2f})")
+        job = semmoe[semmoe["sim_shape"].map(table2.SHAPE_NAMES) == paper_row.model]
+        parts.append(_part("R5", part, paper, text, rule_gain(row["ttft_p99_vs_best"], paper_row.ttft_p99_vs_best, 2.0),
+                           job.iloc[0] if len(job) else None))
     return parts
 
 
@@ -632,6 +630,7 @@ def verdict_tables(summary: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
 
     Claim columns: claim, statement, paper, ours, source, rule, verdict, why. Part columns: claim, part, paper,
     ours, routing_kind, source, rule_verdict (the number rule alone), verdict (after caps), why, note."""
+    summary = as_the_papers_system(summary)  # in Attention-DP the paper's Algorithm 2 is `semmoe` where it ran
     parts = []
     for make in PARTS:
         for part in make(summary):
@@ -657,27 +656,33 @@ def verdict_tables(summary: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
 # ---- links and rendering ------------------------------------------------------------------------------------------
 
 
-def heading_anchors(report_lines: list[str]) -> list[tuple[str, str]]:
-    """[(heading line, its anchor)] of the report's h2 / h3 headings in page order, with the duplicate suffixes that
-    repro.figures.html.heading_slug gives."""
+def _text(heading: str) -> str:
+    """A heading's text as the HTML renders it (no #, no backticks)."""
+    return heading.lstrip("#").strip().replace("`", "")
+
+
+def heading_anchors(report_lines: list[str]) -> list[tuple[int, str, str]]:
+    """[(level, text, anchor)] of the report's h2 / h3 headings in page order, with the duplicate suffixes that
+    repro.figures.html.heading_slug gives (the ids of REPORT.html, GitHub's anchors of REPORT.md)."""
     taken: set[str] = set()
-    return [(line, heading_slug(line.lstrip("#").strip().replace("`", ""), taken))
+    return [(len(line) - len(line.lstrip("#")), _text(line), heading_slug(_text(line), taken))
             for line in report_lines if line.startswith(("## ", "### "))]
 
 
 def section_anchor(section: tuple[str, ...], report_lines: list[str] | None) -> str | None:
-    """The anchor of the first heading of report_lines starting with section[0] (with a second prefix: the first
-    heading inside that h2 section starting with section[1]); None without report_lines or such a heading."""
+    """The anchor of the first heading whose text starts with section[0] (with a second prefix: the first heading
+    inside that one's section starting with section[1]); None without report_lines or such a heading."""
     anchors = heading_anchors(report_lines or [])
-    for i, (line, anchor) in enumerate(anchors):
-        if not line.startswith(section[0]):
+    prefixes = [_text(p) for p in section]
+    for i, (level, text, anchor) in enumerate(anchors):
+        if not text.startswith(prefixes[0]):
             continue
-        if len(section) == 1:
+        if len(prefixes) == 1:
             return anchor
-        for inner, inner_anchor in anchors[i + 1:]:
-            if inner.startswith("## "):
+        for inner_level, inner, inner_anchor in anchors[i + 1:]:
+            if inner_level <= level:
                 break
-            if inner.startswith(section[1]):
+            if inner.startswith(prefixes[1]):
                 return inner_anchor
     return None
 
