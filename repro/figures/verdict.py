@@ -7,6 +7,15 @@ finished jobs under runs/ by a stated rule, never typed by hand.
 A claim has parts (R4: TTFT and E2E SLO x SGLang and MoETuner x two models); each part compares ONE number of
 ours with the paper's by the claim's rule. Verdicts: `reproduced`, `partly`, `not reproduced`, `not testable here`.
 
+Where the numbers come from (metrics.json summaries unless said): R1 vanilla EP's serving simulation on the
+DeepSeek-V2-Lite shape at EP 8 (a2a_share_*; serve_dp first); R2, R3 affinity_stats.csv of the job whose routing is
+closest to the paper's (own model > other real model > replayed > small model; synthetic statistics are the
+generator's knobs, so not testable); R4, R9 Attention-DP serving jobs (throughput_under_{ttft,e2e}_slo_rps and
+their _per_seed lists, bracketed_*); R5 repro/figures/table2.py's table of experiment paper_table2; R6 Attention-TP
+serving jobs at EP 8 (lar_sim, moe_layer_*_s_lightest); R7 exact accounting of paper_dp / paper_tp at EP 8 (lar,
+expert_load_imbalance_max_median); R8 cross_dataset's lar. In Attention-DP `semmoe` is the paper's Algorithm 2
+where the experiment ran it (repro.figures.paper.as_the_papers_system), as in the paper's figures.
+
 Rules (the functions below; a NaN / missing value of ours is `not testable here`, with the run that would make it):
 - R1 `rule_band` on the all-to-all share of vanilla EP's MoE-layer time: reproduced when the paper's 59.2 % is
   within 10 points of the nearest of our readings (lightest and heaviest stable rate x all, prefill-containing and
