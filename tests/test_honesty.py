@@ -226,3 +226,64 @@ def test_cross_dataset_evaluates_the_other_workload(tmp_path):
     summary = json.loads((tmp_path / "job" / "metrics.json").read_text())["summary"]
     assert summary["dataset"] == "arena_hard" and summary["profile_dataset"] == "mmlu"
     assert summary["num_requests"] == 120 - 24 - 12  # arena-hard's evaluate split (70 %)
+
+
+LEARNED = {"dp_predictor": "learned", "dp_scheduler": "time", "dp_balance_weight": 0.05}
+
+
+@pytest.mark.parametrize("params", [LEARNED, {"dp_predictor": "learned", "dp_scheduler": "paper"}])
+def test_learned_predictor_ranks_ignore_evaluated_routing_and_stream(params):
+    """dp_predictor=learned: the ranks come from the prompts only (scrambling every evaluated layer moves none), and
+    one request at a time gives the ranks of one batch call; rewriting the prompts does move ranks (control)."""
+    profile, evaluation = split_trace(routed_trace(), 0.3, np.random.default_rng(0))
+    plan = fitted("semmoe", profile, 4, "dp", **params)
+    home = home_devices(plan, evaluation)
+    np.testing.assert_array_equal(home_devices(plan, scrambled(evaluation, 0)), home)
+    plan.reset()
+    batch = plan.assign_requests(evaluation.token_ids, evaluation.offsets, evaluation.prefill_len)
+    plan.reset()
+    one_by_one = [plan.assign_requests(evaluation.token_ids[evaluation.offsets[r] : evaluation.offsets[r + 1]],
+                                       evaluation.offsets[r : r + 2] - evaluation.offsets[r], evaluation.prefill_len[r : r + 1])
+                  for r in range(evaluation.num_requests)]
+    np.testing.assert_array_equal(np.concatenate(one_by_one), batch)
+    np.testing.assert_array_equal(batch, home[evaluation.offsets[:-1], 0])
+    rewritten = make_trace(evaluation.meta, evaluation.offsets, (np.asarray(evaluation.token_ids) * 7 + 3) % 60,
+                           evaluation.experts, prefill_len=evaluation.prefill_len)
+    assert not np.array_equal(home_devices(plan, rewritten), home)
+
+
+def test_the_app_fits_the_learned_predictor_on_the_profile_only(tmp_path):
+    """Through the app: scrambling the routing of every validate and evaluate request leaves the learned predictor's
+    table and the evaluated ranks bit for bit; scrambling the profile's routing changes the table (control)."""
+    from repro.run import build_traces, fit_and_evaluate, request_split
+
+    trace_dir = synthetic_trace_dir(tmp_path / "t")
+    overrides = [f"trace={trace_dir}", "parallel.attention=dp", "parallel.tokens_per_step=256", "logger=none",
+                 "system=semmoe", *[f"system.params.{k}={v}" for k, v in LEARNED.items()]]
+    config = compose(*overrides)
+    trace = read_trace(trace_dir, mmap=False)
+    split = request_split(config, trace.num_requests)
+
+    def moved(requests):
+        rows = np.concatenate([np.arange(trace.offsets[r], trace.offsets[r + 1]) for r in requests])
+        experts = np.array(trace.experts)
+        experts[rows] = (experts[rows] + 5) % trace.meta.num_experts
+        return with_experts(trace, experts)
+
+    def fitted_plan(routing):
+        profile, evaluation = build_traces(config)
+        if routing is not None:
+            profile = select_requests(routing, split.profile)
+            evaluation = select_requests(routing, split.evaluate)
+        _, _, plan = fit_and_evaluate(config, profile, evaluation)
+        plan.reset()
+        return plan, plan.assign_requests(evaluation.token_ids, evaluation.offsets, evaluation.prefill_len)
+
+    plan, ranks = fitted_plan(None)
+    assert plan.dp_predictor == "learned"
+    unseen = np.concatenate([split.validate, split.evaluate])
+    plan_moved, ranks_moved = fitted_plan(moved(unseen))
+    np.testing.assert_array_equal(plan_moved.learned_table, plan.learned_table)
+    np.testing.assert_array_equal(ranks_moved, ranks)
+    plan_profile, _ = fitted_plan(moved(split.profile))
+    assert not np.array_equal(plan_profile.learned_table, plan.learned_table)
