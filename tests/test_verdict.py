@@ -314,3 +314,11 @@ def test_in_attention_dp_the_papers_algorithm_2_is_judged_where_it_ran(tmp_path)
     parts = tables(as_paper_model(root))[1]
     r7 = parts[(parts["claim"] == "R7") & parts["part"].str.contains("LAR gain")].iloc[0]
     assert r7["verdict"] == REPRODUCED and "0.345" in r7["ours"]
+
+
+def test_an_unreadable_affinity_table_leaves_its_claims_untested_with_the_reason(tmp_path):
+    root = as_paper_model(plant(tmp_path / "runs"))
+    (root / "paper_dp" / "parallel.devices=8,system=ep" / "affinity_stats.csv").write_bytes(b"\xff\xfe\x00bad")
+    claims = tables(root)[0].set_index("claim")
+    assert claims.at["R2", "verdict"] == NOT_TESTABLE and "cannot be read" in claims.at["R2", "why"]
+    assert claims.at["R7", "verdict"] == REPRODUCED  # the other claims are unaffected

@@ -376,7 +376,10 @@ def _affinity_job(summary: pd.DataFrame) -> tuple[pd.Series | None, pd.DataFrame
     if routing_source(best["run_dir"])[0] == "synthetic":
         return None, None, ("only synthetic routing ran, whose affinity statistics are set by the generator's knobs, "
                             "not measured; a tiny-model, replayed or captured routing job measures them")
-    return best, pd.read_csv(Path(best["run_dir"], "affinity_stats.csv")), ""
+    try:
+        return best, pd.read_csv(Path(best["run_dir"], "affinity_stats.csv")), ""
+    except (OSError, ValueError) as error:  # one unreadable file leaves the claim untested, not the report unwritten
+        return None, None, f"the affinity_stats.csv of {best['run_dir']} cannot be read ({error})"
 
 
 def _layer_median(stats: pd.DataFrame, column: str) -> tuple[float, str]:
