@@ -140,6 +140,7 @@ def test_table_from_per_seed_statistics(tmp_path):
     assert row["paper_ttft_p99_semmoe_ms"] == 88.69 and row["model"] == "DeepSeek-V2-Lite"
     assert row["requests_per_system"] == 600 and row["source"].startswith("mean over seeds")
     assert frame.loc[256, "missing"] == "moetuner,semmoe" and np.isnan(frame.loc[256, "ttft_p99_quoted"])
+    assert "ttft_p99_vs_best_seed_min" in frame and np.isnan(frame.loc[256, "ttft_p99_vs_best_seed_min"])
     lines = table2_section(read_jobs(runs)[0], tmp_path / "figures")
     text = "\n".join(lines)
     assert "**Missing jobs**" in text and "DeepSeek-V2-Lite 256: moetuner,semmoe" in text

@@ -148,7 +148,7 @@ def table2_frame(summary: pd.DataFrame, experiment: str = EXPERIMENT) -> pd.Data
                 base = np.array([by.at[b, stat] for b in BASELINES])
                 row[f"{stat}_quoted"], row[f"{stat}_vs_best"] = (float(v) for v in reductions(base, by.at["semmoe", stat]))
                 seeds = [np.asarray(by.at[s, f"{stat}_per_seed"], dtype=np.float64) for s in SYSTEMS]
-                if len({len(v) for v in seeds}) == 1:  # paired seeds: the reduction of each seed
+                if len({len(v) for v in seeds}) == 1 and len(seeds[0]) > 1:  # paired seeds: each seed's reduction
                     quoted_S, vs_best_S = reductions(np.stack(seeds[:2], axis=-1), seeds[2])
                     row[f"{stat}_quoted_seed_min"], row[f"{stat}_quoted_seed_max"] = quoted_S.min(), quoted_S.max()
                     row[f"{stat}_vs_best_seed_min"], row[f"{stat}_vs_best_seed_max"] = vs_best_S.min(), vs_best_S.max()
