@@ -72,7 +72,9 @@ def measure(source: str, devices: int, seed: int, split: str, fit_seeds: list[in
     proxy = bool(np.all(evaluation.prefill_len == evaluation.lengths()))
     if proxy:
         profile, evaluation = (prompt_tail_as_decode(t, DECODE_SHARE) for t in (profile, evaluation))
-    correlation = signature_correlation(request_signatures(evaluation, "prefill"), request_signatures(evaluation, "decode"))
+    prefill_sig, decode_sig = request_signatures(evaluation, "prefill"), request_signatures(evaluation, "decode")
+    correlation = signature_correlation(prefill_sig, decode_sig)
+    specific = signature_correlation(prefill_sig, decode_sig, centred=True)
     parallel = ParallelConfig.from_config(config["parallel"])
     shape = load_shape(DEFAULT_SHAPE)
     rows = []
@@ -85,18 +87,20 @@ def measure(source: str, devices: int, seed: int, split: str, fit_seeds: list[in
                                            time_model=time_model(plan, evaluation, config["hardware"], shape))
             rows.append({"source": source, "proxy": proxy, "seed": seed, "fit_seed": fit_seed, "split": split,
                          "devices": devices, "variant": variant, "signature_correlation": correlation,
+                         "signature_correlation_centred": specific,
                          "eval_requests": evaluation.num_requests, **metrics})
     return rows
 
 
 def table(rows: list[dict]) -> str:
     """Markdown: mean (and std over seeds and fit seeds) of every column per source and variant."""
-    lines = ["| source | corr | variant | " + " | ".join(c.removeprefix("decode_") for c in COLUMNS) + " |",
-             "|---" * (len(COLUMNS) + 3) + "|"]
+    lines = ["| source | corr | centred corr | variant | " + " | ".join(c.removeprefix("decode_") for c in COLUMNS) + " |",
+             "|---" * (len(COLUMNS) + 4) + "|"]
     keys = dict.fromkeys((r["source"], r["variant"]) for r in rows)
     for source, variant in keys:
         group = [r for r in rows if r["source"] == source and r["variant"] == variant]
         corr = np.mean([r["signature_correlation"] for r in group])
+        specific = np.mean([r["signature_correlation_centred"] for r in group])
         label = source + (" (proxy)" if group[0]["proxy"] else "")
 
         def cell(c, group=group):
@@ -104,7 +108,7 @@ def table(rows: list[dict]) -> str:
             scale = 1e6 if c.endswith("seconds_per_step") else 1.0  # microseconds
             return f"{values.mean() * scale:.3f}" + (f" ± {values.std() * scale:.3f}" if len(values) > 1 else "")
 
-        lines.append(f"| {label} | {corr:.3f} | {variant} | " + " | ".join(cell(c) for c in COLUMNS) + " |")
+        lines.append(f"| {label} | {corr:.3f} | {specific:.3f} | {variant} | " + " | ".join(cell(c) for c in COLUMNS) + " |")
     return "\n".join(lines)
 
 

@@ -188,6 +188,13 @@ def test_signatures_and_their_correlation():
     assert signature_correlation(prefill, prefill) == pytest.approx(1.0)
     assert signature_correlation(prefill, decode) > 0.5  # same group's experts in both phases
     assert np.isnan(signature_correlation(prefill, np.zeros_like(decode)))  # no decode tokens: undefined
+    # a popularity profile shared by all requests, plus noise drawn apart per phase: plain high, centred ~0
+    popular = rng.dirichlet(np.full(40, 0.3))
+    alike_prefill = popular + rng.normal(0, 0.01, (200, 40))
+    alike_decode = popular + rng.normal(0, 0.01, (200, 40))
+    assert signature_correlation(alike_prefill, alike_decode) > 0.8
+    assert abs(signature_correlation(alike_prefill, alike_decode, centred=True)) < 0.05
+    assert signature_correlation(prefill, decode, centred=True) > 0.5  # the planted groups are request-specific
     with pytest.raises(ConfigError, match="phase"):
         request_signatures(trace, "generate")
 

@@ -103,14 +103,21 @@ def row_pearson(a_RF: np.ndarray, b_RF: np.ndarray) -> np.ndarray:
     return np.divide(dot, norm, out=np.full(len(dot), np.nan), where=norm > 0)
 
 
-def signature_correlation(prefill_RF: np.ndarray, decode_RF: np.ndarray) -> float:
+def signature_correlation(prefill_RF: np.ndarray, decode_RF: np.ndarray, *, centred: bool = False) -> float:
     """Mean over requests of the Pearson correlation between a request's prefill and decode signatures
     (float[R, F] each, `request_signatures`); requests with no decode (or no prompt) tokens are left out.
-    NaN when no request has both."""
+    NaN when no request has both.
+
+    The plain correlation (ELDR's) is high whenever expert popularity is skewed, even if requests are alike: the
+    shared popularity profile correlates with itself. centred=True first subtracts each phase's mean signature over
+    the requests, so only what is specific to the request counts (what routing by signature can exploit)."""
     has_both = (prefill_RF.sum(axis=1) > 0) & (decode_RF.sum(axis=1) > 0)
     if not has_both.any():
         return float("nan")
-    return float(np.nanmean(row_pearson(prefill_RF[has_both], decode_RF[has_both])))
+    prefill, decode = prefill_RF[has_both], decode_RF[has_both]
+    if centred:
+        prefill, decode = prefill - prefill.mean(axis=0), decode - decode.mean(axis=0)
+    return float(np.nanmean(row_pearson(prefill, decode)))
 
 
 def squared_distances(points_RF: np.ndarray, centroids_DF: np.ndarray) -> np.ndarray:
@@ -290,9 +297,11 @@ class SignatureDecode:
         decode_counts = segment_counts(profile.experts, middle, profile.offsets[1:], num_experts)  # [R, L, E]
         info = {"placement": self.placement, "rule": self.rule, "match": self.match,
                 "profile_decode_tokens": decode_tokens}
-        correlation = signature_correlation(prefill, normalise_signature(decode_counts))
-        if np.isfinite(correlation):  # NaN without decode tokens: left out rather than reported
-            info["profile_signature_correlation"] = correlation
+        decode = normalise_signature(decode_counts)
+        for key, centred in (("profile_signature_correlation", False), ("profile_signature_correlation_centred", True)):
+            correlation = signature_correlation(prefill, decode, centred=centred)
+            if np.isfinite(correlation):  # NaN without decode tokens: left out rather than reported
+                info[key] = correlation
         centroids = None
         if self.placement != "vanilla":  # clusters are needed only to co-place experts with them
             labels, centroids, iterations = balanced_kmeans(
