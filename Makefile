@@ -5,7 +5,7 @@ PIP := $(VENV)/bin/pip
 # torch 2.13.0 CPU build when no NVIDIA GPU is visible; with a GPU, the user's CUDA torch is kept
 HAVE_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: setup test reproduce reproduce-beyond figures bench gpu-check gpu-test serve-sglang serve-vllm bench-serving setup-engines-cpu lint clean wandb-sync
+.PHONY: setup test reproduce reproduce-beyond figures bench gpu-check gpu-test gpu-all gpu-all-dry serve-sglang serve-vllm bench-serving setup-engines-cpu lint clean wandb-sync
 
 setup:
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -54,10 +54,11 @@ bench:
 	$(PY) -m bench --out bench/results
 
 # one CUDA GPU: bf16/fp16 correctness of every Triton kernel, kernel timings vs a bf16 cuBLAS per-expert loop (and
-# vLLM's fused_experts when importable), never needed by tests or CI; writes measured.json, a hardware profile's
-# `measured:` section (expert_gemm tables) for repro/sim
+# vLLM's fused_experts when importable), never needed by tests or CI; calibration: conf/hardware/measured/<gpu>.yaml
+# (expert GEMM tables, kernel floor; with 2+ local GPUs the NCCL all-to-all), which repro.sim.hardware merges into
+# the `measured:` section of the profile of that name (e.g. h200)
 gpu-check:
-	$(PY) -m bench.gpu_check --out bench/results/gpu_check
+	env -u TRITON_INTERPRET $(PY) -m bench.gpu_check --out bench/results/gpu_check
 
 # the kernel tests compiled on a CUDA GPU (the same functions `make test` runs in the CPU interpreter), bf16 included
 KERNEL_TESTS := tests/test_kernels_gemm.py tests/test_kernels_gating.py tests/test_kernels_dispatch.py \
@@ -66,6 +67,14 @@ gpu-test:
 	@$(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 2)" || \
 	  { echo "make gpu-test needs a CUDA GPU (torch sees none); on a CPU, make test runs these tests interpreted" >&2; exit 2; }
 	env -u TRITON_INTERPRET $(PY) -m pytest -q $(KERNEL_TESTS)
+
+# a lent GPU in one command (~8 min, per-step timeouts): set up (installs only what is missing, keeps CUDA torch),
+# compiled kernel tests, bench kernels, gpu-check's calibration -> bench/results/gpu_all/<gpu>-<UTC time>/ with
+# manifest.json; exit 1 when a step failed (the others' results are kept). gpu-all-dry rehearses it on a CPU.
+gpu-all:
+	bash bench/gpu_all.sh
+gpu-all-dry:
+	bash bench/gpu_all.sh --dry-run
 
 # Real engines on a GPU server (never in CI): serve a fitted plan behind the semantic DP router, then sweep rates.
 # PLAN (required) is a job dir under runs/ whose plan was fitted on routing of MODEL itself (captured with

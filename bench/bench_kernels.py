@@ -5,8 +5,13 @@ T 4096; quick: T 1024), DeepSeek-V3-like routing (256 experts, 8 groups, 4 kept,
 the Sem-MoE TP shuffle on a planted 64-expert top-6 plan over 8 ranks (layer 2, two layers of history).
 On CUDA the Triton kernel and the reference both run, on bf16 data, and speedup = torch ms / triton ms; on
 CPU Triton runs only in its interpreter, which is not a performance path, so only the references are timed
-(fp32) and the result says `triton: not run (no CUDA device)`. Kernels whose module is not importable yet
-are listed under `skipped` with the reason. `bench.gpu_check` reuses these cases for its correctness and
+(fp32) and the result says so first (`measured`: references only, no compiled kernel, no speed-up). The torch
+references are not speed baselines (fused_experts_reference computes in fp32), so on CUDA the `baselines` table
+adds bench.gpu_check's fair ones: the Triton grouped GEMM against a bf16 cuBLAS per-expert loop and the Triton
+layer against vLLM's fused_experts when vllm is importable (the row says when not), on the DeepSeek-V2-Lite,
+Qwen3-30B-A3B and Mixtral expert shapes (quick: 16 / 256 tokens; full: 16 / 256 / 4,096 / 16,384), with
+TFLOP/s and the fraction of a dense same-FLOP cuBLAS GEMM. Kernels whose module is not importable yet are
+listed under `skipped` with the reason. `bench.gpu_check` reuses these cases for its correctness and
 calibration sweep.
 
 Timing: median of one call; on CUDA by triton.testing.do_bench (CUDA events), on CPU by wall time.
@@ -30,6 +35,9 @@ MIXTRAL = {"experts": 8, "top_k": 2, "ranks": 4}
 DEEPSEEK_V3 = {"experts": 256, "groups": 8, "topk_groups": 4, "top_k": 8, "ranks": 8, "scaling": 2.5}
 SHUFFLE = {"experts": 64, "top_k": 6, "ranks": 8, "layer": 2}
 NO_CUDA = "not run (no CUDA device)"
+REFERENCES_ONLY = ("torch references only (fp32, CPU): no compiled Triton kernel ran, so no kernel time or speed-up "
+                   "is reported; on a CUDA GPU this bench times Triton against a bf16 cuBLAS per-expert loop and "
+                   "vLLM's fused_experts (make gpu-check for the full sweep)")
 
 
 @dataclass
@@ -233,7 +241,11 @@ def run(quick: bool) -> dict:
         threads = torch.get_num_threads()
         for case in cases:
             rows[f"{case.kernel} {case.shape}"] = measure(case, cuda, warmup, repeats)
+    if not cuda:
+        print(f"bench kernels: {REFERENCES_ONLY}", flush=True)
     return {
+        "measured": "Triton kernels compiled, their torch references, and the fair baselines (table baselines)"
+        if cuda else REFERENCES_ONLY,
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "dtype": str(dtype).removeprefix("torch."),
         "tokens": num_tokens,
@@ -241,8 +253,20 @@ def run(quick: bool) -> dict:
         "triton": "run on CUDA" if cuda else NO_CUDA,
         "timing": "triton.testing.do_bench median (CUDA events)" if cuda else f"median of {repeats} calls after {warmup} warm-up calls",
         "skipped": skipped or "none",
+        "reference": "torch_ms: each kernel's torch reference (fused_experts_reference runs in fp32: not a speed "
+        "baseline; see baselines)",
         "cases": rows,
+        **({"baselines": fair_baselines(quick)} if cuda else {}),
     }
+
+
+def fair_baselines(quick: bool) -> dict:
+    """bench.gpu_check's fair-baseline rows on CUDA (bf16): {"<kernel> <shape> T<tokens>": timing and note}."""
+    from bench.gpu_check import BASELINE_TOKENS, expert_rows  # gpu_check imports this module: import here
+
+    rows = expert_rows((16, 256) if quick else BASELINE_TOKENS, torch.bfloat16, "cuda")
+    keep = ("triton_ms", "torch_ms", "speedup", "note")
+    return {f"{r['kernel']} {r['shape']} T{r['tokens']}": {k: r[k] for k in keep} for r in rows}
 
 
 def measure(case: KernelCase, cuda: bool, warmup: int, repeats: int) -> dict:

@@ -1,6 +1,7 @@
 """One-GPU correctness and calibration check of every repro.kernels kernel; never needed by tests or CI.
 
-    python -m bench.gpu_check --out DIR [--tokens 1024 4096 16384] [--dtypes bf16 fp16] [--dry-run]
+    python -m bench.gpu_check --out DIR [--tokens 1024 4096 16384] [--dtypes bf16 fp16] [--measured-dir D]
+                              [--name NAME] [--skip-correctness] [--dry-run]
 
 For each T and dtype, every contract kernel (the cases of bench.bench_kernels: Mixtral-shaped layer,
 DeepSeek-V3 routing, Sem-MoE shuffle) runs through Triton and through its torch reference on the same inputs;
@@ -21,9 +22,17 @@ fused_experts when vllm is importable (the row says so when not), each with TFLO
 cuBLAS GEMM pair of the same FLOPs (dense_ms / kernel_ms). Calibration (`measured_expert_gemm`): one expert's
 SwiGLU MLP through the Triton grouped GEMM at 1..16,384 rows, written as DIR/measured.json in the form of a
 hardware profile's `measured:` section ({"expert_gemm": {shape: [[tokens of one expert, seconds], ...]}}, what
-repro.sim.hardware reads). All-to-all costs need two or more GPUs and are not measured here.
---dry-run rehearses everything on the CPU (torch references, shapes / 64, fp32): the files say dry_run and
-their numbers are not calibration.
+repro.sim.hardware reads), and as the calibration file the simulator merges: D/<name>.yaml (default
+conf/hardware/measured/<name>.yaml, name from the GPU model, e.g. h200; a copy in DIR/measured/) holding the
+expert GEMM tables, the kernel floor (median time of the smallest kernel call with work: one row through the
+Triton grouped GEMM) and, with two or more local GPUs, the NCCL all-to-all (torch.distributed
+all_to_all_single on all N GPUs, 4 KiB to 16 MiB per peer: [busiest rank's remote bytes, seconds], the
+slowest rank's median) for dispatch and combine; its `notes` give the fixed cost, the bandwidth, the
+achieved TFLOP/s and the host launch time (read by people, not by the simulator). DeepEP is not driven
+here (the notes say whether it is installed); deepep_* stay on their formulas. A file at D/<name>.yaml
+that this script did not write is never overwritten.
+--dry-run rehearses everything on the CPU (torch references, shapes / 64, 16 tokens, fp32, all-to-all on gloo with
+2 processes): the files say dry_run, are written under DIR only, and their numbers are not calibration.
 Exit status: 0 every check passed, 1 a check failed or raised, 2 no usable CUDA device or a bad command line.
 """
 
@@ -31,16 +40,20 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import io
 import json
 import platform
+import re
 import sys
 import time
 import traceback
 from pathlib import Path
 
 import torch
+import yaml
 
+from bench.a2a_probe import A2A_PEER_BYTES, A2A_REPEATS, a2a_summary, measure_a2a
 from bench.bench_kernels import (
     HIDDEN,
     INTERMEDIATE,
@@ -52,7 +65,9 @@ from bench.bench_kernels import (
     shuffle_context,
 )
 from repro.atomic import atomic_write_text
+from repro.errors import ConfigError
 from repro.kernels import interpreter_on
+from repro.sim.hardware import MEASURED_DIR
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 TOKENS = (1024, 4096, 16384)
@@ -291,35 +306,160 @@ def measured_expert_gemm(dtype: torch.dtype, device: str, scale: int = 1, row_co
     return {"expert_gemm": tables}
 
 
+GENERATED_BY = "bench.gpu_check"
+
+
+def gpu_profile_name(device_name: str) -> str:
+    """The hardware profile a GPU model's measurements belong to: 'NVIDIA H200' -> 'h200',
+    'NVIDIA H100 80GB HBM3' -> 'h100', 'NVIDIA A100-SXM4-80GB' -> 'a100'; otherwise the name as a slug."""
+    match = re.search(r"\b([A-Z]{1,2}\d{2,4}[A-Z]?)\b", device_name.upper())
+    if match:
+        return match.group(1).lower()
+    return re.sub(r"[^a-z0-9]+", "_", device_name.lower().removeprefix("nvidia")).strip("_") or "gpu"
+
+
+def launch_overhead(cuda: bool) -> dict:
+    """{"kernel_floor_us": median us of the smallest kernel call with work (one row through a one-expert grouped
+    GEMM, H = I = 64: launch, ramp and tail), "launch_us": host us per launch of a one-element add, 1,000 back to
+    back (the rate a host can issue kernels)}; torch references on the CPU."""
+    g = torch.Generator().manual_seed(2)
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    w13 = (torch.randn(1, 128, 64, generator=g) / 8).to(device, dtype)
+    w2 = (torch.randn(1, 64, 64, generator=g) / 8).to(device, dtype)
+    floor_ms = one_expert_ms(1, w13, w2, cuda, g)
+    x = torch.zeros(1, device=device)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    for _ in range(10):
+        x.add_(1)
+    sync()
+    start = time.perf_counter()
+    for _ in range(1000):
+        x.add_(1)
+    sync()
+    return {"kernel_floor_us": round(floor_ms * 1e3, 3), "launch_us": round((time.perf_counter() - start) * 1e3, 3)}
+
+
+def expert_tflops(expert_gemm: dict, scale: int = 1) -> dict:
+    """{shape: {rows: achieved TFLOP/s}} of the expert GEMM tables (6 H I flops per row: gate, up, down)."""
+    out = {}
+    for name, table in expert_gemm.items():
+        hidden, inter = EXPERT_SHAPES[name][0] // scale, EXPERT_SHAPES[name][1] // scale
+        out[name] = {int(n): round(6.0 * n * hidden * inter / s / 1e12, 3) for n, s in table if s > 0}
+    return out
+
+
+def calibrate(name: str, device_label: str, cuda: bool, dtype: torch.dtype, scale: int = 1,
+              row_counts=CALIBRATION_ROWS, a2a_ranks: int = 0, peer_bytes=A2A_PEER_BYTES,
+              repeats: int = A2A_REPEATS) -> dict:
+    """The calibration document repro.sim.hardware merges (see the module docstring); a part that raises is named
+    in notes and left out, so one broken measurement keeps the others."""
+    device = "cuda" if cuda else "cpu"
+    measured: dict = {}
+    notes: dict = {"device": device_label, "torch": str(torch.__version__)}
+    try:
+        measured |= measured_expert_gemm(dtype, device, scale, row_counts)
+        notes["expert_gemm"] = (f"one expert's SwiGLU MLP through the {'Triton' if cuda else 'torch reference'} "
+                                f"grouped GEMM, {str(dtype).removeprefix('torch.')}, median seconds per row count")
+        notes["expert_gemm_tflops"] = expert_tflops(measured["expert_gemm"], scale)
+    except Exception as e:  # keep the other parts
+        traceback.print_exc()
+        notes["expert_gemm"] = f"failed: {type(e).__name__}: {e}".splitlines()[0]
+    try:
+        overhead = launch_overhead(cuda)
+        measured["kernel_floor_us"] = overhead["kernel_floor_us"]
+        notes["launch_us"] = overhead["launch_us"]
+    except Exception as e:
+        traceback.print_exc()
+        notes["kernel_floor_us"] = f"failed: {type(e).__name__}: {e}".splitlines()[0]
+    if a2a_ranks >= 2:
+        try:
+            table = measure_a2a(a2a_ranks, cuda, peer_bytes, repeats)
+            # an even all-to-all: dispatch and combine are the same collective at the same bytes
+            measured["a2a"] = {"nccl": {"dispatch": table, "combine": [list(r) for r in table]}}  # no YAML alias
+            notes["a2a"] = {"backend": "nccl" if cuda else "gloo (dry run, filed under nccl)", "ranks": a2a_ranks,
+                            **a2a_summary(table)}
+        except Exception as e:
+            traceback.print_exc()
+            notes["a2a"] = f"failed: {type(e).__name__}: {e}".splitlines()[0]
+    else:
+        notes["a2a"] = "not measured: one GPU here (an all-to-all needs two or more)"
+    notes["deepep"] = ("installed, not driven by this script: deepep_* stay on their formulas"
+                       if importlib.util.find_spec("deep_ep") else "not installed")
+    return {"name": name, "generated_by": GENERATED_BY, "ranks": a2a_ranks if "a2a" in measured else 1,
+            "notes": notes, "measured": measured}
+
+
+def write_measured_profile(path: Path, document: dict) -> None:
+    """Write a calibration document as YAML, atomically; a file there that this script did not write is kept."""
+    if path.exists():
+        try:
+            previous = yaml.safe_load(path.read_text())
+        except (OSError, yaml.YAMLError):
+            previous = None
+        if not isinstance(previous, dict) or previous.get("generated_by") != GENERATED_BY:
+            raise ConfigError(f"{path} exists and was not written by {GENERATED_BY}; move it away or pass another "
+                              "--measured-dir, then run again.")
+    header = (f"# Written by {GENERATED_BY} (make gpu-check) on {document['notes'].get('device')}; "
+              f"repro.sim.hardware merges `measured` into conf/hardware/{document['name']}.yaml's.\n"
+              "# Regenerate rather than edit. notes are for people; the simulator reads `measured` and `ranks`.\n")
+    atomic_write_text(path, header + yaml.safe_dump(document, sort_keys=False, default_flow_style=None, width=110))
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, type=Path, help="directory for gpu_check.json and gpu_check.csv")
     parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS), help="tokens per step T")
     parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES), help="data dtypes")
+    parser.add_argument("--measured-dir", type=Path, default=None,
+                        help=f"where <name>.yaml goes for the simulator (default {MEASURED_DIR}; not in a dry run)")
+    parser.add_argument("--name", default=None, help="hardware profile name (default: from the GPU model, e.g. h200)")
+    parser.add_argument("--skip-correctness", action="store_true",
+                        help="only the baselines and the calibration (the kernel tests check correctness)")
     parser.add_argument("--dry-run", action="store_true",
                         help="rehearse on the CPU: torch references, shapes / 64, fp32; numbers are not calibration")
     args = parser.parse_args(argv)
     if min(args.tokens) < SHUFFLE["ranks"]:
         parser.error(f"--tokens must be >= {SHUFFLE['ranks']} (a token per TP rank of the shuffle plan)")
+    if args.dry_run and args.measured_dir is not None:
+        parser.error("--measured-dir is for GPU runs; a dry run writes its rehearsal file under --out/measured only")
+    if args.name is not None and not re.fullmatch(r"[A-Za-z0-9_.-]+", args.name):
+        parser.error(f"--name must be a file stem (letters, digits, _ . -), got {args.name!r}")
     return args
 
 
-def dry_run(out: Path) -> int:
+def write_calibration(document: dict, out: Path, measured_dir: Path | None) -> list[Path]:
+    """DIR/measured/<name>.yaml always, and measured_dir/<name>.yaml when given: the paths written."""
+    paths = [out / "measured" / f"{document['name']}.yaml"] + (
+        [measured_dir / f"{document['name']}.yaml"] if measured_dir is not None else [])
+    for path in paths:
+        write_measured_profile(path, document)
+    return paths
+
+
+def dry_run(out: Path, name: str | None) -> int:
     """The baseline and calibration steps on the CPU at 1/64 of the shapes (no Triton): files, not numbers."""
     meta = {"dry_run": True, "device": "cpu", "note": "CPU rehearsal with torch references; not calibration",
             "torch": torch.__version__, "python": platform.python_version()}
-    rows = expert_rows((16, 256), torch.float32, "cpu", scale=64)
-    write_results(out, meta, rows)
+    rows = expert_rows((16,), torch.float32, "cpu", scale=64)
     measured = measured_expert_gemm(torch.float32, "cpu", scale=64, row_counts=(1, 16, 256))
     atomic_write_text(out / "measured.json", json.dumps(measured, indent=1) + "\n")
-    print(f"dry run: {len(rows)} rows -> {out / 'gpu_check.json'}, {out / 'measured.json'} (CPU references only)")
-    return 0
+    document = calibrate(name or "cpu_dry_run", "cpu (dry run: torch references, not calibration)", False,
+                         torch.float32, scale=64, row_counts=(1, 16, 256), a2a_ranks=2,
+                         peer_bytes=(64, 1024, 16384), repeats=3)
+    document["notes"]["dry_run"] = True
+    paths = write_calibration(document, out, None)
+    meta["measured"] = {"paths": [str(p) for p in paths], "notes": document["notes"]}
+    write_results(out, meta, rows)
+    missing = sorted(k for k in ("expert_gemm", "kernel_floor_us", "a2a") if k not in document["measured"])
+    print(f"dry run: {len(rows)} rows -> {out / 'gpu_check.json'}, {', '.join(map(str, paths))} (CPU references "
+          f"only){'; FAILED: ' + ', '.join(missing) if missing else ''}")
+    return 1 if missing else 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.dry_run:
-        return dry_run(args.out)
+        return dry_run(args.out, args.name)
     problem = usable_gpu()
     if problem:
         print(problem, file=sys.stderr)
@@ -327,9 +467,11 @@ def main(argv: list[str] | None = None) -> int:
     import triton
 
     started = time.perf_counter()
+    device_name = torch.cuda.get_device_name()
     meta = {
-        "device": torch.cuda.get_device_name(),
+        "device": device_name,
         "capability": ".".join(map(str, torch.cuda.get_device_capability())),
+        "gpus": torch.cuda.device_count(),
         "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
         "timing": "triton.testing.do_bench, median ms of one call (CUDA events, L2 flushed between calls)",
         "speedup": "torch_ms / triton_ms (> 1: Triton faster)",
@@ -337,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
         "tokens": args.tokens, "dtypes": args.dtypes,
     }
     rows: list[dict] = []
-    for num_tokens in args.tokens:
+    for num_tokens in [] if args.skip_correctness else args.tokens:
         for name in args.dtypes:
             cases, skipped = collect_cases(num_tokens, DTYPES[name], "cuda")
             for module, reason in skipped.items():
@@ -355,27 +497,33 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # the context rows are timing only; record why they are missing
             traceback.print_exc()
             rows.append(row("semmoe_shuffle_context", "", "", num_tokens, None, None, note=f"{type(e).__name__}: {e}"))
-    for rows_of in (lambda: expert_rows(BASELINE_TOKENS, torch.bfloat16, "cuda"),):
-        try:
-            rows += rows_of()
-        except Exception as e:  # timing rows: record why they are missing, keep the correctness results
-            traceback.print_exc()
-            rows.append(row("expert_baselines", "", "bf16", 0, None, None, note=f"{type(e).__name__}: {e}"))
+    try:
+        rows += expert_rows(BASELINE_TOKENS, torch.bfloat16, "cuda")
+    except Exception as e:  # timing rows: record why they are missing, keep the correctness results
+        traceback.print_exc()
+        rows.append(row("expert_baselines", "", "bf16", 0, None, None, note=f"{type(e).__name__}: {e}"))
+    calibration_failed = False
     try:
         measured = measured_expert_gemm(torch.bfloat16, "cuda")
         measured_path = args.out / "measured.json"
         atomic_write_text(measured_path, json.dumps(measured, indent=1) + "\n")
-        meta["measured"] = {"path": str(measured_path), "a2a": "not measured (needs two or more GPUs)",
-                            "expert_gemm": "one expert through the Triton grouped GEMM, bf16, do_bench median"}
+        gpus = torch.cuda.device_count()
+        document = calibrate(args.name or gpu_profile_name(device_name), device_name, True, torch.bfloat16,
+                             a2a_ranks=gpus if gpus >= 2 else 0)
+        paths = write_calibration(document, args.out, args.measured_dir or MEASURED_DIR)
+        calibration_failed = any(str(v).startswith("failed") for v in document["notes"].values())
+        meta["measured"] = {"path": str(measured_path), "profile": [str(p) for p in paths], "notes": document["notes"]}
+        print(f"calibration -> {', '.join(map(str, paths))}: {json.dumps(document['notes'])}", flush=True)
     except Exception as e:
         traceback.print_exc()
+        calibration_failed = True
         meta["measured"] = f"failed: {type(e).__name__}: {e}"
     meta["elapsed_s"] = round(time.perf_counter() - started, 1)
     write_results(args.out, meta, rows)
     failed = [r for r in rows if r["passed"] is False]
-    print(f"{len(rows) - len(failed)} of {len(rows)} rows ok, {len(failed)} failed, {meta['elapsed_s']} s -> "
-          f"{args.out / 'gpu_check.json'}")
-    return 1 if failed else 0
+    print(f"{len(rows) - len(failed)} of {len(rows)} rows ok, {len(failed)} failed, calibration "
+          f"{'FAILED' if calibration_failed else 'ok'}, {meta['elapsed_s']} s -> {args.out / 'gpu_check.json'}")
+    return 1 if failed or calibration_failed else 0
 
 
 if __name__ == "__main__":

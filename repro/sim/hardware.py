@@ -102,8 +102,9 @@ def _table(rows, where: str) -> np.ndarray:
 MEASURED_DIR = Path(__file__).resolve().parents[2] / "conf" / "hardware" / "measured"
 
 
-def merged_measured(profile: dict, directory: Path | None = MEASURED_DIR) -> dict:
-    """The profile's `measured` section with <directory>/<name>.yaml (bench.gpu_check's output) merged in.
+def merged_measured(profile: dict, directory: Path | None = None) -> dict:
+    """The profile's `measured` section with <directory>/<name>.yaml (bench.gpu_check's output; directory None:
+    MEASURED_DIR) merged in.
 
     The file holds {ranks: GPUs it was measured on, measured: {expert_gemm: ..., kernel_floor_us: ..., a2a: ...}}.
     The profile's own entries win (a table written into a profile is a deliberate choice). Expert GEMM tables
@@ -111,8 +112,8 @@ def merged_measured(profile: dict, directory: Path | None = MEASURED_DIR) -> dic
     exactly `ranks` devices, since a 2-GPU curve does not price an 8-GPU all-to-all. No file: the section as is.
     """
     own = dict(profile.get("measured") or {})
-    path = None if directory is None else Path(directory) / f"{profile.get('name')}.yaml"
-    if path is None or not path.is_file():
+    path = Path(MEASURED_DIR if directory is None else directory) / f"{profile.get('name')}.yaml"
+    if not path.is_file():
         return own
     try:
         document = yaml.safe_load(path.read_text())
@@ -130,10 +131,10 @@ def merged_measured(profile: dict, directory: Path | None = MEASURED_DIR) -> dic
     return merged
 
 
-def load_hardware(profile: dict, measured_dir: Path | None = MEASURED_DIR) -> Hardware:
+def load_hardware(profile: dict, measured_dir: Path | None = None) -> Hardware:
     """Validate a hardware profile dict; a missing or non-positive field is one ConfigError naming it.
 
-    measured_dir: where a GPU's measured/<name>.yaml is merged from (`merged_measured`); None reads none."""
+    measured_dir: where a GPU's <name>.yaml is merged from (`merged_measured`; None: MEASURED_DIR)."""
     if not isinstance(profile, dict):
         raise ConfigError(f"hardware must be a mapping (a conf/hardware/*.yaml profile), got {type(profile).__name__}.")
     name = profile.get("name", "<unnamed>")
