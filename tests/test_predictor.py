@@ -146,6 +146,8 @@ def test_bad_predictor_inputs_raise_one_clear_error(marker_split):
                      profile.experts[: profile.offsets[2 * CV_FOLDS - 1]])
     with pytest.raises(ConfigError, match="needs at least 10 profile requests"):
         fit_dp("semmoe", few, dp_predictor="learned")
+    with pytest.raises(ConfigError, match="semmoe_paper scores requests with the paper's token tables"):
+        make_system("semmoe_paper", dp_predictor="learned")
     plan = fit_dp("semmoe", profile)
     with pytest.raises(ConfigError, match="comes with its fitted table"):
         SemMoEPlan(Placement.from_expert_device(plan.placement.expert_device(), 2), plan.parallel, plan.token_vocab,

@@ -750,7 +750,13 @@ class SemMoEPaper(SemMoE):
                 f"system=semmoe_paper places experts as the paper does; got expert_load_cap={params['expert_load_cap']}: "
                 "use system=semmoe for the load-capped placement."
             )
-        super().__init__(**{**params, "dp_scheduler": "paper", "dp_balance_weight": 0.0, "expert_load_cap": None})
+        if params.get("dp_predictor", "tables") != "tables":
+            raise ConfigError(
+                f"system=semmoe_paper scores requests with the paper's token tables; got dp_predictor="
+                f"{params['dp_predictor']!r}: use system=semmoe for the learned predictor."
+            )
+        super().__init__(**{**params, "dp_scheduler": "paper", "dp_balance_weight": 0.0, "expert_load_cap": None,
+                            "dp_predictor": "tables"})
 
 
 def check_semmoe_params(name: str, params: dict, own: tuple[str, ...] = ()) -> None:
