@@ -5,7 +5,8 @@
 #
 #   bash bench/gpu_all.sh [--dry-run] [--out DIR]        (or: make gpu-all)
 #
-# Steps, each under its own timeout (seconds; GPU_ALL_T_<STEP> overrides; 75 + 150 + 60 + 180 = 465 s of work):
+# Steps, each under its own timeout (seconds, x 3 in a dry run; GPU_ALL_T_<STEP> overrides; 75 + 150 + 60 + 180 =
+# 465 s of work):
 #   setup      (75)  import what the steps need; only if something is missing, pip install -e ".[dev]" (needs the
 #                    network; pyproject's torch>=2.4 keeps the machine's CUDA torch)
 #   tests      (150) the kernel tests compiled (TRITON_INTERPRET unset), pytest-xdist workers when installed
@@ -19,8 +20,6 @@
 # interpreted here), bench on the CPU references, gpu_check --dry-run (its rehearsal calibration file stays under
 # DIR). GPU_ALL_STEPS="setup calibrate" runs a subset (in that order).
 set -u
-cd "$(dirname "$0")/.."
-ROOT=$(pwd)
 DRY=0
 OUT=""
 usage="usage: bash bench/gpu_all.sh [--dry-run] [--out DIR]"
@@ -33,6 +32,9 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
+case "$OUT" in ""|/*) ;; *) OUT="$PWD/$OUT" ;; esac  # --out is relative to where the command was run
+cd "$(dirname "$0")/.." || exit 2
+ROOT=$(pwd)
 STEPS=${GPU_ALL_STEPS:-setup tests bench calibrate}
 for s in $STEPS; do
   case "$s" in setup|tests|bench|calibrate) ;; *)
@@ -47,6 +49,14 @@ elif [ -x .venv/bin/python ] && { [ $DRY = 1 ] || .venv/bin/python -c \
 else PY=python3; fi
 command -v "$PY" >/dev/null 2>&1 || { echo "bench/gpu_all.sh: no Python at '$PY'; set PYTHON=/path/to/python." >&2; exit 2; }
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+if [ $DRY = 0 ]; then  # a torch without CUDA is refused here; a missing torch is setup's to install
+  "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 3)" >/dev/null 2>&1
+  if [ $? = 3 ]; then
+    echo "bench/gpu_all.sh: torch in $PY sees no CUDA device; run it on a GPU machine (PYTHON=... picks another" \
+      "Python) or rehearse it with --dry-run." >&2
+    exit 2
+  fi
+fi
 
 if [ $DRY = 1 ]; then MACHINE=cpu-dry-run
 else
@@ -110,9 +120,11 @@ step_calibrate() {
 export PY DRY RESULTS KERNEL_TESTS IMPORTS
 export -f step_setup step_tests step_bench step_calibrate
 FAILED=0
+SLOW=$((DRY == 1 ? 3 : 1))
 for s in $STEPS; do
-  case "$s" in setup) t=${GPU_ALL_T_SETUP:-75} ;; tests) t=${GPU_ALL_T_TESTS:-150} ;;
-    bench) t=${GPU_ALL_T_BENCH:-60} ;; calibrate) t=${GPU_ALL_T_CALIBRATE:-180} ;; esac
+  # a dry run shares a small CPU with other work: three times the GPU machine's default timeouts
+  case "$s" in setup) t=${GPU_ALL_T_SETUP:-$((75 * SLOW))} ;; tests) t=${GPU_ALL_T_TESTS:-$((150 * SLOW))} ;;
+    bench) t=${GPU_ALL_T_BENCH:-$((60 * SLOW))} ;; calibrate) t=${GPU_ALL_T_CALIBRATE:-$((180 * SLOW))} ;; esac
   echo "== $s (timeout $t s) -> $RESULTS/$s.log"
   began=$(date +%s%N)
   # timeout signals the step's whole process group (pytest workers, all-to-all ranks) when the time is up
@@ -156,7 +168,7 @@ for line in Path(records).read_text().splitlines():
                   "timeout_s": int(timeout), "command": commands[name], "log": f"{name}.log", "files": files})
 manifest = {
     "machine": machine, "dry_run": dry == "1", "ok": failed == "0", "started_utc": started,
-    "finished_utc": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+    "finished_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
     "seconds": round(sum(s["seconds"] for s in steps), 1), "budget_s": 480,
     "host": platform.node(), "gpus": run("nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"),
     "commit": run("git", "rev-parse", "HEAD"), "dirty_files": len((run("git", "status", "--porcelain") or "").splitlines()),

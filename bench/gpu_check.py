@@ -2,6 +2,7 @@
 
     python -m bench.gpu_check --out DIR [--tokens 1024 4096 16384] [--dtypes bf16 fp16] [--measured-dir D]
                               [--name NAME] [--skip-correctness] [--dry-run]
+    python -m bench.gpu_check --tune --out DIR
 
 For each T and dtype, every contract kernel (the cases of bench.bench_kernels: Mixtral-shaped layer,
 DeepSeek-V3 routing, Sem-MoE shuffle) runs through Triton and through its torch reference on the same inputs;
@@ -33,6 +34,10 @@ here (the notes say whether it is installed); deepep_* stay on their formulas. A
 that this script did not write is never overwritten.
 --dry-run rehearses everything on the CPU (torch references, shapes / 64, 16 tokens, fp32, all-to-all on gloo with
 2 processes): the files say dry_run, are written under DIR only, and their numbers are not calibration.
+--tune times every CANDIDATE_TILES config of repro.kernels.grouped_gemm for each expert shape (bf16) and
+rows-per-expert bucket of its DEFAULT_TILES, keeps the fastest, and merges the result into
+repro/kernels/configs/<device>.json (vLLM's per-device JSON in spirit; entries for other shapes are kept), which
+the grouped GEMM then uses on that device (about a minute on an H200); then it exits.
 Exit status: 0 every check passed, 1 a check failed or raised, 2 no usable CUDA device or a bad command line.
 """
 
@@ -40,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import importlib.util
 import io
 import json
@@ -405,6 +411,45 @@ def write_measured_profile(path: Path, document: dict) -> None:
     atomic_write_text(path, header + yaml.safe_dump(document, sort_keys=False, default_flow_style=None, width=110))
 
 
+# a representative load (rows per expert) for each DEFAULT_TILES bucket of repro.kernels.grouped_gemm
+TUNE_ROWS_PER_EXPERT = {16: 8, 64: 48, 256: 192, 2**62: 1024}
+
+
+def tune_tiles(shapes: dict, dtype: torch.dtype, device: str) -> dict:
+    """{tuned_key: {bucket: [BM, BN, BK, GM, warps, stages]}}: per expert shape (name -> (H, I, E, k)) and
+    rows-per-expert bucket, the CANDIDATE_TILES config with the least median time of fused_experts over evenly
+    loaded experts (the file format repro.kernels.grouped_gemm.load_tuned reads)."""
+    from repro.kernels.grouped_gemm import CANDIDATE_TILES, fused_experts, tuned_key
+
+    cuda = device == "cuda"
+    table = {}
+    for hidden, inter, experts, _ in shapes.values():
+        g = torch.Generator().manual_seed(3)
+        w13 = (torch.randn(experts, 2 * inter, hidden, generator=g) / hidden**0.5).to(device, dtype)
+        w2 = (torch.randn(experts, hidden, inter, generator=g) / inter**0.5).to(device, dtype)
+        buckets = {}
+        for bucket, rows in TUNE_ROWS_PER_EXPERT.items():
+            x = torch.randn(rows * experts, hidden, generator=g).to(device, dtype)
+            offsets = torch.arange(experts + 1, device=device) * rows
+            call = functools.partial(fused_experts, x, offsets, w13, w2, backend="triton" if cuda else "torch",
+                                     validate=False)
+            ms = {tile: median_ms(functools.partial(call, config=tile), cuda, 0, 1) for tile in CANDIDATE_TILES}
+            buckets[str(bucket)] = list(min(ms, key=ms.get))
+        table[tuned_key(experts, hidden, inter, dtype)] = buckets
+    return table
+
+
+def write_tuned(path: Path, table: dict) -> None:
+    """Merge `table` into the tuned-config JSON at `path` (other shapes' entries kept), atomically."""
+    from repro.kernels.grouped_gemm import load_tuned
+
+    load_tuned.cache_clear()
+    load_tuned(path)  # an existing file must parse (ConfigError otherwise) before it is rewritten
+    previous = json.loads(path.read_text()) if path.is_file() else {}
+    atomic_write_text(path, json.dumps(previous | table, indent=1, sort_keys=True) + "\n")
+    load_tuned.cache_clear()
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, type=Path, help="directory for gpu_check.json and gpu_check.csv")
@@ -413,6 +458,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--measured-dir", type=Path, default=None,
                         help=f"where <name>.yaml goes for the simulator (default {MEASURED_DIR}; not in a dry run)")
     parser.add_argument("--name", default=None, help="hardware profile name (default: from the GPU model, e.g. h200)")
+    parser.add_argument("--tune", action="store_true",
+                        help="tune the grouped GEMM's tile per shape and bucket into repro/kernels/configs/, then exit")
     parser.add_argument("--skip-correctness", action="store_true",
                         help="only the baselines and the calibration (the kernel tests check correctness)")
     parser.add_argument("--dry-run", action="store_true",
@@ -420,6 +467,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if min(args.tokens) < SHUFFLE["ranks"]:
         parser.error(f"--tokens must be >= {SHUFFLE['ranks']} (a token per TP rank of the shuffle plan)")
+    if args.dry_run and args.tune:
+        parser.error("--tune times compiled kernels on a GPU; it has no dry run")
     if args.dry_run and args.measured_dir is not None:
         parser.error("--measured-dir is for GPU runs; a dry run writes its rehearsal file under --out/measured only")
     if args.name is not None and not re.fullmatch(r"[A-Za-z0-9_.-]+", args.name):
@@ -468,6 +517,15 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.perf_counter()
     device_name = torch.cuda.get_device_name()
+    if args.tune:
+        from repro.kernels.grouped_gemm import config_file
+
+        table = tune_tiles(EXPERT_SHAPES, torch.bfloat16, "cuda")
+        path = config_file(device_name)
+        write_tuned(path, table)
+        atomic_write_text(args.out / "tuned_tiles.json", json.dumps(table, indent=1) + "\n")
+        print(f"tuned {len(table)} shapes in {time.perf_counter() - started:.0f} s -> {path}")
+        return 0
     meta = {
         "device": device_name,
         "capability": ".".join(map(str, torch.cuda.get_device_capability())),

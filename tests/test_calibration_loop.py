@@ -169,6 +169,10 @@ def test_gpu_all_refuses_bad_arguments_and_a_used_folder(tmp_path):
     assert [p.name for p in used.iterdir()] == ["mine.txt"]
     done = gpu_all(tmp_path / "new", "setup nonsense")
     assert done.returncode == 2 and "unknown step 'nonsense'" in done.stderr and not (tmp_path / "new").exists()
+    if not torch.cuda.is_available():  # without --dry-run it needs a GPU, and says so before writing anything
+        done = subprocess.run(["bash", str(ROOT / "bench" / "gpu_all.sh"), "--out", str(tmp_path / "gpu")],
+                              capture_output=True, text=True, env=dict(os.environ, PYTHON=sys.executable))
+        assert done.returncode == 2 and "sees no CUDA device" in done.stderr and not (tmp_path / "gpu").exists()
 
 
 def test_bench_kernels_says_it_measured_references_only_on_a_cpu(monkeypatch):
@@ -180,3 +184,22 @@ def test_bench_kernels_says_it_measured_references_only_on_a_cpu(monkeypatch):
     result = bench_kernels.run(quick=True)
     assert result["measured"] == bench_kernels.REFERENCES_ONLY and result["triton"] == bench_kernels.NO_CUDA
     assert "baselines" not in result
+
+
+def test_tuned_tiles_merge_into_the_file_the_grouped_gemm_reads(tmp_path):
+    from bench.gpu_check import TUNE_ROWS_PER_EXPERT, tune_tiles, write_tuned
+    from repro.kernels.grouped_gemm import CANDIDATE_TILES, load_tuned, tuned_key
+
+    path = tmp_path / "NVIDIA_H200.json"
+    path.write_text(json.dumps({"E=1,H=16,I=16,dtype=bfloat16": {"16": [16, 32, 32, 1, 4, 3]}}))
+    # on the CPU the timings are the torch reference's (any tile wins); the format and the merge are the point
+    table = tune_tiles({"tiny": (32, 16, 2, 1)}, torch.float32, "cpu")
+    write_tuned(path, table)
+    tuned = load_tuned(path)
+    assert set(tuned) == {"E=1,H=16,I=16,dtype=bfloat16", tuned_key(2, 32, 16, torch.float32)}
+    assert set(tuned[tuned_key(2, 32, 16, torch.float32)]) == set(TUNE_ROWS_PER_EXPERT)
+    assert all(tile in CANDIDATE_TILES for tile in tuned[tuned_key(2, 32, 16, torch.float32)].values())
+    path.write_text("{not json")
+    with pytest.raises(ConfigError, match="is not valid"):
+        write_tuned(path, table)
+    assert path.read_text() == "{not json"
