@@ -103,7 +103,8 @@ def serving_panels(summary: pd.DataFrame) -> list[tuple[pd.Series, dict[str, pd.
     """[(first job's row, {system: its sim_per_rate table})] per experiment x shape x routing x workload x mode."""
     if "sim_shape" not in summary:
         return []
-    jobs = summary[summary["sim_shape"].notna()]
+    # paper_table2 sweeps the input length at one rate: its own table (repro.figures.table2), not a rate panel
+    jobs = summary[summary["sim_shape"].notna() & (summary["experiment"] != "paper_table2")]
     jobs = jobs[[Path(d, "sim_per_rate.csv").exists() for d in jobs["run_dir"]]]
     panels = []
     for _, group in jobs.groupby(PANEL, sort=True):

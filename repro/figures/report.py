@@ -24,6 +24,7 @@ from repro.figures.palette import series_style  # noqa: E402
 from repro.figures.paper import paper_section  # noqa: E402
 from repro.figures.render import FRACTIONS, markdown_table, metric_axis, save_png  # noqa: E402
 from repro.figures.replication import replication_section  # noqa: E402
+from repro.figures.table2 import table2_section  # noqa: E402
 from repro.figures.verdict import verdict_section  # noqa: E402
 
 # Hydra override keys (last dotted part) that a figure's panels and colours already tell apart; the others name a
@@ -365,6 +366,7 @@ def write_report(runs_dir: str | Path, out_dir: str | Path) -> Path:
     header = len(lines)  # the verdict goes here, computed last so its links find the sections below
     lines += tuned_section(Path(runs_dir))
     lines += paper_section(summary, out_dir)
+    lines += table2_section(summary, out_dir)
     lines += replication_section(summary, out_dir)
     lines += breakeven_section(runs_dir, out_dir, summary)
     for experiment, runs in summary.groupby("experiment", sort=True):
