@@ -20,8 +20,9 @@ Fair baselines (`expert_rows`, DeepSeek-V2-Lite / Qwen3-30B-A3B / Mixtral-8x7B e
 4,096 / 16,384 tokens, bf16): the Triton grouped GEMM against a bf16 cuBLAS per-expert loop (torch matmuls on
 the same sorted rows), the whole Triton layer (fused_moe, gathered rows, validate=False) against vLLM's
 fused_experts when vllm is importable (the row says so when not), each with TFLOP/s and the fraction of a dense
-cuBLAS GEMM pair of the same FLOPs (dense_ms / kernel_ms). Calibration (`measured_expert_gemm`): one expert's
-SwiGLU MLP through the Triton grouped GEMM at 1..16,384 rows, written as DIR/measured.json in the form of a
+cuBLAS GEMM pair of the same FLOPs (dense_ms / kernel_ms). Calibration (`measured_expert_gemm`): one Triton
+grouped-GEMM call over a rank's E / 8 experts at 1..16,384 rows each, divided by its experts (the simulator sums
+the table over a rank's slots, and the kernel launches once per rank), written as DIR/measured.json in the form of a
 hardware profile's `measured:` section ({"expert_gemm": {shape: [[tokens of one expert, seconds], ...]}}, what
 repro.sim.hardware reads), and as the calibration file the simulator merges: D/<name>.yaml (default
 conf/hardware/measured/<name>.yaml, name from the GPU model, e.g. h200; a copy in DIR/measured/) holding the
@@ -289,26 +290,36 @@ def expert_rows(tokens_list, dtype: torch.dtype, device: str, scale: int = 1) ->
     return rows
 
 
-def one_expert_ms(n: int, w13_12IH, w2_1HI, cuda: bool, generator: torch.Generator) -> float:
-    """Median ms of one expert's SwiGLU MLP over n rows (Triton on CUDA, the torch reference otherwise)."""
+def experts_ms(n: int, w13_E2IH, w2_EHI, cuda: bool, generator: torch.Generator) -> float:
+    """Median ms of one grouped call of all E experts' SwiGLU MLPs over n rows each (Triton on CUDA, the torch
+    reference otherwise)."""
     from repro.kernels.grouped_gemm import fused_experts
 
-    x = torch.randn(n, w2_1HI.shape[1], generator=generator).to(w13_12IH.device, w13_12IH.dtype)
-    offsets = torch.tensor([0, n], device=w13_12IH.device)
+    experts = w2_EHI.shape[0]
+    x = torch.randn(n * experts, w2_EHI.shape[1], generator=generator).to(w13_E2IH.device, w13_E2IH.dtype)
+    offsets = torch.arange(experts + 1, device=w13_E2IH.device) * n
     backend = "triton" if cuda else "torch"
-    return median_ms(lambda: fused_experts(x, offsets, w13_12IH, w2_1HI, backend=backend, validate=False), cuda, 1, 3)
+    return median_ms(lambda: fused_experts(x, offsets, w13_E2IH, w2_EHI, backend=backend, validate=False), cuda, 1, 3)
+
+
+# experts one rank of the 8-GPU profiles holds (E / 8): the slots one grouped-GEMM launch serves there
+CALIBRATION_RANKS = 8
 
 
 def measured_expert_gemm(dtype: torch.dtype, device: str, scale: int = 1, row_counts=CALIBRATION_ROWS) -> dict:
     """{"expert_gemm": {shape name: [[rows of one expert, seconds], ...]}}: the table repro.sim.hardware reads
-    from a hardware profile's `measured:` section."""
+    from a hardware profile's `measured:` section.
+
+    The simulator sums the table over a rank's expert slots, so one entry is a slot's share of one grouped call
+    over the E / 8 experts of a rank with n rows each (the call's time / its experts): the launch is paid once per
+    rank, not once per expert, as in the kernel."""
     tables = {}
-    for name, (hidden, inter, _, _) in EXPERT_SHAPES.items():
-        hidden, inter = hidden // scale, inter // scale
+    for name, (hidden, inter, experts, _) in EXPERT_SHAPES.items():
+        hidden, inter, local = hidden // scale, inter // scale, max(1, experts // CALIBRATION_RANKS)
         g = torch.Generator().manual_seed(1)
-        w13 = (torch.randn(1, 2 * inter, hidden, generator=g) / hidden**0.5).to(device, dtype)
-        w2 = (torch.randn(1, hidden, inter, generator=g) / inter**0.5).to(device, dtype)
-        tables[name] = [[n, one_expert_ms(n, w13, w2, device == "cuda", g) * 1e-3] for n in row_counts]
+        w13 = (torch.randn(local, 2 * inter, hidden, generator=g) / hidden**0.5).to(device, dtype)
+        w2 = (torch.randn(local, hidden, inter, generator=g) / inter**0.5).to(device, dtype)
+        tables[name] = [[n, experts_ms(n, w13, w2, device == "cuda", g) * 1e-3 / local] for n in row_counts]
     return {"expert_gemm": tables}
 
 
@@ -332,7 +343,7 @@ def launch_overhead(cuda: bool) -> dict:
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     w13 = (torch.randn(1, 128, 64, generator=g) / 8).to(device, dtype)
     w2 = (torch.randn(1, 64, 64, generator=g) / 8).to(device, dtype)
-    floor_ms = one_expert_ms(1, w13, w2, cuda, g)
+    floor_ms = experts_ms(1, w13, w2, cuda, g)
     x = torch.zeros(1, device=device)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     for _ in range(10):
@@ -364,8 +375,9 @@ def calibrate(name: str, device_label: str, cuda: bool, dtype: torch.dtype, scal
     notes: dict = {"device": device_label, "torch": str(torch.__version__)}
     try:
         measured |= measured_expert_gemm(dtype, device, scale, row_counts)
-        notes["expert_gemm"] = (f"one expert's SwiGLU MLP through the {'Triton' if cuda else 'torch reference'} "
-                                f"grouped GEMM, {str(dtype).removeprefix('torch.')}, median seconds per row count")
+        notes["expert_gemm"] = (f"per expert slot: one {'Triton' if cuda else 'torch reference'} grouped-GEMM call "
+                                f"over a rank's E / {CALIBRATION_RANKS} experts with n rows each / its experts, "
+                                f"{str(dtype).removeprefix('torch.')}, median")
         notes["expert_gemm_tflops"] = expert_tflops(measured["expert_gemm"], scale)
     except Exception as e:  # keep the other parts
         traceback.print_exc()
