@@ -1,7 +1,19 @@
 """Issue 18's bad-input audit of the config / CLI boundary, kept as a test: each bad value gets one ConfigError
 sentence that names the key (checked on the composed config, as the app composes it), refused before anything
 runs; a few cases end to end through `python -m repro.run` / `repro.tune` (exit 2, one `error:` line, nothing
-written)."""
+written).
+
+The audit's other rows live beside the code they test:
+- data loss: importer --out, concurrent trace writers and readers, SIGTERM temp files, bad weights and meta.json
+  types (test_safety_traces.py); staged job outputs killed at every rename, trace job-folder digests, strict
+  metrics.json, torchrun world size (test_safety_jobs.py); tiny-model cache races and cache-dir writability
+  (test_seed_exact.py); no orphan ranks after SIGKILL/SIGTERM of repro.exec (test_exec_kill.py); atomic figures,
+  corrupt metrics.json skipped, figures.diff on different traces (test_figures_robust.py);
+- seed exactness under a slowed clock and refused mismatching cache entries (test_seed_exact.py);
+- router: oversize ids, deep JSON, 413 / 408 / slow headers, --port (test_engines_router.py);
+- engines: plan/model shape, synthetic plans and tokenizers (test_engines_sglang.py, test_engines_vllm.py,
+  test_engines_bench_serving.py); W&B (test_tracking.py); figures a reviewer accepts (test_figures_style.py).
+"""
 
 import json
 import os
