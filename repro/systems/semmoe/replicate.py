@@ -22,6 +22,11 @@ synthetic DeepSeek-V2-Lite router under Attention-DP: r = 0 LAR 0.262 against va
 follows global hotness, so the co-clustered replicas equal the hottest ones within 0.002 LAR (0.3526 vs 0.3539);
 with token-level clusters (Attention-TP) they win (0.7108 vs 0.7055; tiny model 0.682 vs 0.673). Re-clustering
 the units after the replicas (replica_rounds) did not lower L there: round 0 was kept.
+
+`replica_choice="time"` (`time_replicas`) fills the slots greedily by a critical-path proxy instead (busiest
+device's expected expert load + a weight x remote activations per device). On the validate split by the time
+estimate (conf/system/semmoe_replicated.yaml) it tied the affinity choice in Attention-DP and lost in
+Attention-TP, where the locality the affinity replicas buy is what the time pays for; affinity stays the default.
 """
 
 from __future__ import annotations
