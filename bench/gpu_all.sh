@@ -3,7 +3,7 @@
 # compiled (bf16 included), the kernel benchmark and the GPU check with its calibration, within about 8 minutes,
 # and keep everything in one results folder.
 #
-#   bash bench/gpu_all.sh [--dry-run] [--out DIR]        (or: make gpu-all)
+#   bash bench/gpu_all.sh [--dry-run] [--out DIR] [--tar FILE.tar.gz]        (or: make gpu-all)
 #
 # Steps, each under its own timeout (seconds, x 3 in a dry run; GPU_ALL_T_<STEP> overrides; 75 + 150 + 60 + 180 =
 # 465 s of work):
@@ -18,21 +18,25 @@
 # manifest.json (machine, commit, each step's command, status, seconds, log), <step>.log and each step's files.
 # --dry-run rehearses every step on the CPU: imports only (no pip), tests collected but not run (Triton runs only
 # interpreted here), bench on the CPU references, gpu_check --dry-run (its rehearsal calibration file stays under
-# DIR). GPU_ALL_STEPS="setup calibrate" runs a subset (in that order).
+# DIR). GPU_ALL_STEPS="setup calibrate" runs a subset (in that order). --tar packs DIR into one archive at the end
+# (for a lent machine that hands back only a few files, e.g. --tar "$OUT/gpu_all.tar.gz").
 set -u
 DRY=0
 OUT=""
-usage="usage: bash bench/gpu_all.sh [--dry-run] [--out DIR]"
+TAR=""
+usage="usage: bash bench/gpu_all.sh [--dry-run] [--out DIR] [--tar FILE.tar.gz]"
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY=1 ;;
     --out) [ $# -ge 2 ] || { echo "bench/gpu_all.sh: --out needs a directory; $usage" >&2; exit 2; }; OUT=$2; shift ;;
+    --tar) [ $# -ge 2 ] || { echo "bench/gpu_all.sh: --tar needs a file name; $usage" >&2; exit 2; }; TAR=$2; shift ;;
     -h|--help) echo "$usage"; exit 0 ;;
     *) echo "bench/gpu_all.sh: unknown argument '$1'; $usage" >&2; exit 2 ;;
   esac
   shift
 done
-case "$OUT" in ""|/*) ;; *) OUT="$PWD/$OUT" ;; esac  # --out is relative to where the command was run
+case "$OUT" in ""|/*) ;; *) OUT="$PWD/$OUT" ;; esac  # --out and --tar are relative to where the command was run
+case "$TAR" in ""|/*) ;; *) TAR="$PWD/$TAR" ;; esac
 cd "$(dirname "$0")/.." || exit 2
 ROOT=$(pwd)
 STEPS=${GPU_ALL_STEPS:-setup tests bench calibrate}
@@ -181,4 +185,8 @@ os.remove(records)
 print(f"manifest -> {results / 'manifest.json'}: " + ", ".join(f"{s['step']} {s['status']}" for s in steps)
       + f"; {manifest['seconds']} s")
 EOF
+if [ -n "$TAR" ]; then
+  tar -czf "$TAR" -C "$(dirname "$RESULTS")" "$(basename "$RESULTS")" && echo "archive -> $TAR" \
+    || { echo "bench/gpu_all.sh: could not write the archive $TAR" >&2; FAILED=1; }
+fi
 exit $FAILED

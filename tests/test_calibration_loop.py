@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -133,17 +134,17 @@ def test_a2a_measurement_on_gloo_gives_a_table_the_simulator_takes():
     hardware_module._table(table, "a2a")  # the form load_hardware accepts
 
 
-def gpu_all(out: Path, steps: str, **env) -> subprocess.CompletedProcess:
+def gpu_all(out: Path, steps: str, *extra: str, **env) -> subprocess.CompletedProcess:
     environment = dict(os.environ, PYTHON=sys.executable, GPU_ALL_STEPS=steps, **env)
     environment.pop("TRITON_INTERPRET", None)
-    return subprocess.run(["bash", str(ROOT / "bench" / "gpu_all.sh"), "--dry-run", "--out", str(out)],
+    return subprocess.run(["bash", str(ROOT / "bench" / "gpu_all.sh"), "--dry-run", "--out", str(out), *extra],
                           capture_output=True, text=True, env=environment, timeout=400)
 
 
 @pytest.mark.slow  # ~25 s alone, minutes when the shared machine is loaded; the full dry run is `make gpu-all-dry`
 def test_gpu_all_dry_run_keeps_results_after_a_failed_step(tmp_path):
     out = tmp_path / "results"
-    done = gpu_all(out, "bench calibrate", GPU_ALL_T_BENCH="1")
+    done = gpu_all(out, "bench calibrate", "--tar", str(tmp_path / "all.tar.gz"), GPU_ALL_T_BENCH="1")
     assert done.returncode == 1, done.stdout + done.stderr
     manifest = json.loads((out / "manifest.json").read_text())
     steps = {s["step"]: s for s in manifest["steps"]}
@@ -156,6 +157,8 @@ def test_gpu_all_dry_run_keeps_results_after_a_failed_step(tmp_path):
     assert set(hw.calibrated_parts) == {"kernel_floor", "a2a.nccl.dispatch", "a2a.nccl.combine"} | {
         f"expert_gemm.{name}" for name in ("deepseek_v2_lite", "qwen3_30b_a3b", "mixtral_8x7b")}
     assert not (ROOT / "conf" / "hardware" / "measured" / "cpu_dry_run.yaml").exists()
+    with tarfile.open(tmp_path / "all.tar.gz") as archive:
+        assert "results/manifest.json" in archive.getnames()
 
 
 def test_gpu_all_refuses_bad_arguments_and_a_used_folder(tmp_path):
