@@ -98,6 +98,19 @@ def test_bisection_converges_on_a_monotone_toy(capacity):
     assert near["low"] <= capacity < near["high"] and len(near["probes"]) <= 5
 
 
+def test_rules_bisected_on_one_lattice_share_probes():
+    """Two rules crossing at 1,050 and 1,100 req/s, bisected from the grid bracket [1000, 2000] with midpoints on
+    the lattice 100 x 1.02^k: every probe is a lattice rate, and the second rule asks rates the first asked."""
+    grid = np.array([100.0, 1000.0, 2000.0])
+    first = bisect_rate(lambda r: r <= 1050, grid, 0.02, lattice=100.0)
+    second = bisect_rate(lambda r: r <= 1100, grid, 0.02, lattice=100.0)
+    lattice_k = np.log(np.array(first["probes"][3:] + second["probes"][3:]) / 100.0) / np.log1p(0.02)
+    np.testing.assert_allclose(lattice_k, np.round(lattice_k), atol=1e-9)
+    assert len(set(first["probes"]) & set(second["probes"]) - set(grid)) >= 2
+    for found, crossing in ((first, 1050), (second, 1100)):
+        assert found["low"] <= crossing < found["high"] <= found["low"] * 1.02 * (1 + 1e-9)
+
+
 def test_bisection_refuses_a_bad_grid():
     with pytest.raises(ConfigError, match="ascending rates > 0"):
         bisect_rate(lambda r: True, np.array([10.0, 5.0]), 0.01)
@@ -229,6 +242,9 @@ def test_ratio_interval_of_paired_seeds():
     dropped = ratio_interval([1.0, 2.0, 3.0], [0.0, 1.0, 1.0])  # a zero denominator gives no ratio
     assert dropped["n"] == 2 and dropped["ratios"] == [2.0, 3.0]
     assert np.isnan(ratio_interval([1.0], [2.0])["low"])
+    # rates on the same bisection lattice steps: the t-interval alone would be zero wide; the resolution is not
+    steps = ratio_interval([102.0, 102.0, 102.0], [100.0, 100.0, 100.0], resolution=0.02)
+    assert steps["mean"] == pytest.approx(1.02) and steps["low"] == pytest.approx(1.0) and steps["high"] == pytest.approx(1.02 * 1.02)
     with pytest.raises(ConfigError, match="one length"):
         ratio_interval([1.0, 2.0], [1.0])
 

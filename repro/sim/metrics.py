@@ -220,10 +220,12 @@ def throughput_under_slo(per_rate: pd.DataFrame, latency: str, stat: str, slo: f
 
 
 def bisect_rate(meets: Callable[[float], bool], grid: np.ndarray, rel_tol: float, start: int = 0,
-                max_probes: int = 64) -> dict:
+                max_probes: int = 64, lattice: float | None = None) -> dict:
     """The highest rate meeting an SLO rule, to a relative tolerance: walk the ascending `grid` from index `start`
     to a bracket (a meeting grid rate next to a failing one), then bisect it geometrically until
-    high / low - 1 <= rel_tol. meets(rate) runs (or looks up) one simulation.
+    high / low - 1 <= rel_tol. meets(rate) runs (or looks up) one simulation. With `lattice` (a rate), each
+    midpoint snaps to the nearest lattice * (1 + rel_tol)^k strictly inside the bracket, so that bisections of
+    several rules probe the same rates and share their runs.
 
     Returns {"low": highest rate seen to meet (0.0 when even grid[0] fails), "high": lowest rate seen to fail
     above it (inf when even grid[-1] meets: not bracketed), "bracketed": bool, "probes": rates asked in order}.
@@ -255,6 +257,10 @@ def bisect_rate(meets: Callable[[float], bool], grid: np.ndarray, rel_tol: float
         low, high = float(grid[i - 1]), float(grid[i])
     while high / low - 1 > rel_tol * (1 + 1e-9) and len(probes) < max_probes:  # a ladder step is one tolerance
         middle = float(np.sqrt(low * high))
+        if lattice is not None:
+            step = np.log1p(rel_tol)
+            snapped = float(lattice * np.exp(step * np.round(np.log(middle / lattice) / step)))
+            middle = snapped if low < snapped < high else middle
         if ask(middle):
             low = middle
         else:
@@ -262,19 +268,24 @@ def bisect_rate(meets: Callable[[float], bool], grid: np.ndarray, rel_tol: float
     return {"low": low, "high": high, "bracketed": True, "probes": probes}
 
 
-def ratio_interval(numerator_S, denominator_S, confidence: float = 0.95) -> dict:
+def ratio_interval(numerator_S, denominator_S, confidence: float = 0.95, resolution: float = 0.0) -> dict:
     """Paired ratio of two systems' per-seed values (same seed = same arrivals and requests): the mean of the
-    per-seed ratios and its Student-t interval at `confidence`.
+    per-seed ratios and its Student-t interval at `confidence`, widened by `resolution`.
 
-    numerator_S, denominator_S: float[S] (S >= 2 for an interval). Returns {"mean", "low", "high", "n",
-    "ratios": list}; a seed whose denominator is 0 gives no ratio (it is left out and n says how many remain);
-    NaN bounds when fewer than 2 ratios remain.
+    numerator_S, denominator_S: float[S] (S >= 2 for an interval). resolution: the relative width each value is
+    known to (bisection's rel_tol: the true crossing lies within a factor 1 + rel_tol above the rate found), so
+    the interval becomes [low / (1 + resolution), high x (1 + resolution)]; without it, seeds whose rates land
+    on the same lattice steps would give a zero-width interval. Returns {"mean", "low", "high", "n", "ratios":
+    list}; a seed whose denominator is 0 gives no ratio (left out; n says how many remain); NaN bounds when
+    fewer than 2 ratios remain.
     """
     num, den = np.asarray(numerator_S, dtype=np.float64), np.asarray(denominator_S, dtype=np.float64)
     if num.shape != den.shape or num.ndim != 1:
         raise ConfigError(f"ratio_interval needs two per-seed value lists of one length, got {num.shape} and {den.shape}.")
     if not 0 < confidence < 1:
         raise ConfigError(f"ratio_interval's confidence must be in (0, 1), got {confidence!r}.")
+    if not resolution >= 0:
+        raise ConfigError(f"ratio_interval's resolution must be >= 0, got {resolution!r}.")
     keep = (den != 0) & np.isfinite(num) & np.isfinite(den)
     ratios = num[keep] / den[keep]
     n = len(ratios)
@@ -282,4 +293,5 @@ def ratio_interval(numerator_S, denominator_S, confidence: float = 0.95) -> dict
     if n < 2:
         return {"mean": mean, "low": float("nan"), "high": float("nan"), "n": n, "ratios": ratios.tolist()}
     half = scipy_stats.t.ppf(0.5 + confidence / 2, n - 1) * ratios.std(ddof=1) / np.sqrt(n)
-    return {"mean": mean, "low": float(mean - half), "high": float(mean + half), "n": n, "ratios": ratios.tolist()}
+    return {"mean": mean, "low": float((mean - half) / (1 + resolution)), "high": float((mean + half) * (1 + resolution)),
+            "n": n, "ratios": ratios.tolist()}
