@@ -226,6 +226,7 @@ def test_the_report_opens_with_the_verdict_and_every_link_lands_on_a_section(tmp
     anchors = dict(links)
     assert anchors["R8"] == "experiment-cross_dataset"  # GitHub's slug of "Experiment `cross_dataset`"
     assert anchors["R2"].startswith("token-expert-affinity") and anchors["R2"] in ids
+    assert anchors["R5"].startswith("table-2-attention-tp-latency")  # repro.figures.table2's section, where R5 is read
     csv = pd.read_csv(tmp_path / "figs" / "verdict.csv", keep_default_na=False)
     claims = csv[csv["part"] == ""]
     assert claims["claim"].tolist() == [f"R{i}" for i in range(1, 10)]

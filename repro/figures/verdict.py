@@ -129,7 +129,7 @@ CLAIMS = (
           "/ Sem-MoE - 1)",
           "reduction vs the best baseline: reproduced if > 0 and within a factor 2 of the paper's; partly if > 0; "
           "non-paper routing at most partly",
-          ("Table 2",), "`python -m repro.run -m experiment=paper_table2`", ("routing",)),
+          ("Table 2: Attention-TP latency",), "`python -m repro.run -m experiment=paper_table2`", ("routing",)),
     Claim("R6", "Attention-TP single-layer LAR gain and lower expert-layer latency (Fig. 5a)",
           "LAR +37 % / +43 %, MoE-layer latency -41.8 % / -46.6 % (DeepSeek-V2-Lite / Qwen3)",
           "gain > 0 and within a factor 1.5 of the paper's (LAR: better of points / relative reading): reproduced; "
