@@ -164,3 +164,11 @@ def test_bound_and_hindsight_plans_carry_the_time_objective():
     assert timed["expert_load_imbalance_max_mean"] < plain["expert_load_imbalance_max_mean"]
     with pytest.raises(ConfigError, match="expert_load_cap must be null / 0"):
         make_system("fit_assign", expert_load_cap=0.5)
+    # system=fit_assign_time: the time variant as a named hindsight reference (tight token balance + load cap)
+    reference = make_system("fit_assign_time")
+    assert (reference.kind, reference.token_balance, reference.expert_load_cap) == ("hindsight", 1.02, 1.05)
+    timed_ref = summary("fit_assign_time")
+    lengths = np.diff(trace.offsets)
+    # at most one request past the cap (the rounding's documented worst case)
+    assert timed_ref["plan_oracle_token_imbalance_fit"] <= 1.02 + lengths.max() / (lengths.sum() / 4) + 1e-9
+    assert timed_ref["plan_oracle_expert_load_cap"] == 1.05 and timed_ref["time_estimate_s"] > 0

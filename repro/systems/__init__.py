@@ -30,6 +30,7 @@ REGISTRY: dict[str, str] = {
     "token_oracle": "repro.systems.oracle:TokenOracle",
     "dp_bound": "repro.systems.dp_bound:DPBound",
     "fit_assign": "repro.systems.fit_assign:FitAssign",
+    "fit_assign_time": "repro.systems.fit_assign:FitAssignTime",  # its time variant (token balance + load cap)
 }
 
 
