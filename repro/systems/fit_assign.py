@@ -284,7 +284,7 @@ class FitAssignTime(FitAssign):
     the expert-load post-pass after each re-placement (cap 1.05, semmoe's default). Against the LAR-objective
     fit_assign (token_balance 1.3, no cap) on the evaluate split (synthetic DeepSeek-V2-Lite mmlu/arena, replay_olmoe
     mmlu/arena, replay_mixtral mmlu; EP 4/8; Attention-DP): time / ep 0.62-0.98 vs 0.77-1.21; token_balance 1.1 was
-    slower at all 10 points. It is a reference, not a ceiling: online semmoe came within 0.5-5 % of it and beat it
+    slower at all 10 points. It is a reference, not a ceiling: online semmoe came within 0-8 % of it and beat it
     at 2 points (its token balance is tighter)."""
 
     name = "fit_assign_time"
