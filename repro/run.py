@@ -62,7 +62,7 @@ def job_finished(out_dir: Path, config: dict, digests: dict) -> bool:
 # not write again, so a finished job never mixes two runs (say an old sim_per_rate.csv beside new metrics).
 JOB_OUTPUTS = (
     "plan", "per_layer.csv", "traffic.npy", "expert_load.npy", "token_load.npy", "activation_map.npz",
-    "request_activations.npz", "affinity_stats.csv", "config.yaml", "sim_per_rate.csv", "sim_per_layer.csv",
+    "request_activations.npz", "affinity_stats.csv", "config.yaml", "sim_per_rate.csv", "sim_per_layer.csv", "sim_probes.csv",
     "exec_per_layer.csv", "exec_per_rank.csv",
 )
 # Staging folders start with "." (figures' rglob("metrics.json") finds none there: metrics.json is never staged)
@@ -395,7 +395,7 @@ def tracked_job(config: dict, out_dir: Path, tracking: JobRun) -> dict | None:
                            np.random.default_rng(config["seed"]), progress=True)
             summary.update({k: v for k, v in sim.summary.items() if k != "warnings"})
             summary["warnings"] = summary.get("warnings", []) + sim.summary["warnings"]
-            sim_tables = {"sim_per_rate": sim.per_rate, "sim_per_layer": sim.per_layer}
+            sim_tables = sim.tables
         metrics_text(summary, config)  # a non-finite metric fails before W&B sees it
         write_job_outputs(staging, config, profile, evaluation, result, plan, sim_tables)
         # W&B logs from the staging folder before anything is published: if tracking fails, nothing is
