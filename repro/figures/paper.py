@@ -99,6 +99,15 @@ def config_line(row: pd.Series) -> str:
             f"decode routing {row['sim_decode_routing']}); routing: {routing_note(row['run_dir'])}; {timing}.")
 
 
+def rate_grid(per_rate: pd.DataFrame) -> pd.DataFrame:
+    """The swept rates of a sim_per_rate table: a steady-state table holds one row per run (every seed, bisection
+    probes and the SLO reference); the figures' curves are seed 0's light-load reference and grid rates."""
+    if "role" not in per_rate:
+        return per_rate
+    grid = per_rate[(per_rate["seed"] == per_rate["seed"].min()) & per_rate["role"].isin(["reference", "grid"])]
+    return grid.sort_values("rate", kind="stable").reset_index(drop=True)
+
+
 def serving_panels(summary: pd.DataFrame) -> list[tuple[pd.Series, dict[str, pd.DataFrame]]]:
     """[(first job's row, {system: its sim_per_rate table})] per experiment x shape x routing x workload x mode."""
     if "sim_shape" not in summary:
@@ -111,7 +120,8 @@ def serving_panels(summary: pd.DataFrame) -> list[tuple[pd.Series, dict[str, pd.
         group = group[group["system"].isin(SYSTEMS)].drop_duplicates("system")
         if len(group):
             order = sorted(group.index, key=lambda i: SYSTEMS.index(group.at[i, "system"]))
-            tables = {group.at[i, "system"]: pd.read_csv(Path(group.at[i, "run_dir"], "sim_per_rate.csv")) for i in order}
+            tables = {group.at[i, "system"]: rate_grid(pd.read_csv(Path(group.at[i, "run_dir"], "sim_per_rate.csv")))
+                      for i in order}
             panels.append((group.loc[order[0]], tables))
     return panels
 
@@ -335,7 +345,9 @@ def _ratio_sentence(one: pd.DataFrame, shape: str) -> str:
 def _mean_prompt_len(per_rate: pd.DataFrame) -> float:
     """Mean prompt tokens per request, recovered from the per-rate token throughputs."""
     r = per_rate.iloc[0]
-    return float((r["total_tok_s"] - r["output_tok_s"]) * r["makespan_s"] / r["num_requests"])
+    # token rates are over the measurement window where the table has one (steady state), else over the makespan
+    seconds = r["window_end_s"] - r["window_start_s"] if "window_end_s" in r else r["makespan_s"]
+    return float((r["total_tok_s"] - r["output_tok_s"]) * seconds / r["num_requests"])
 
 
 def table2_tp_latency(summary: pd.DataFrame, out_dir: Path) -> list[str]:
