@@ -37,7 +37,7 @@ import numpy as np
 import scipy.sparse as sp
 from scipy.optimize import Bounds, LinearConstraint, linprog
 
-from repro.errors import ConfigError, ReproError
+from repro.errors import ConfigError, ReproError, SolverError
 from repro.parallel import ParallelConfig
 from repro.systems.base import Placement, Plan
 from repro.systems.milp import solve_milp
@@ -104,14 +104,20 @@ def token_balanced_assign(score: np.ndarray, length: np.ndarray, capacity: float
         ])
         constraints = [LinearConstraint(pick, 1.0, 1.0), LinearConstraint(fill, -np.inf, left)]
         integrality = np.concatenate([np.ones(num_y, dtype=np.int8), [0]])
-        # a finite bound on the overflow (any rounding stays below it): HiGHS reported a "Solve error" on tiny
-        # instances with z unbounded
+        # HiGHS has reported a "Solve error" on some tiny instances with z unbounded and on others with z bounded
+        # by `most` (any rounding's overflow stays below it): the same problem is tried in both forms
         most = float(length[fractional].sum() + max(0.0, -left.min()))
-        least = solve_milp(
-            np.concatenate([np.zeros(num_y), [1.0]]), constraints, integrality,
-            Bounds(np.zeros(num_y + 1), np.concatenate([np.ones(num_y), [most]])),
-            time_limit=60.0, mip_rel_gap=1e-9, what=f"{what} (rounding overflow)",
-        ).objective
+        for z_bound in (np.inf, most):
+            try:
+                least = solve_milp(
+                    np.concatenate([np.zeros(num_y), [1.0]]), constraints, integrality,
+                    Bounds(np.zeros(num_y + 1), np.concatenate([np.ones(num_y), [z_bound]])),
+                    time_limit=60.0, mip_rel_gap=1e-9, what=f"{what} (rounding overflow)",
+                ).objective
+                break
+            except SolverError:
+                if z_bound == most:
+                    raise
         result = solve_milp(
             np.concatenate([-(score[fractional] / scale).ravel(), [0.0]]), constraints, integrality,
             Bounds(np.zeros(num_y + 1), np.concatenate([np.ones(num_y), [least + 1e-6]])),
