@@ -53,6 +53,14 @@ def with_experts(trace, experts):
                       request_ids=trace.request_ids, request_labels=trace.request_labels)
 
 
+def requests_rerouted(trace, requests):
+    """The same tokens with every expert of `requests` shifted by 5 (mod E): their routing changed, the rest kept."""
+    rows = np.concatenate([np.arange(trace.offsets[r], trace.offsets[r + 1]) for r in requests])
+    experts = np.array(trace.experts)
+    experts[rows] = (experts[rows] + 5) % trace.meta.num_experts
+    return with_experts(trace, experts)
+
+
 def scrambled(trace, from_layer, seed=1):
     """The same tokens with the routing of layers >= from_layer replaced by random distinct experts."""
     rng = np.random.default_rng(seed)
@@ -264,12 +272,6 @@ def test_the_app_fits_the_learned_predictor_on_the_profile_only(tmp_path):
     trace = read_trace(trace_dir, mmap=False)
     split = request_split(config, trace.num_requests)
 
-    def moved(requests):
-        rows = np.concatenate([np.arange(trace.offsets[r], trace.offsets[r + 1]) for r in requests])
-        experts = np.array(trace.experts)
-        experts[rows] = (experts[rows] + 5) % trace.meta.num_experts
-        return with_experts(trace, experts)
-
     def fitted_plan(routing):
         profile, evaluation = build_traces(config)
         if routing is not None:
@@ -282,8 +284,8 @@ def test_the_app_fits_the_learned_predictor_on_the_profile_only(tmp_path):
     plan, ranks = fitted_plan(None)
     assert plan.dp_predictor == "learned"
     unseen = np.concatenate([split.validate, split.evaluate])
-    plan_moved, ranks_moved = fitted_plan(moved(unseen))
+    plan_moved, ranks_moved = fitted_plan(requests_rerouted(trace, unseen))
     np.testing.assert_array_equal(plan_moved.learned_table, plan.learned_table)
     np.testing.assert_array_equal(ranks_moved, ranks)
-    plan_profile, _ = fitted_plan(moved(split.profile))
+    plan_profile, _ = fitted_plan(requests_rerouted(trace, split.profile))
     assert not np.array_equal(plan_profile.learned_table, plan.learned_table)

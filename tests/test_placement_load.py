@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from test_honesty import fitted, routed_trace, with_experts
+from test_honesty import fitted, requests_rerouted, routed_trace
 from test_run import compose, synthetic_trace_dir
 
 from repro.errors import ConfigError
@@ -107,12 +107,6 @@ def test_the_capped_placement_reads_the_profile_split_only(tmp_path, attention):
     config = compose(*overrides)
     split = request_split(config, trace.num_requests)
 
-    def changed(requests):
-        rows = np.concatenate([np.arange(trace.offsets[r], trace.offsets[r + 1]) for r in requests])
-        experts = np.array(trace.experts)
-        experts[rows] = (experts[rows] + 5) % trace.meta.num_experts
-        return with_experts(trace, experts)
-
     def placement(routing):
         profile, evaluation = build_traces(config)
         if routing is not None:
@@ -122,8 +116,8 @@ def test_the_capped_placement_reads_the_profile_split_only(tmp_path, attention):
         return plan.placement.physical_to_logical
 
     base = placement(None)
-    np.testing.assert_array_equal(placement(changed(np.concatenate([split.validate, split.evaluate]))), base)
-    assert not np.array_equal(placement(changed(split.profile)), base)
+    np.testing.assert_array_equal(placement(requests_rerouted(trace, np.concatenate([split.validate, split.evaluate]))), base)
+    assert not np.array_equal(placement(requests_rerouted(trace, split.profile)), base)
 
 
 def test_the_cap_is_semmoes_configured_default_and_the_paper_placement_stays_selectable():
