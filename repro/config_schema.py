@@ -202,6 +202,7 @@ HARDWARE = {  # the top-level numbers; the simulator's (read by the time estimat
     "devices_per_node": integer(1),
     "gemm_tile_tokens": integer(1),
     "measured": OPTIONAL_MAPPING,
+    "alternatives": OPTIONAL_MAPPING,  # validated by load_hardware (calibration_alternatives)
 }
 LOGGER = {
     "name": text(("none", "wandb")),
@@ -233,7 +234,8 @@ SIM = {  # the numbers check_sim_config compares (it owns the keys, choices and 
     "max_batched_tokens": integer(1),
     "max_running_requests": integer(1),
     "max_block_iterations": integer(1),
-    "iteration_overhead_us": number(0),
+    "iteration_overhead_us": number(0, null=True),
+    "calibration": text(),
     "kv_capacity_tokens": integer(1, null=True),
     "slo": MAPPING,
 }
@@ -432,7 +434,7 @@ def check_hardware(hardware: dict) -> None:
             path = f"{prefix}{key}"
             if path not in known:
                 raise ConfigError(f"hardware has no key {path!r}; a profile's keys are those of conf/hardware/h200.yaml.")
-            if isinstance(value, dict) and path != "measured":
+            if isinstance(value, dict) and path not in ("measured", "alternatives"):
                 walk(value, path + ".")
 
     walk(hardware, "")

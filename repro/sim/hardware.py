@@ -7,10 +7,17 @@ the effective bandwidth of each link level, and the per-message half-bandwidth s
 `measured` tables (from repro/exec benchmarks or a GPU) override the formulas where given; `calibrated_parts`
 says which. Every number's source is a comment in the YAML file. A GPU's own measurements, written by
 `make gpu-check` as conf/hardware/measured/<name>.yaml, merge into the `measured` of the profile of that name.
+
+Calibration alternatives: where the published sources leave a number open (is DeepEP's low-latency mode bound by
+NVLink or by the NIC inside a node? how much does a call cost at 1-128 tokens? how much host time does an
+iteration add?), a profile lists the other readings under `alternatives:`, each {source: why and from where,
+set: {dotted field: value}}. `load_hardware(profile, alternative=name)` prices with one of them (`published`,
+the default, is the profile as written), so a result can be reported under each (sim.calibration).
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,11 +27,12 @@ import yaml
 from repro.errors import ConfigError
 
 BACKENDS = ("nccl", "deepep_normal", "deepep_low_latency")
+PUBLISHED = "published"  # the calibration alternative that is the profile as written
 PHASE_FIELDS = ("latency_us", "peer_half_kb", "nvlink_gbps", "rdma_gbps")
 REQUIRED = (
     "name", "nodes", "devices_per_node", "gpu.bf16_tflops", "gpu.hbm_gbps", "gpu.hbm_gb", "efficiency.gemm",
     "efficiency.attention", "efficiency.memory", "gemm_tile_tokens", "kernel_floor_us", "memory_fraction", "collective.latency_us",
-    "collective.nvlink_gbps", "collective.rdma_gbps",
+    "collective.nvlink_gbps", "collective.rdma_gbps", "iteration_overhead_us",
 ) + tuple(
     f"a2a.{b}.{key}" for b in BACKENDS for key in ("dispatch_bytes_per_element", "combine_bytes_per_element",
                                                    "token_header_bytes")
@@ -71,12 +79,14 @@ class Hardware:
     memory_fraction: float
     gemm_tile_tokens: int
     kernel_floor: float  # seconds: the least any modelled kernel with work takes (launch + ramp + tail)
+    iteration_overhead: float  # seconds of host time (scheduling, launches) added to every engine iteration
     collective_latency: float
     collective_nvlink: float
     collective_rdma: float
     backends: dict
     measured_expert_gemm: dict  # shape name -> float64[n, 2] (tokens of one expert, seconds)
     calibrated_parts: tuple[str, ...]
+    calibration: str = PUBLISHED  # which of the profile's calibration alternatives priced this
 
     @property
     def num_devices(self) -> int:
@@ -131,13 +141,57 @@ def merged_measured(profile: dict, directory: Path | None = None) -> dict:
     return merged
 
 
-def load_hardware(profile: dict, measured_dir: Path | None = None) -> Hardware:
+def calibration_alternatives(profile: dict) -> dict[str, dict]:
+    """{name: {"source": str, "set": {dotted field: number}}} of the profile's `alternatives` (validated; empty when
+    none); `published` (the profile as written) is implied and may not be redefined."""
+    found = profile.get("alternatives") or {}
+    name = profile.get("name", "<unnamed>")
+    if not isinstance(found, dict):
+        raise ConfigError(f"hardware profile {name!r}: alternatives must map a name to {{source, set}}, got {found!r}.")
+    for alt, spec in found.items():
+        where = f"hardware profile {name!r} alternative {alt!r}"
+        if alt == PUBLISHED:
+            raise ConfigError(f"{where}: {PUBLISHED!r} is the profile as written; give the alternative another name.")
+        if not isinstance(spec, dict) or set(spec) != {"source", "set"} or not isinstance(spec["source"], str) \
+                or not spec["source"].strip() or not isinstance(spec["set"], dict) or not spec["set"]:
+            raise ConfigError(f"{where} must be {{source: where its numbers come from, set: {{field: value}}}}, got {spec!r}.")
+        for dotted, value in spec["set"].items():
+            if dotted not in REQUIRED or dotted == "name":
+                raise ConfigError(f"{where} sets {dotted!r}, which is not a numeric field of a profile (those of conf/hardware/h200.yaml).")
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ConfigError(f"{where} sets {dotted} to {value!r}; it must be a number.")
+    return found
+
+
+def with_alternative(profile: dict, alternative: str) -> dict:
+    """A copy of the profile with calibration alternative `alternative`'s fields set (`published`: unchanged)."""
+    found = calibration_alternatives(profile)
+    if alternative == PUBLISHED:
+        return profile
+    if alternative not in found:
+        raise ConfigError(
+            f"hardware profile {profile.get('name', '<unnamed>')!r} has no calibration alternative {alternative!r}; "
+            f"it has {[PUBLISHED, *found]}."
+        )
+    out = copy.deepcopy(profile)
+    for dotted, value in found[alternative]["set"].items():
+        *parents, leaf = dotted.split(".")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return out
+
+
+def load_hardware(profile: dict, measured_dir: Path | None = None, alternative: str = PUBLISHED) -> Hardware:
     """Validate a hardware profile dict; a missing or non-positive field is one ConfigError naming it.
 
-    measured_dir: where a GPU's <name>.yaml is merged from (`merged_measured`; None: MEASURED_DIR)."""
+    measured_dir: where a GPU's <name>.yaml is merged from (`merged_measured`; None: MEASURED_DIR). alternative: the
+    calibration alternative to price with (`with_alternative`)."""
     if not isinstance(profile, dict):
         raise ConfigError(f"hardware must be a mapping (a conf/hardware/*.yaml profile), got {type(profile).__name__}.")
     name = profile.get("name", "<unnamed>")
+    profile = with_alternative(profile, alternative)
     for dotted in REQUIRED:
         try:
             value = _get(profile, dotted)
@@ -147,7 +201,7 @@ def load_hardware(profile: dict, measured_dir: Path | None = None) -> Hardware:
                 "conf/hardware/h200.yaml lists."
             ) from None
         if dotted != "name" and (not isinstance(value, int | float) or value < 0 or (value == 0 and not dotted.endswith(
-                ("latency_us", "peer_half_kb", "token_header_bytes", "rdma_gbps", "kernel_floor_us")))):
+                ("latency_us", "peer_half_kb", "token_header_bytes", "rdma_gbps", "kernel_floor_us", "iteration_overhead_us")))):
             raise ConfigError(f"hardware profile {name!r}: {dotted} must be a positive number, got {value!r}.")
     measured = merged_measured(profile, measured_dir)
     parts: list[str] = []
@@ -191,12 +245,14 @@ def load_hardware(profile: dict, measured_dir: Path | None = None) -> Hardware:
         memory_fraction=float(profile["memory_fraction"]),
         gemm_tile_tokens=int(profile["gemm_tile_tokens"]),
         kernel_floor=kernel_floor_us * 1e-6,
+        iteration_overhead=profile["iteration_overhead_us"] * 1e-6,
         collective_latency=profile["collective"]["latency_us"] * 1e-6,
         collective_nvlink=profile["collective"]["nvlink_gbps"] * 1e9,
         collective_rdma=profile["collective"]["rdma_gbps"] * 1e9,
         backends=backends,
         measured_expert_gemm=expert_tables,
         calibrated_parts=tuple(parts),
+        calibration=alternative,
     )
 
 

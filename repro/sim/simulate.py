@@ -76,7 +76,7 @@ RULES = ("ttft", "e2e", "distserve", "capacity")  # the paper's TTFT and E2E rul
 SIM_KEYS = {
     "rates", "duration_s", "min_requests", "warmup_s", "cooldown_s", "drain_s", "seeds", "stable_tolerance",
     "arrival", "output_len", "decode_routing", "backend", "schedule", "max_batched_tokens", "max_running_requests",
-    "max_block_iterations", "iteration_overhead_us", "kv_capacity_tokens", "routing_map", "slo", "shape",
+    "max_block_iterations", "iteration_overhead_us", "calibration", "kv_capacity_tokens", "routing_map", "slo", "shape",
 }
 SLO_KEYS = {"multiplier", "statistic", "reference", "light_rate", "ttft_s", "tpot_s", "e2e_s", "attainment", "rel_tol",
             "require_stable"}
@@ -154,9 +154,18 @@ def check_sim_config(sim: dict) -> dict:
     for key in ("ttft_s", "tpot_s", "e2e_s"):
         if slo[key] is not None and not slo[key] > 0:
             raise ConfigError(f"sim.slo.{key} must be null (derived) or seconds > 0, got {slo[key]!r}.")
-    if sim["iteration_overhead_us"] < 0:
-        raise ConfigError(f"sim.iteration_overhead_us must be >= 0, got {sim['iteration_overhead_us']!r}.")
+    overhead = sim["iteration_overhead_us"]
+    if overhead is not None and (isinstance(overhead, bool) or not isinstance(overhead, int | float) or overhead < 0):
+        raise ConfigError(f"sim.iteration_overhead_us must be null (the hardware profile's) or >= 0, got {overhead!r}.")
+    if not isinstance(sim["calibration"], str):
+        raise ConfigError(f"sim.calibration must name a calibration alternative of the hardware profile, got {sim['calibration']!r}.")
     return dict(sim, rates=sorted(rates.tolist()), slo=slo)
+
+
+def iteration_overhead(sim: dict, hw: Hardware) -> float:
+    """Seconds added to every engine iteration: sim.iteration_overhead_us when given, else the hardware profile's."""
+    given = sim["iteration_overhead_us"]
+    return hw.iteration_overhead if given is None else given * 1e-6
 
 
 def build_requests(trace: RoutingTrace, picked: np.ndarray, output_len, decode_routing: str,
@@ -357,7 +366,7 @@ def simulate(config: dict, plan: Plan, trace: RoutingTrace, hardware: dict, shap
     started, cpu_started = time.perf_counter(), time.process_time()
     sim = check_sim_config(config.get("sim") or {})
     model = ModelShape.from_config(shape)
-    hw = load_hardware(hardware)
+    hw = load_hardware(hardware, alternative=sim["calibration"])
     mapping = routing_map(model, trace, sim["routing_map"])
     _check_fit(plan, trace, hw)
     parallel = plan.parallel
@@ -368,7 +377,7 @@ def simulate(config: dict, plan: Plan, trace: RoutingTrace, hardware: dict, shap
     capacity = sim.get("kv_capacity_tokens") or kv_capacity(model, hw, parallel.devices, parallel.attention)
     cost = CostModel(model, hw, mapping, parallel.devices, parallel.attention, sim["backend"])
     engine_config = EngineConfig(sim["max_batched_tokens"], sim["max_running_requests"], sim["schedule"], int(capacity),
-                                 sim["max_block_iterations"], sim["iteration_overhead_us"] * 1e-6,
+                                 sim["max_block_iterations"], iteration_overhead(sim, hw),
                                  int(config.get("history", 2)))
     derive = [name for name in ("ttft", "tpot", "e2e") if slo_cfg[f"{name}_s"] is None]
     reference_plan = plan
@@ -499,6 +508,8 @@ def _summary(sim, slo, stat, light_rate, results, per_rate, probes, pools, trace
         "uncalibrated (roofline compute, all-to-all fitted to published curves); compare systems, not seconds",
         "sim_calibrated_parts": list(hw.calibrated_parts),
         "sim_hardware": hw.name,
+        "sim_calibration": hw.calibration,
+        "sim_iteration_overhead_us": iteration_overhead(sim, hw) * 1e6,
         "sim_shape": model.name,
         "sim_routing_source": f"{trace.meta.source or 'unknown'}:{trace.meta.model}:{trace.meta.dataset}",
         "sim_routing_map": mapping.description,
