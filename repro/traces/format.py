@@ -15,6 +15,10 @@ Writes go to a temporary sibling directory that is renamed into place (repro.ato
 never sees half a trace; concurrent writers of one path are safe (write_trace's if_exists), and write_trace never
 deletes what is not a trace (trace_dir_state).
 
+A trace may also be a folder of shards: a `shards.json` manifest listing trace directories in request order
+(same model, experts, layers, vocabulary and tokenizer; request ids unique across shards). read_trace reads it
+without copying arrays (repro.traces.shards: `python -m repro.traces.shards combine OUT SHARD...` writes one).
+
 Legend: R requests, N tokens, L MoE layers, k experts per token.
 """
 
@@ -415,9 +419,14 @@ def read_trace(path: str | os.PathLike, mmap: bool = True) -> RoutingTrace:
     that handle before any is read: the result is one writer's trace, never a mix, whatever is renamed meanwhile,
     and memory maps stay valid after the old directory is deleted. Only when the writer deletes the old
     directory between our opens is a file missing (even the optional weights.npy); then `path` names another
-    directory and the read is repeated.
+    directory and the read is repeated. A folder with a shards.json manifest is read as a sharded trace
+    (repro.traces.shards.read_sharded_trace: each shard read this way, arrays concatenated without copying).
     """
+    from repro.traces.shards import is_sharded, read_sharded_trace  # shards reads its shards through this module
+
     path = Path(path)
+    if is_sharded(path):
+        return read_sharded_trace(path, mmap)
     for _ in range(READ_ATTEMPTS):
         before = _dir_identity(path)
         try:

@@ -10,7 +10,10 @@ from typing import NamedTuple
 import numpy as np
 
 from repro.errors import TraceError
+from repro.traces.arrays import iter_row_chunks, release_pages
 from repro.traces.format import RoutingTrace, make_trace
+
+DIGEST_CHUNK_ROWS = 1 << 16  # token rows hashed at a time
 
 
 def select_requests(trace: RoutingTrace, indices) -> RoutingTrace:
@@ -137,7 +140,10 @@ def trace_digest(trace: RoutingTrace) -> str:
     h.update(json.dumps([trace.request_ids, trace.request_datasets, trace.request_labels]).encode())
     for array in (trace.offsets, trace.token_ids, trace.experts, trace.prefill_len, trace.weights):
         if array is not None:
-            a = np.ascontiguousarray(array)
-            h.update(str((a.dtype.str, a.shape)).encode())
-            h.update(memoryview(a).cast("B"))
+            h.update(str((np.dtype(array.dtype).str, tuple(int(n) for n in array.shape))).encode())
+            # hashed in row chunks: the same bytes as the whole array, without holding a big trace (or a sharded
+            # one's concatenation) in memory, so a sharded trace has its concatenation's digest
+            for start, stop in iter_row_chunks(len(array), DIGEST_CHUNK_ROWS):
+                h.update(memoryview(np.ascontiguousarray(array[start:stop])).cast("B"))
+            release_pages(array)
     return h.hexdigest()[:16]
