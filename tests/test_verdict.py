@@ -22,6 +22,7 @@ from repro.figures.verdict import (
     NOT_TESTABLE,
     PARTLY,
     REPRODUCED,
+    calibration_table,
     combine,
     rule_at_most,
     rule_band,
@@ -333,3 +334,36 @@ def test_the_ratio_interval_is_widened_by_the_bisection_tolerance(tmp_path):
         set_summary(root / "serve_dp" / f"system={system}", slo_rel_tol=0.1)  # crossings known to 10 % only
     widened = tables(root)[1].set_index(["claim", "part"]).loc[part]
     assert widened["verdict"] == NOT_REPRODUCED and "10 % bisection tolerance" in widened["ours"]
+
+
+def plant_calibration(root: Path, reading: str, sem_ttft: tuple[float, ...]) -> None:
+    """The `calibration` experiment's ep and Algorithm-2 jobs under one alternative (ep as in plant)."""
+    for system, ttft, e2e in (("ep", (10.0, 10.1, 9.9), (4.0, 4.1, 3.9)), ("semmoe_paper", sem_ttft, (12.8, 13.0, 12.9))):
+        write_job(root, "calibration", f"sim.calibration={reading},system={system}", system, serving(
+            sim_calibration=reading, throughput_under_ttft_slo_rps=float(np.mean(ttft)),
+            throughput_under_ttft_slo_rps_per_seed=list(ttft), throughput_under_e2e_slo_rps=float(np.mean(e2e)),
+            throughput_under_e2e_slo_rps_per_seed=list(e2e), a2a_share_lightest=0.35))
+
+
+def test_the_verdict_under_each_calibration_alternative_says_where_it_flips(tmp_path):
+    root = as_paper_model(plant(tmp_path / "runs"))
+    before = tables(root)
+    plant_calibration(root, "deepep_ll_rdma", (13.0, 13.2, 13.1))  # the same numbers: the same verdicts
+    plant_calibration(root, "iteration_overhead_3ms", (9.0, 9.1, 8.9))  # Sem-MoE slower than ep: a flip
+    as_paper_model(root)
+    summary, _, _ = read_jobs(root)
+    after = verdict_tables(summary)
+    pd.testing.assert_frame_equal(before[1], after[1])  # the main verdict reads the published reading only
+    table = calibration_table(summary).set_index(["claim", "part"])
+    ttft = table.loc[("R4", "DeepSeek-V2-Lite, TTFT SLO, vs ep")]
+    assert (ttft["published verdict"], ttft["deepep_ll_rdma verdict"], ttft["iteration_overhead_3ms verdict"]) == \
+        (REPRODUCED, REPRODUCED, NOT_REPRODUCED)
+    assert ttft["flips"] == "yes" and table.at[("R4", "DeepSeek-V2-Lite, E2E SLO, vs ep"), "flips"] == "no"
+    assert ("R1", "all-to-all share") in table.index
+    # MoETuner was not re-run under the alternatives: its parts are compared only where a reading tests them
+    assert not any("MoETuner" in part for _, part in table.index)
+    lines = verdict_section(summary, root, tmp_path)
+    text = "\n".join(lines)
+    assert "the verdict FLIPS between them for R4 DeepSeek-V2-Lite, TTFT SLO, vs ep" in text
+    assert (tmp_path / "verdict_calibration.csv").is_file()
+    assert calibration_table(read_jobs(as_paper_model(plant(tmp_path / "none")))[0]).empty

@@ -71,6 +71,7 @@ from repro.figures.paper import (
 )
 from repro.figures.render import markdown_table
 from repro.figures.table2 import paper_reductions, table2_frame
+from repro.sim.hardware import PUBLISHED
 from repro.sim.metrics import ratio_interval
 
 REPRODUCED, PARTLY, NOT_REPRODUCED, NOT_TESTABLE = "reproduced", "partly", "not reproduced", "not testable here"
@@ -646,7 +647,7 @@ def verdict_tables(summary: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
 
     Claim columns: claim, statement, paper, ours, source, rule, verdict, why. Part columns: claim, part, paper,
     ours, routing_kind, source, rule_verdict (the number rule alone), verdict (after caps), why, note."""
-    summary = as_the_papers_system(summary)  # in Attention-DP the paper's Algorithm 2 is `semmoe` where it ran
+    summary = as_the_papers_system(published(summary))  # in Attention-DP the paper's Algorithm 2 is `semmoe`
     parts = []
     for make in PARTS:
         for part in make(summary):
@@ -667,6 +668,72 @@ def verdict_tables(summary: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
             "source": "; ".join(dict.fromkeys(tested["source"])) or "none (not run)",
             "rule": claim.rule, "verdict": combine(list(mine["verdict"])), "why": "; ".join(why)})
     return pd.DataFrame(claims), parts
+
+
+# ---- the same claims under the hardware profile's calibration alternatives -----------------------------------------
+
+CALIBRATION_EXPERIMENT, CALIBRATION_BASE = "calibration", "serve_dp"  # conf/experiment/calibration.yaml re-runs serve_dp
+CALIBRATION_PARTS = (parts_r1, parts_r4)  # the claims that experiment re-measures (vanilla EP and Algorithm 2, DP)
+
+
+def _calibration(summary: pd.DataFrame) -> pd.Series:
+    """Each job's calibration reading (sim.calibration; jobs without it priced the profile as written)."""
+    return _col(summary, "sim_calibration").fillna(PUBLISHED)
+
+
+def published(summary: pd.DataFrame) -> pd.DataFrame:
+    """The jobs priced with the hardware profiles as written: the verdict's own evidence."""
+    return summary[_calibration(summary) == PUBLISHED]
+
+
+def calibration_table(summary: pd.DataFrame) -> pd.DataFrame:
+    """One row per part of R1 and R4 that any reading tests: its value and verdict (after caps) under serve_dp's
+    published reading and under each alternative the `calibration` experiment ran, and whether the verdict flips.
+
+    Columns: claim, part, paper, then `<reading>` (value) and `<reading> verdict` per reading, then flips (yes / no).
+    Empty without a calibration job. Only ep and the paper's Algorithm 2 are compared under every reading, so the
+    published column is recomputed from serve_dp's jobs of those systems (like for like)."""
+    summary = as_the_papers_system(summary)
+    calibrated = summary[summary["experiment"] == CALIBRATION_EXPERIMENT]
+    if not len(calibrated):
+        return pd.DataFrame()
+    systems = set(calibrated["system"])
+    readings = {PUBLISHED: summary[(summary["experiment"] == CALIBRATION_BASE) & (_calibration(summary) == PUBLISHED)
+                                   & summary["system"].isin(systems)]}
+    for name in dict.fromkeys(_calibration(calibrated)):
+        readings[name] = calibrated[_calibration(calibrated) == name]
+    rows: dict[tuple[str, str], dict] = {}
+    for name, jobs in readings.items():
+        for make in CALIBRATION_PARTS:
+            for part in make(jobs):
+                part = apply_caps(part, CLAIM_BY_ID[part["claim"]])
+                row = rows.setdefault((part["claim"], part["part"]), {"claim": part["claim"], "part": part["part"],
+                                                                      "paper": part["paper"]})
+                row[name], row[f"{name} verdict"] = part["ours"], part["verdict"]
+    frame = pd.DataFrame(list(rows.values()))
+    verdict_columns = [f"{name} verdict" for name in readings]
+    frame = frame.reindex(columns=["claim", "part", "paper"] + [c for name in readings for c in (name, f"{name} verdict")])
+    tested = frame[verdict_columns].apply(lambda r: [v for v in r if isinstance(v, str) and v != NOT_TESTABLE], axis=1)
+    frame = frame[tested.map(len) > 0].copy()
+    frame["flips"] = ["yes" if len(set(v)) > 1 else "no" for v in tested[frame.index]]
+    return frame.reset_index(drop=True)
+
+
+def calibration_lines(summary: pd.DataFrame, out_dir: str | Path) -> list[str]:
+    """Markdown of calibration_table (and out_dir/verdict_calibration.csv); [] without a calibration job."""
+    frame = calibration_table(summary)
+    if not len(frame):
+        return []
+    atomic_write(Path(out_dir) / "verdict_calibration.csv", lambda p: frame.to_csv(p, index=False))
+    flipped = frame[frame["flips"] == "yes"]
+    said = ("no verdict flips between them" if not len(flipped) else
+            "the verdict FLIPS between them for " + "; ".join(f"{r.claim} {r.part}" for r in flipped.itertuples()))
+    return ["### Under the calibration alternatives (the readings the published sources leave open)", "",
+            f"R1 and R4 re-measured by experiment `{CALIBRATION_EXPERIMENT}` (serve_dp's settings, ep and the paper's "
+            "Algorithm 2) under each alternative of the h200 profile (`alternatives:` in conf/hardware/h200.yaml, each "
+            f"with its source); `{PUBLISHED}` is serve_dp's own jobs of the same systems. Across the readings, {said}. "
+            "Also `verdict_calibration.csv`.", "",
+            markdown_table(frame.map(_escape)), ""]
 
 
 # ---- links and rendering ------------------------------------------------------------------------------------------
@@ -743,7 +810,7 @@ def verdict_section(summary: pd.DataFrame, runs_dir: str | Path, out_dir: str | 
             markdown_table(pd.DataFrame([{k: _escape(v) for k, v in r.items()} for r in rows])), "",
             "### Verdict per part (each compares one number by the claim's rule)", "",
             "`number rule`: the rule on the numbers alone; `verdict`: after the caps.", "",
-            markdown_table(detail.map(_escape)), ""]
+            markdown_table(detail.map(_escape)), ""] + calibration_lines(summary, out_dir)
 
 
 __all__ = ["CLAIMS", "VERDICTS", "combine", "rule_at_most", "rule_band", "rule_gain", "rule_ratio",
