@@ -10,17 +10,101 @@ Tables are sparse-aware: rows exist only for token ids seen in the profile (`tok
 a DeepSeek-V3 vocabulary of 129,280 ids never becomes a dense [L, V, E] array. Lookups go through
 `np.searchsorted` on `token_vocab` (`lookup_rows`) or through the dense int32[V] row map built from it
 (`vocab_row_map`, 4 bytes per vocabulary id) when a hot path needs O(1) lookups.
+
+Profiles are read in chunks of token rows (`profile_chunks`, PROFILE_CHUNK_TOKENS at a time, memory-mapped
+pages released after each), and counts are integer histograms summed over chunks (`add_pair_counts`), so a
+table costs memory proportional to its own size, not to the profile's tokens, and equals the one-pass table
+exactly (integer sums do not depend on the chunking).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import numpy as np
 
 from repro.errors import ConfigError, TraceError
 from repro.traces import RoutingTrace
+from repro.traces.arrays import iter_row_chunks, release_pages
 
 # a Markov table over D**h histories stops being a table beyond this many rows per layer
 MAX_MARKOV_ROWS = 1 << 22
+# profile token rows read at a time (DeepSeek-V3 shape: 2**17 x 58 layers x top-8 int16 = 122 MB per chunk)
+PROFILE_CHUNK_TOKENS = 1 << 17
+
+
+def profile_chunks(
+    trace: RoutingTrace, keep: np.ndarray, chunk_tokens: int = PROFILE_CHUNK_TOKENS, experts: bool = True
+) -> Iterator[tuple[slice, np.ndarray, np.ndarray | None]]:
+    """(part, token_ids int32[n], experts int16[n, L, k] or None) for the kept tokens of each chunk of trace rows.
+
+    keep int64[N'] sorted token indices; part is the slice of `keep` the chunk covers (keep[part] are its tokens,
+    in order). experts=False reads token ids only. Memory-mapped pages are released after each chunk.
+    """
+    for start, stop in iter_row_chunks(trace.num_tokens, chunk_tokens):
+        lo, hi = (int(i) for i in np.searchsorted(keep, [start, stop]))
+        if lo == hi:
+            continue
+        rows = keep[lo:hi]
+        dense = hi - lo == stop - start  # every row kept: one contiguous read
+        token_ids = np.asarray(trace.token_ids[start:stop] if dense else trace.token_ids[rows])
+        chunk_experts = None
+        if experts:
+            chunk_experts = np.asarray(trace.experts[start:stop] if dense else trace.experts[rows])
+        yield slice(lo, hi), token_ids, chunk_experts
+        release_pages(trace.token_ids)
+        release_pages(trace.experts)
+
+
+def profile_vocab(trace: RoutingTrace, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(token_vocab int32[t] sorted unique ids of the kept tokens, occurrences int64[t] kept tokens per row).
+
+    Equal to encode_tokens(trace.token_ids[keep])'s vocabulary, read chunk by chunk (memory O(t) plus a chunk).
+    """
+    vocab = np.zeros(0, dtype=np.int32)
+    for _, token_ids, _ in profile_chunks(trace, keep, experts=False):
+        vocab = np.union1d(vocab, token_ids).astype(np.int32)
+    occurrences = np.zeros(len(vocab), dtype=np.int64)
+    for _, token_ids, _ in profile_chunks(trace, keep, experts=False):
+        occurrences += np.bincount(np.searchsorted(vocab, token_ids), minlength=len(vocab))
+    return vocab, occurrences
+
+
+def add_pair_counts(counts: np.ndarray, row: np.ndarray, column: np.ndarray) -> np.ndarray:
+    """counts[num_rows, num_columns] += pair_counts(row, column, num_rows, num_columns), in place; returns counts.
+
+    counts a C-contiguous integer (or float) array; row int[n]; column int[n, m]. A bincount over all cells when
+    the chunk's pairs are at least a quarter of them, else a sort of the pairs (np.unique): O(pairs) either way.
+    """
+    num_columns = counts.shape[1]
+    keys = (np.asarray(row, dtype=np.int64)[:, None] * num_columns + np.asarray(column, dtype=np.int64)).ravel()
+    flat = counts.reshape(-1)
+    if flat.size <= 4 * keys.size:
+        flat += np.bincount(keys, minlength=flat.size).astype(counts.dtype, copy=False)
+    else:
+        cells, times = np.unique(keys, return_counts=True)
+        flat[cells] += times.astype(counts.dtype, copy=False)
+    return counts
+
+
+def token_device_counts(
+    trace: RoutingTrace, keep: np.ndarray, token_vocab: np.ndarray, expert_device: np.ndarray, num_devices: int
+) -> np.ndarray:
+    """int64[L, t, D] how many of each token row's activations land on each device, per layer, over the kept
+    tokens (rows: searchsorted in token_vocab int32[t]); expert_device int[L, E]. One chunked pass."""
+    expert_device = np.asarray(expert_device, dtype=np.int64)
+    counts = np.zeros((trace.num_layers, len(token_vocab), num_devices), dtype=np.int64)
+    for _, token_ids, experts in profile_chunks(trace, keep):
+        token_row = np.searchsorted(token_vocab, token_ids)
+        for layer in range(trace.num_layers):
+            add_pair_counts(counts[layer], token_row, expert_device[layer][experts[:, layer].astype(np.int64)])
+    return counts
+
+
+def device_mass_from_counts(counts: np.ndarray) -> np.ndarray:
+    """float32[t, D] each row of int counts[t, D] divided by its total (`routed_device_mass`'s normalisation)."""
+    mass = counts.astype(np.float32)
+    return mass / np.maximum(mass.sum(axis=1, keepdims=True), 1e-30)
 
 
 def encode_tokens(token_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -64,8 +148,7 @@ def routed_device_mass(
     token_row int64[N]; experts int[N, k] the layer's routing; expert_device int[E] the layer's placement.
     """
     device = np.asarray(expert_device)[np.asarray(experts, dtype=np.int64)]  # [N, k]
-    mass = pair_counts(token_row, device, num_rows, num_devices).astype(np.float32)
-    return mass / np.maximum(mass.sum(axis=1, keepdims=True), 1e-30)
+    return device_mass_from_counts(pair_counts(token_row, device, num_rows, num_devices))
 
 
 def profile_tokens(trace: RoutingTrace, prompt_only: bool = False) -> np.ndarray:
@@ -88,15 +171,17 @@ def token_expert_counts(
             f"the profile trace of {trace.meta.model!r} has no {'prompt ' if prompt_only else ''}tokens; "
             "profile on a split with at least one routed token."
         )
-    layers = range(trace.num_layers) if layers is None else layers
-    token_vocab, token_row = encode_tokens(trace.token_ids[keep])
-    counts = np.stack(
-        [
-            layer_token_expert_counts(token_row, trace.experts[keep, layer], len(token_vocab), trace.meta.num_experts)
-            for layer in layers
-        ]
-    )
-    return token_vocab, counts
+    layers = list(range(trace.num_layers) if layers is None else layers)
+    token_vocab, _ = profile_vocab(trace, keep)
+    # summed in float32 where that is exact (every cell < 2**24), else in float64 then rounded once, as the
+    # one-pass int64 -> float32 table is
+    exact = np.float32 if len(keep) < (1 << 24) else np.float64
+    counts = np.zeros((len(layers), len(token_vocab), trace.meta.num_experts), dtype=exact)
+    for _, token_ids, experts in profile_chunks(trace, keep):
+        token_row = np.searchsorted(token_vocab, token_ids)
+        for i, layer in enumerate(layers):
+            add_pair_counts(counts[i], token_row, experts[:, layer])
+    return token_vocab, counts.astype(np.float32, copy=False)
 
 
 def confidence_table(counts: np.ndarray) -> np.ndarray:
@@ -333,10 +418,12 @@ def device_markov_table(
     tokens: np.ndarray | None = None,
     margin: float = 1.0,
     max_occurrences: int = 1 << 17,
+    device_counts: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(A int16[L, Q], A_p float32[L, Q]): the Markov device per device history, and its calibrated confidence.
 
-    tokens int[N'] the profile tokens to learn from (default all); A and A_p are estimated on at most
+    tokens int[N'] the profile tokens to learn from (sorted; default all); device_counts int64[L, t, D] their
+    `token_device_counts` when the caller has them (else one chunked pass computes them); A and A_p are estimated on at most
     `max_occurrences` of them per layer (an evenly strided subset; all of them on smaller profiles). A token's device at a layer is the
     device hosting most of its k experts (`majority_device` semantics); row q of layer l is the mixed-radix
     key (`history_keys`) of its devices at layers l-h'..l-1, h' = min(h, l); at layer 0 only row 0 is used.
@@ -356,23 +443,26 @@ def device_markov_table(
     """
     check_markov_size(num_devices, lookback)
     keep = np.arange(trace.num_tokens) if tokens is None else np.asarray(tokens, dtype=np.int64)
+    if np.any(np.diff(keep) <= 0):
+        raise ConfigError("device_markov_table's tokens must be sorted, distinct token indices (profile_tokens gives them).")
     num_layers = trace.num_layers
     num_rows = num_devices**lookback
-    _, token_row = encode_tokens(trace.token_ids[keep])
-    num_token_rows = int(token_row.max(initial=-1)) + 1
+    token_vocab, occurrences = profile_vocab(trace, keep)
+    if device_counts is None:
+        device_counts = token_device_counts(trace, keep, token_vocab, expert_device, num_devices)
     # every s-th occurrence (deterministic) bounds the dense [n, D] work at DeepSeek-V3 scale; the token
     # table's totals still come from the whole profile
     sample = np.arange(0, len(keep), max(1, -(-len(keep) // max_occurrences)))
+    sample_experts = np.asarray(trace.experts[keep[sample]])  # int16[S, L, k]
+    sample_row = np.searchsorted(token_vocab, np.asarray(trace.token_ids[keep[sample]]))  # int64[S]
     token_device = np.empty((len(sample), num_layers), dtype=np.int64)
     table = np.zeros((num_layers, num_rows), dtype=np.int16)
     confidence = np.zeros((num_layers, num_rows), dtype=np.float32)
     arange = np.arange(len(sample))
     for layer in range(num_layers):  # one forward pass: a layer's history only needs earlier layers
-        layer_experts = np.asarray(trace.experts[keep, layer], dtype=np.int64)
-        totals, occurrences = row_share_totals(
-            token_row, np.asarray(expert_device[layer])[layer_experts], num_token_rows, num_devices
-        )
-        share = local_shares(layer_experts[sample], expert_device[layer], num_devices)  # [S, D]
+        # `row_share_totals` over the whole profile, from the chunked counts (the same integers, / k)
+        totals = device_counts[layer] / trace.meta.top_k
+        share = local_shares(sample_experts[:, layer], expert_device[layer], num_devices)  # [S, D]
         token_device[:, layer] = np.argmax(share, axis=1)  # ties -> lowest id, as majority_device
         depth = min(lookback, layer)
         keys = history_keys(token_device[:, layer - depth : layer], num_devices)
@@ -381,7 +471,7 @@ def device_markov_table(
         )
         seen = np.bincount(keys, minlength=num_rows) > 0
         table[layer] = np.where(seen, np.argmax(row_mass, axis=1), np.argmax(row_mass.sum(axis=0)))
-        token_table, token_conf = token_table_occurrences(token_row[sample], share, totals, occurrences)
+        token_table, token_conf = token_table_occurrences(sample_row, share, totals, occurrences)
         gain = share[arange, table[layer][keys]] - share[arange, token_table]
         confidence[layer] = break_even_confidence(keys, token_conf, gain, num_rows, margin)
     return table, confidence

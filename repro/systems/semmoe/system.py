@@ -29,12 +29,14 @@ import numpy as np
 import scipy.sparse as sp
 
 from repro.affinity.tables import (
+    add_pair_counts,
     check_markov_size,
     device_markov_table,
-    encode_tokens,
-    layer_token_expert_coo,
+    device_mass_from_counts,
+    profile_chunks,
     profile_tokens,
-    routed_device_mass,
+    profile_vocab,
+    token_device_counts,
     vocab_row_map,
 )
 from repro.errors import ConfigError, TraceError
@@ -481,15 +483,16 @@ class SemMoE:
         return plan
 
     def _profile_rows(self, profile: RoutingTrace) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(kept token indices int64[N'], token_vocab int32[t], token_row int64[N']) of the profile."""
+        """(kept token indices int64[N'], token_vocab int32[t], occurrences int64[t] kept tokens per row) of the
+        profile, read in chunks (repro.affinity.tables.profile_vocab)."""
         keep = profile_tokens(profile, self.prompt_only)
         if len(keep) == 0:
             raise TraceError(
                 f"the profile split of {profile.meta.model!r} has no {'prompt ' if self.prompt_only else ''}tokens "
                 "in any MoE layer; profile on more requests (or set system.params.prompt_only=false)."
             )
-        token_vocab, token_row = encode_tokens(profile.token_ids[keep])
-        return keep, token_vocab, token_row
+        token_vocab, occurrences = profile_vocab(profile, keep)
+        return keep, token_vocab, occurrences
 
     def solve_placement(
         self, profile: RoutingTrace, parallel: ParallelConfig, rng: np.random.Generator
@@ -515,30 +518,45 @@ class SemMoE:
         meta = profile.meta
         num_experts, top_k, num_layers = meta.num_experts, meta.top_k, profile.num_layers
         parallel.check_experts(num_experts)  # theta, n_steps, ft_steps were checked in __init__
-        keep, token_vocab, token_row = self._profile_rows(profile)
+        keep, token_vocab, occurrences = self._profile_rows(profile)
         units = self.cluster_units
         if units == "auto":
             units = "requests" if parallel.attention == "dp" else "tokens"
         expert_device = np.empty((num_layers, num_experts), dtype=np.int64)
         objectives: list[float] = []
-        if units == "requests":
-            unit_of_token = profile.request_of_token()[keep]
+        if units == "requests":  # the request owning each kept token (side="right" skips empty requests)
+            request_of_kept = np.searchsorted(np.asarray(profile.offsets), keep, side="right") - 1
             num_units = profile.num_requests
+            unit_load = np.bincount(request_of_kept, minlength=num_units).astype(np.float64)  # request tokens
         else:
-            unit_of_token, num_units = token_row, len(token_vocab)
-        unit_load = np.bincount(unit_of_token, minlength=num_units).astype(np.float64)  # a_j or request tokens
+            num_units = len(token_vocab)
+            unit_load = occurrences.astype(np.float64)  # a_j
         # the solver sees the `max_units` heaviest units; lighter ones (rare token ids, short requests) still
         # get tables from the resulting placement, they just do not steer it
         solver_units = np.sort(np.argsort(-unit_load, kind="stable")[: self.max_units])
         solver_units = solver_units[unit_load[solver_units] > 0]
         unit_index = np.full(num_units, -1, dtype=np.int64)
         unit_index[solver_units] = np.arange(len(solver_units))
-        solver_tokens = unit_index[unit_of_token] >= 0
-        solver_unit_of_token = unit_index[unit_of_token[solver_tokens]]
+        # one chunked pass: int counts[L, u', E] of (solver unit, expert) per layer, and every kept token's expert
+        # load[L, E] (for expert_load_cap); memory is the tables', not the profile's tokens'
+        count_dtype = np.int32 if len(keep) < (1 << 31) else np.int64  # a cell counts at most N' tokens
+        solver_counts = np.zeros((num_layers, len(solver_units), num_experts), dtype=count_dtype)
+        expert_load = np.zeros(num_layers * num_experts, dtype=np.int64)
+        layer_base = (np.arange(num_layers) * num_experts)[None, :, None]
+        for part, token_ids, experts in profile_chunks(profile, keep):
+            unit = request_of_kept[part] if units == "requests" else np.searchsorted(token_vocab, token_ids)
+            unit = unit_index[unit]
+            solver = unit >= 0
+            for layer in range(num_layers):
+                add_pair_counts(solver_counts[layer], unit[solver], experts[solver, layer])
+            if self.expert_load_cap is not None:
+                expert_load += np.bincount((layer_base + experts).ravel(), minlength=len(expert_load))
+        expert_load = expert_load.reshape(num_layers, num_experts).astype(np.float64)
 
         def layer_coo(layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-            experts = profile.experts[keep[solver_tokens], layer]
-            return layer_token_expert_coo(solver_unit_of_token, experts, len(solver_units), num_experts)
+            """`layer_token_expert_coo` of the solver units: (row, expert) sorted, counts float32."""
+            row, expert = np.nonzero(solver_counts[layer])
+            return row, expert, solver_counts[layer][row, expert].astype(np.float32)
 
         def sparse(layers: list[int]) -> SparseAffinity:
             parts = [layer_coo(layer) for layer in layers]
@@ -558,7 +576,7 @@ class SemMoE:
             affinity = sparse(layers)
             result = self._solve_group(affinity, unit_load[solver_units], parallel, rng)
             if self.expert_load_cap is not None:
-                result, swaps, before, after = self._balance_load(result, affinity, profile, keep, layers, parallel)
+                result, swaps, before, after = self._balance_load(result, affinity, expert_load[layers], parallel)
                 load_swaps, load_before, load_after = load_swaps + swaps, [*load_before, before], [*load_after, after]
             expert_device[layers] = result.expert_device
             objectives.append(result.objective)
@@ -581,15 +599,11 @@ class SemMoE:
         return expert_device, info
 
     def _balance_load(
-        self, result: CoclusterResult, affinity: SparseAffinity, profile: RoutingTrace, keep: np.ndarray,
-        layers: list[int], parallel: ParallelConfig,
+        self, result: CoclusterResult, affinity: SparseAffinity, expert_load: np.ndarray, parallel: ParallelConfig,
     ) -> tuple[CoclusterResult, int, np.ndarray, np.ndarray]:
         """(the group's result with `balance_expert_load` applied, swaps, profile expert load max/mean per layer
-        float[L'] before and after). Expert loads count every kept profile token, not only the solver units'."""
-        expert_load = np.stack([
-            np.bincount(np.asarray(profile.experts[keep, layer]).ravel(), minlength=affinity.num_experts)
-            for layer in layers
-        ]).astype(np.float64)
+        float[L'] before and after). expert_load float64[L', E] counts every kept profile token of the group's
+        layers, not only the solver units'."""
         node = np.arange(parallel.devices) // parallel.devices_per_node
         same_node = node[:, None] == node[None, :] if self.hierarchical and parallel.num_nodes > 1 else None
         gain = affinity.cluster_affinity(result.unit_cluster, parallel.devices)
@@ -642,20 +656,23 @@ class SemMoE:
         check_markov_size(num_devices, self.lookback)
         expert_device = placement.expert_device()
         present = placement.replicas() > 0 if placement.is_replicated else None  # [L, E, D]
-        keep, token_vocab, token_row = self._profile_rows(profile)
+        keep, token_vocab, occurrences = self._profile_rows(profile)
         num_rows = len(token_vocab)
         token_device = np.empty((num_layers, num_rows + 1), dtype=np.int16)
         token_confidence = np.empty((num_layers, num_rows + 1), dtype=np.float32)
         dp_score = np.zeros((num_rows + 1, num_devices), dtype=np.float32)
+        # int64[L, t, D] (token row, device) activation counts in one chunked pass; shared with the Markov table
+        device_counts = token_device_counts(profile, keep, token_vocab, expert_device, num_devices) if present is None else None
+        token_row = None if present is None else np.searchsorted(token_vocab, np.asarray(profile.token_ids[keep]))
         for layer in range(num_layers):
-            experts = np.asarray(profile.experts[keep, layer])
             mass = np.empty((num_rows + 1, num_devices), dtype=np.float32)
             if present is None:
-                mass[:num_rows] = routed_device_mass(token_row, experts, num_rows, expert_device[layer], num_devices)
+                mass[:num_rows] = device_mass_from_counts(device_counts[layer])  # `routed_device_mass`
                 # row t, the OOV fallback: the layer's expert popularity, folded onto devices
-                device_load = np.bincount(expert_device[layer][experts.ravel()], minlength=num_devices)
+                device_load = device_counts[layer].sum(axis=0)
                 mass[num_rows] = device_load / device_load.sum()
-            else:
+            else:  # replicated placements: per layer from the whole profile column (not chunked)
+                experts = np.asarray(profile.experts[keep, layer])
                 mass[:num_rows] = present_device_mass(token_row, experts, num_rows, present[layer])
                 popularity = np.bincount(experts.ravel(), minlength=meta.num_experts).astype(np.float64)
                 mass[num_rows] = popularity @ present[layer] / popularity.sum()
@@ -663,11 +680,11 @@ class SemMoE:
             token_confidence[layer] = mass.max(axis=1)
             dp_score += fold_dp_scores(mass, self.dp_scoring)
         dp_score[num_rows] = 0.0  # an unseen token says nothing about where its request belongs
-        token_frequency = np.bincount(token_row, minlength=num_rows + 1).astype(np.float32)
+        token_frequency = np.append(occurrences, 0).astype(np.float32)
         markov_device = markov_confidence = None
         if self.lookback > 0:
             markov_device, markov_confidence = device_markov_table(
-                profile, expert_device, num_devices, self.lookback, tokens=keep
+                profile, expert_device, num_devices, self.lookback, tokens=keep, device_counts=device_counts
             )
         embeddings = None if self.embeddings_path is None else np.load(self.embeddings_path, allow_pickle=False)
         row_of_token = vocab_row_map(token_vocab, meta.vocab_size, embeddings)
