@@ -33,6 +33,7 @@ import numpy as np
 
 from repro.atomic import atomic_dir
 from repro.errors import TraceError
+from repro.traces.arrays import release_pages
 
 FORMAT_VERSION = 1
 ARRAY_DTYPES = {
@@ -260,11 +261,12 @@ def validate(trace: RoutingTrace) -> None:
     for name in ("request_ids", "request_datasets", "request_labels"):
         if len(getattr(trace, name)) != r:
             raise TraceError(f"{name} has {len(getattr(trace, name))} entries; the trace has {r} requests.")
-    lo, hi = int(trace.experts.min()), int(trace.experts.max())
+    lo, hi, repeated = _scan_experts(trace.experts)
     if lo < 0 or hi >= m.num_experts:
         bad = lo if lo < 0 else hi
         raise TraceError(f"expert id {bad} is outside 0..{m.num_experts - 1} (meta.num_experts={m.num_experts}).")
-    _check_distinct_experts(trace.experts)
+    if repeated:
+        raise TraceError(repeated)
     tlo, thi = int(trace.token_ids.min()), int(trace.token_ids.max())
     if tlo < 0 or thi >= m.vocab_size:
         bad = tlo if tlo < 0 else thi
@@ -276,19 +278,27 @@ def validate(trace: RoutingTrace) -> None:
 DISTINCT_CHECK_ROWS = 1 << 16  # tokens per chunk of the duplicate-expert check (bounds the sorted copy's memory)
 
 
-def _check_distinct_experts(experts: np.ndarray) -> None:
-    """A router picks k distinct experts; a token listing one twice would be counted twice by every metric."""
-    if experts.shape[2] < 2:
-        return
+def _scan_experts(experts: np.ndarray) -> tuple[int, int, str]:
+    """(lowest id, highest id, why the first token listing an expert twice is refused, or "") in one pass over
+    experts[N, L, k] in row chunks, memory-mapped pages released after each (a big trace's RSS stays at a chunk).
+
+    A router picks k distinct experts; a token listing one twice would be counted twice by every metric.
+    """
+    lo, hi, repeated = np.iinfo(np.int64).max, np.iinfo(np.int64).min, ""
     for start in range(0, len(experts), DISTINCT_CHECK_ROWS):
-        chunk = np.sort(np.asarray(experts[start : start + DISTINCT_CHECK_ROWS]), axis=2)
-        repeated = (chunk[:, :, 1:] == chunk[:, :, :-1]).any(axis=2)  # [n, L]
-        if repeated.any():
-            token, layer = np.argwhere(repeated)[0]
-            raise TraceError(
-                f"token {start + token} lists expert {int(chunk[token, layer][np.argmax(np.diff(chunk[token, layer]) == 0)])} "
-                f"twice at MoE layer index {layer}; each token's top-k experts must be distinct."
-            )
+        chunk = np.asarray(experts[start : start + DISTINCT_CHECK_ROWS])
+        lo, hi = min(lo, int(chunk.min())), max(hi, int(chunk.max()))
+        if not repeated and experts.shape[2] >= 2:
+            chunk = np.sort(chunk, axis=2)
+            twice = (chunk[:, :, 1:] == chunk[:, :, :-1]).any(axis=2)  # [n, L]
+            if twice.any():
+                token, layer = np.argwhere(twice)[0]
+                repeated = (
+                    f"token {start + token} lists expert {int(chunk[token, layer][np.argmax(np.diff(chunk[token, layer]) == 0)])} "
+                    f"twice at MoE layer index {layer}; each token's top-k experts must be distinct."
+                )
+        release_pages(experts)
+    return lo, hi, repeated
 
 
 def _check_finite_weights(weights: np.ndarray) -> None:
@@ -298,6 +308,7 @@ def _check_finite_weights(weights: np.ndarray) -> None:
         chunk = np.asarray(weights[start : start + DISTINCT_CHECK_ROWS])
         # float16 is NaN or inf exactly when its 5 exponent bits are all set; integer ops are ~4x np.isfinite's speed
         finite = (chunk.view(np.uint16) & 0x7C00) != 0x7C00
+        release_pages(weights)
         if not finite.all():
             token, layer, slot = np.argwhere(~finite)[0]
             value = weights[start + token, layer, slot]
