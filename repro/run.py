@@ -63,6 +63,7 @@ def job_finished(out_dir: Path, config: dict, digests: dict) -> bool:
 JOB_OUTPUTS = (
     "plan", "per_layer.csv", "traffic.npy", "expert_load.npy", "token_load.npy", "activation_map.npz",
     "request_activations.npz", "affinity_stats.csv", "config.yaml", "sim_per_rate.csv", "sim_per_layer.csv", "sim_probes.csv",
+    "sim_requests.parquet",
     "exec_per_layer.csv", "exec_per_rank.csv",
 )
 # Staging folders start with "." (figures' rglob("metrics.json") finds none there: metrics.json is never staged)
@@ -387,7 +388,7 @@ def tracked_job(config: dict, out_dir: Path, tracking: JobRun) -> dict | None:
             from repro.exec.trace_mode import run_exec_job
 
             summary.update(run_exec_job(config, plan, evaluation, staging))
-        sim_tables = {}
+        sim_tables, sim_requests = {}, None
         if config.get("sim"):  # serve the plan on simulated hardware over a sweep of request rates
             from repro.sim import simulate
 
@@ -395,9 +396,9 @@ def tracked_job(config: dict, out_dir: Path, tracking: JobRun) -> dict | None:
                            np.random.default_rng(config["seed"]), progress=True)
             summary.update({k: v for k, v in sim.summary.items() if k != "warnings"})
             summary["warnings"] = summary.get("warnings", []) + sim.summary["warnings"]
-            sim_tables = sim.tables
+            sim_tables, sim_requests = sim.tables, sim.requests
         metrics_text(summary, config)  # a non-finite metric fails before W&B sees it
-        write_job_outputs(staging, config, profile, evaluation, result, plan, sim_tables)
+        write_job_outputs(staging, config, profile, evaluation, result, plan, sim_tables, sim_requests)
         # W&B logs from the staging folder before anything is published: if tracking fails, nothing is
         tracking.log_results(summary, result.per_layer, sim_tables, files_dir=staging)
         publish_job(staging, out_dir, summary, config)
@@ -416,12 +417,14 @@ def tracked_job(config: dict, out_dir: Path, tracking: JobRun) -> dict | None:
 
 
 def write_job_outputs(staging: Path, config: dict, profile: RoutingTrace, evaluation: RoutingTrace, result, plan,
-                      sim_tables: dict) -> None:
+                      sim_tables: dict, sim_requests=None) -> None:
     """Every output of run_job but metrics.json (JOB_OUTPUTS), written into the staging folder."""
     from repro.affinity.stats import affinity_statistics
 
     for name, table in sim_tables.items():
         atomic_write(staging / f"{name}.csv", lambda p, t=table: t.to_csv(p, index=False))
+    if sim_requests is not None:  # ~10^5 rows per serving job: Parquet, not CSV (and not a W&B table)
+        atomic_write(staging / "sim_requests.parquet", lambda p: sim_requests.to_parquet(p, index=False))
     plan.save(staging / "plan")
     atomic_write(staging / "per_layer.csv", lambda p: result.per_layer.to_csv(p, index=False))
     for name, array in (("traffic", result.traffic), ("expert_load", result.expert_load), ("token_load", result.token_load)):

@@ -443,3 +443,15 @@ def test_cost_model_rejects_unknown_backend():
     trace = hand_trace()
     with pytest.raises(ConfigError, match="sim.backend must be one of"):
         CostModel(shape, hw, routing_map(shape, trace), 2, "dp", "gloo")
+
+
+def test_per_request_latencies_are_the_ones_the_statistics_are_over(small_setup):
+    result = run_small(small_setup, seeds=2)
+    requests, per_rate = result.requests, result.per_rate
+    assert list(requests.columns) == ["rate", "seed", "role", "ttft_s", "tpot_s", "e2e_s", "in_window"]
+    for row in per_rate.itertuples():
+        mine = requests[(requests["rate"] == row.rate) & (requests["seed"] == row.seed)]
+        assert len(mine) == row.num_requests and set(mine["role"]) == {row.role}
+        finite = mine["ttft_s"][np.isfinite(mine["ttft_s"])]
+        assert finite.mean() == pytest.approx(row.ttft_mean_s, rel=1e-12)
+        assert np.percentile(mine["e2e_s"][np.isfinite(mine["e2e_s"])], 99) == pytest.approx(row.e2e_p99_s, rel=1e-12)

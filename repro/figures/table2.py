@@ -7,8 +7,8 @@ numbers can be read (reference/paper.md, the note on R5):
 
 Baselines are vanilla EP (`ep`, the paper's SGLang + DeepEP) and MoETuner. Reads only runs/: each job's
 metrics.json (its config: shape, system, workload.input_len) and, per job, its per-request latencies
-(`sim_requests.csv` or `.parquet`: rate, seed, ttft_s, e2e_s and optionally in_window) when the simulator wrote
-them, else its per-seed statistics (`sim_per_rate.csv`: ttft_p99_s, e2e_p50_s per seed). With requests, a point's
+(`sim_requests.parquet` as the simulator writes it, or `.csv`: rate, seed, ttft_s, e2e_s and optionally in_window)
+when the job has them, else its per-seed statistics (`sim_per_rate.csv`: ttft_p99_s, e2e_p50_s per seed). With requests, a point's
 p99 TTFT / median E2E are over all its window requests pooled across seeds; without, they are the mean over seeds of
 each seed's statistic. Either way the per-seed values give each reduction's range over seeds (paired: every system
 sees the same arrivals and request draws seed by seed).

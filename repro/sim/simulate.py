@@ -88,6 +88,7 @@ class SimResult:
     per_rate: pd.DataFrame
     per_layer: pd.DataFrame
     probes: pd.DataFrame
+    requests: pd.DataFrame  # one row per window request of every run of the measured plan (request_table)
 
     @property
     def tables(self) -> dict[str, pd.DataFrame]:
@@ -447,7 +448,19 @@ def simulate(config: dict, plan: Plan, trace: RoutingTrace, hardware: dict, shap
     summary = _summary(sim, slo, stat, light_rate, results, per_rate, probes, pools, trace, hw, model, mapping,
                        parallel, capacity, reference_plan is plan, time.perf_counter() - started,
                        time.process_time() - cpu_started)
-    return SimResult(summary, per_rate, per_layer, probes)
+    return SimResult(summary, per_rate, per_layer, probes, request_table(runners))
+
+
+def request_table(runners: list[_Runner]) -> pd.DataFrame:
+    """Per-request latencies of every run of the measured plan, window requests only (the ones its statistics are
+    over): rate, seed, role (grid / bisect / reference), ttft_s, tpot_s, e2e_s (inf: unfinished when the run
+    stopped; tpot NaN for one-token outputs), in_window (always true here; repro.figures.table2 reads it)."""
+    frames = [pd.DataFrame({"rate": rate, "seed": runner.seed, "role": runner.cache[rate]["role"],
+                            "ttft_s": latency["ttft"], "tpot_s": latency["tpot"], "e2e_s": latency["e2e"],
+                            "in_window": True})
+              for runner in runners for rate, latency in sorted(runner.latency.items())]
+    columns = ["rate", "seed", "role", "ttft_s", "tpot_s", "e2e_s", "in_window"]
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=columns)
 
 
 def rate_ladder(rate: float, lowest: float, highest: float, rel_tol: float) -> tuple[np.ndarray, int]:
