@@ -27,6 +27,8 @@ import numpy as np
 from repro.atomic import atomic_write_text
 
 PREFIX = "bench_"
+# --only NAME runs these modules together (issue 19: the trace benchmarks are the import and the fit at scale)
+GROUPS = {"traces": ["traces", "fit_scale"]}
 
 
 def discover() -> list[str]:
@@ -141,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     names = available
     if args.only:
-        names = [n.removeprefix(PREFIX) for n in args.only]
+        names = [m for n in args.only for m in GROUPS.get(n.removeprefix(PREFIX), [n.removeprefix(PREFIX)])]
         unknown = sorted(set(names) - set(available))
         if unknown:
             print(f"unknown benchmark {', '.join(unknown)}; choose from {', '.join(available)}.", file=sys.stderr)
