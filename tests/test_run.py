@@ -136,7 +136,9 @@ def test_every_experiment_sweep_runs(tmp_path, cache, experiment):
     trace = synthetic_trace_dir(tmp_path / "trace")
     env = dict(os.environ, WANDB_MODE="disabled", REPRO_CACHE=str(cache))
     # the small trace's 16 experts x 2 layers are mapped onto the simulated model shape (stated in the results)
-    serve = ["sim.routing_map=trace", "sim.min_requests=20", "sim.rates=[1,4]"]
+    # and each rate serves ~20 requests over 1 s (warm-up and cool-down shortened to fit): the sweep, not the numbers
+    serve = ["sim.routing_map=trace", "sim.min_requests=20", "sim.rates=[1,4]", "sim.duration_s=1", "sim.warmup_s=0.2",
+             "sim.cooldown_s=0.1", "sim.drain_s=1", "sim.seeds=2"]
     # the multi-node sweeps' EP 32 (4 x 8) needs more than the trace's 16 experts: run their EP 16 (2 x 8) only
     nodes = ["parallel.devices=16"] if experiment.startswith("multinode") else []
     res = subprocess.run(

@@ -265,3 +265,13 @@ def test_a_non_finite_metric_is_one_sentence_and_leaves_the_old_job(tmp_path):
     with pytest.raises(ReproError):
         publish_job(staging, job, {"lar": float("-inf")}, {})
     assert (job / "metrics.json").read_text() == "old" and not (job / "per_layer.csv").exists()
+
+
+def test_a_long_sweep_gets_short_distinct_job_folders():
+    from repro.jobdir import MAX_NAME_BYTES, job_dirname
+
+    overrides = ",".join(f"sim.option_{i}=value_{i}" for i in range(20))
+    a, b = job_dirname(overrides + ",system=ep", "t", None), job_dirname(overrides + ",system=moetuner", "t", None)
+    assert a != b and max(len(a.encode()), len(b.encode())) <= MAX_NAME_BYTES
+    assert a.startswith("trace=t-") and a.split(",")[-1].startswith("digest=") and "sim.option_0=value_0" in a
+    assert job_dirname("system=ep", None, None) == "system=ep"  # short names are Hydra's string unchanged
