@@ -34,14 +34,15 @@ PROFILE_CHUNK_TOKENS = 1 << 17
 
 
 def profile_chunks(
-    trace: RoutingTrace, keep: np.ndarray, chunk_tokens: int = PROFILE_CHUNK_TOKENS, experts: bool = True
+    trace: RoutingTrace, keep: np.ndarray, chunk_tokens: int | None = None, experts: bool = True
 ) -> Iterator[tuple[slice, np.ndarray, np.ndarray | None]]:
-    """(part, token_ids int32[n], experts int16[n, L, k] or None) for the kept tokens of each chunk of trace rows.
+    """(part, token_ids int32[n], experts int16[n, L, k] or None) for the kept tokens of each chunk of trace rows
+    (chunk_tokens rows, default PROFILE_CHUNK_TOKENS).
 
     keep int64[N'] sorted token indices; part is the slice of `keep` the chunk covers (keep[part] are its tokens,
     in order). experts=False reads token ids only. Memory-mapped pages are released after each chunk.
     """
-    for start, stop in iter_row_chunks(trace.num_tokens, chunk_tokens):
+    for start, stop in iter_row_chunks(trace.num_tokens, chunk_tokens or PROFILE_CHUNK_TOKENS):
         lo, hi = (int(i) for i in np.searchsorted(keep, [start, stop]))
         if lo == hi:
             continue
