@@ -26,10 +26,11 @@ test:
 # experiments that read ../shared/data (arena-hard prompts, measured routing tables) run only where it exists
 SHARED_DATA ?= $(or $(REPRO_SHARED_DATA),../shared/data)
 OFFLINE_EXPERIMENTS := default paper_dp paper_tp dp_lookahead routing_sources exec exec_model serve_dp serve_tp
-# beyond the paper (replicated and multi-node placement; serve_dp's steady state with long windows): a separate target
-BEYOND_EXPERIMENTS := replication_dp replication_tp multinode multinode_bound serve_dp_long
+# beyond the paper (replicated and multi-node placement; serve_dp's steady state with long windows, under each
+# calibration alternative, and on every routing source): a separate target
+BEYOND_EXPERIMENTS := replication_dp replication_tp multinode multinode_bound serve_dp_long calibration serve_dp_sources
 SHARED_EXPERIMENTS := $(if $(wildcard $(SHARED_DATA)/arena-hard),cross_dataset replay_olmoe_dp replay_olmoe_tp routing_sources_replay)
-BEYOND_SHARED_EXPERIMENTS := $(if $(wildcard $(SHARED_DATA)/olmoe-routing),replication_replay)
+BEYOND_SHARED_EXPERIMENTS := $(if $(wildcard $(SHARED_DATA)/olmoe-routing),replication_replay serve_dp_sources_replay)
 
 reproduce:
 	for e in $(OFFLINE_EXPERIMENTS) $(SHARED_EXPERIMENTS); do \
