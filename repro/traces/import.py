@@ -1,9 +1,10 @@
 """`python -m repro.traces.import INPUT --out DIR`: a tabular routing trace (CSV, JSONL, Parquet) -> trace directory.
 
-The work is done by repro.traces.tabular.import_table_with_vocab (columns, validation, defaults are described
-there). On bad input this prints one sentence naming the first bad row and exits with status 2; nothing is
-written. With surface-string tokens the vocabulary built on import is saved as DIR/vocab.json (a JSON list:
-entry i is the string of token id i).
+The work is done by repro.traces.tabular.import_table_to_dir (columns, validation, defaults, the streaming and
+the external sort are described there): the file is read in batches of at most --batch-rows rows and the trace
+written as it goes, so memory is bounded by --batch-rows whatever the file's size. On bad input this prints one
+sentence naming the first bad row and exits with status 2; nothing is written. With surface-string tokens the
+vocabulary built on import is saved as DIR/vocab.json (a JSON list: entry i is the string of token id i).
 
 DIR must be new or an empty folder; a folder already holding a routing trace is replaced only with --overwrite
 (atomically: readers see the old trace or the new one). Anything else there, and any DIR that holds the input
@@ -13,13 +14,12 @@ file, is refused before the input is read: the importer never deletes what is no
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from repro.errors import ReproError
-from repro.traces.format import check_trace_destination, trace_dir_state, write_trace
-from repro.traces.tabular import import_table_with_vocab
+from repro.traces.format import check_trace_destination, trace_dir_state
+from repro.traces.tabular import DEFAULT_BATCH_ROWS, import_table_to_dir
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--label-col", help="default: label if present")
     p.add_argument("--phase-col", help="prefill/decode per token; default: phase if present")
     p.add_argument("--prefill-len-col", help="prompt length per request; default: prefill_len if present")
+    p.add_argument("--batch-rows", type=int, default=DEFAULT_BATCH_ROWS,
+                   help=f"rows read and checked at once; bounds memory (default {DEFAULT_BATCH_ROWS:,})")
     return p
 
 
@@ -63,8 +65,11 @@ def main(argv: list[str] | None = None) -> int:
     if_exists = "replace" if args.overwrite else "error"
     try:
         check_out(args.out, args.input, if_exists)
-        trace, vocab = import_table_with_vocab(
+        result = import_table_to_dir(
             args.input,
+            args.out,
+            if_exists=if_exists,
+            batch_rows=args.batch_rows,
             format=args.format,
             model=args.model,
             num_experts=args.num_experts,
@@ -82,17 +87,16 @@ def main(argv: list[str] | None = None) -> int:
             phase_col=args.phase_col,
             prefill_len_col=args.prefill_len_col,
         )
-        vocab_file = {} if vocab is None else {"vocab.json": json.dumps(vocab, ensure_ascii=False)}
-        write_trace(trace, args.out, if_exists=if_exists, extra_files=vocab_file)
     except ReproError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    m = trace.meta
+    m, vocab = result.meta, result.vocab
     for name in m.extra.get("inferred", []):
         print(f"note: --{name.replace('_', '-')} not given; using {getattr(m, name)} from the data.", file=sys.stderr)
     print(
-        f"wrote {args.out}: {trace.num_requests} requests, {trace.num_tokens} tokens, layers {list(m.layer_ids)}, "
+        f"wrote {args.out}: {result.num_requests} requests, {result.num_tokens} tokens, layers {list(m.layer_ids)}, "
         f"{m.num_experts} experts, top-{m.top_k}" + (f", vocabulary of {len(vocab)} strings in vocab.json" if vocab else "")
+        + ("" if result.sorted_input else " (rows were not in (request, position, layer) order: sorted on disk)")
     )
     return 0
 
