@@ -284,3 +284,24 @@ def test_the_paper_figures_judge_algorithm_2_in_attention_dp():
     renamed = as_the_papers_system(summary)
     assert renamed["system"].tolist() == ["ep", "semmoe_time", "semmoe", "semmoe", "semmoe"]
     assert summary["system"].tolist()[1:3] == ["semmoe", "semmoe_paper"]  # the input is left alone
+
+
+def test_steady_state_tables_use_each_jobs_bisected_seeds_and_paired_intervals(tmp_path):
+    root = tmp_path / "runs"
+    rates = [10.0, 20.0, 40.0]
+    grid = per_rate_table(rates, [0.010, 0.030, 0.060], [1.0, 3.0, 6.0], [10.0, 19.0, 30.0], 0.125)
+    seeds = {"ep": ([20.0, 22.0, 21.0], [30.0, 30.0, 30.0]), "semmoe": ([24.0, 26.4, 25.2], [33.0, 31.5, 30.0])}
+    for system, (ttft, e2e) in seeds.items():
+        fake_job(root, "serve_dp", system, per_rate=grid, slo_reference="ep", sim_seeds=3, slo_ttft_s=0.05,
+                 slo_e2e_s=5.0, throughput_under_ttft_slo_rps=float(np.mean(ttft)),
+                 throughput_under_ttft_slo_rps_per_seed=ttft, throughput_under_e2e_slo_rps=float(np.mean(e2e)),
+                 throughput_under_e2e_slo_rps_per_seed=e2e, goodput_distserve_rps=10.0,
+                 goodput_distserve_rps_per_seed=[10.0, 10.0, 10.0])
+    summary, _ = load_runs(root)
+    text = "\n".join(paper.tables5_6_throughput_under_slo(summary, tmp_path))
+    assert "— read off the rate grid" not in text and "bisected on 3 paired seeds" in text
+    # Sem-MoE's TTFT ratio is 1.20 on every seed: a zero-width interval; E2E ratios 1.10, 1.05, 1.00 -> 1.05x
+    assert "| semmoe | 25 | 1.20x [1.20, 1.20] | 32 | 1.05x [" in text
+    assert "vs `ep`: TTFT 1.20x, E2E 1.05x" in text
+    headline = "\n".join(paper.headline(summary))
+    assert "TTFT 1.20x [1.20, 1.20], E2E 1.05x [" in headline

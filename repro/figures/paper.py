@@ -26,7 +26,7 @@ import pandas as pd  # noqa: E402
 
 from repro.figures.palette import MOE_PART_COLORS, system_color  # noqa: E402
 from repro.figures.render import markdown_table, save_png  # noqa: E402
-from repro.sim.metrics import paper_slo, throughput_under_slo  # noqa: E402
+from repro.sim.metrics import paper_slo, ratio_interval, throughput_under_slo  # noqa: E402
 
 SYSTEMS = ("ep", "eplb", "moetuner", "semmoe")  # plot order; ep is the paper's vanilla EP (SGLang + DeepEP)
 MOE_PARTS = ("gate", "dispatch", "experts", "combine")  # the paper's Fig. 1 split of one MoE layer
@@ -279,63 +279,123 @@ def one_slo_throughput(tables: dict[str, pd.DataFrame], statistic: str, multipli
     return pd.DataFrame.from_dict(rows, orient="index")
 
 
+def throughput_ratio(numerator: pd.Series, denominator: pd.Series, rule: str) -> dict:
+    """Sem-MoE / baseline throughput under the `rule` SLO ("ttft" | "e2e" | "distserve") of two jobs: mean and 95 %
+    interval of the paired per-seed ratios when both jobs kept per-seed values of one length
+    (repro.sim.metrics.ratio_interval), else the ratio of their means with NaN bounds."""
+    key = "goodput_distserve_rps" if rule == "distserve" else f"throughput_under_{rule}_slo_rps"
+    num, den = numerator.get(key + "_per_seed"), denominator.get(key + "_per_seed")
+    if isinstance(num, list) and isinstance(den, list) and len(num) == len(den) and len(num) >= 2:
+        return ratio_interval(num, den)
+    a, b = (float(job.get(key, np.nan)) if isinstance(job.get(key), int | float) else np.nan
+            for job in (numerator, denominator))
+    return {"mean": a / b if np.isfinite(a) and np.isfinite(b) and b > 0 else float("nan"), "low": float("nan"),
+            "high": float("nan"), "n": 1}
+
+
+def _interval(r: dict) -> str:
+    return _times(r["mean"]) + (f" [{r['low']:.2f}, {r['high']:.2f}]" if np.isfinite(r["low"]) else "")
+
+
+def _bisected(jobs: pd.DataFrame) -> bool:
+    """Whether every job of a panel kept per-seed bisected throughputs under one SLO for all (sim.slo.reference=ep)."""
+    key = "throughput_under_ttft_slo_rps_per_seed"
+    return (key in jobs and all(isinstance(v, list) for v in jobs[key])
+            and "slo_reference" in jobs and bool((jobs["slo_reference"] == "ep").all()))
+
+
 def tables5_6_throughput_under_slo(summary: pd.DataFrame, out_dir: Path) -> list[str]:
     """Tables 5-6: throughput under the TTFT / E2E SLO per system under one SLO (from vanilla EP), Sem-MoE's
-    ratios beside the paper's, and each job's own-SLO numbers and DistServe goodput, labelled as such."""
+    ratios beside the paper's. Steady-state jobs: each job's bisected per-seed values and the paired ratios' 95 %
+    intervals; jobs without them: read off the rate grid, labelled so."""
     panels = [(row, t) for row, t in serving_panels(summary) if "ep" in t and len(t) > 1]
     panels.sort(key=lambda panel: panel[0]["attention"] != "dp")  # the paper's Attention-DP first
     if not panels:
         return []
     lines = ["### Tables 5-6: throughput under the TTFT / E2E SLO", "",
              "The paper reports these for Attention-DP only (Fig. 4, Tables 5-6); Attention-TP panels, when run, follow "
-             "with no paper value beside them. One SLO for all systems: the paper's rule (5 x the latency at the lightest load) computed on vanilla "
-             "EP and applied to every system; throughput under it is the highest measured throughput among swept "
-             "rates that meet it (so it moves in steps of the rate grid). '(all)' marks a system meeting the SLO at "
-             "every swept rate: its number is the sweep's ceiling. The own-SLO columns and the DistServe goodput "
-             "(>= 90 % of requests meet TTFT and TPOT, bisected) are as each job reported them, each with the SLO "
-             "derived from its own lightest rate, so they do not compare systems at one SLO.", ""]
+             "with no paper value beside them. One SLO for all systems: the paper's rule (5 x the latency at the "
+             "lightest load) computed on vanilla EP and applied to every system. Where the jobs ran the steady-state "
+             "method, each number is the rate each job bisected for that rule (mean over its seeds; a stable queue "
+             "required), and `x ep` is the mean of the paired per-seed ratios with its 95 % interval (widened by the "
+             "bisection tolerance); DistServe goodput (>= 90 % of requests meet TTFT and TPOT) likewise. Jobs without "
+             "per-seed values are read off the rate grid (the highest swept rate meeting the SLO; '(all)': the "
+             "sweep's ceiling), and say so.", ""]
     for row, tables in panels:
-        sim = _metrics(row["run_dir"])["config"]["sim"]
-        stat, multiplier = sim["slo"]["statistic"], sim["slo"]["multiplier"]
-        one = one_slo_throughput(tables, stat, multiplier)
         jobs = summary[(summary[PANEL] == row[PANEL]).all(axis=1)].drop_duplicates("system").set_index("system")
-        table = []
-        for system in tables:
-            r = one.loc[system]
-            cell = {name: f"{r[f'throughput_under_{name}_slo_rps']:.1f}" + (" (all)" if r[f"all_rates_meet_{name}"] else "")
-                    for name in ("ttft", "e2e")}
-            table.append({
-                "system": system,
-                "TTFT SLO (one) req/s": cell["ttft"],
-                "x ep": _times(r["throughput_under_ttft_slo_rps"] / one.at["ep", "throughput_under_ttft_slo_rps"]),
-                "E2E SLO (one) req/s": cell["e2e"],
-                "x ep ": _times(r["throughput_under_e2e_slo_rps"] / one.at["ep", "throughput_under_e2e_slo_rps"]),
-                "own TTFT SLO req/s": f"{jobs.at[system, 'throughput_under_ttft_slo_rps']:.1f}",
-                "own E2E SLO req/s": f"{jobs.at[system, 'throughput_under_e2e_slo_rps']:.1f}",
-                "DistServe goodput (own SLO) req/s": f"{jobs.at[system, 'goodput_distserve_rps']:.1f}",
-            })
-        lines += [f"**{_title(row)}** — SLO ({stat}, {multiplier:g} x ep at {tables['ep']['rate'].min():g} req/s): "
-                  f"TTFT {one['ttft_slo_s'].iloc[0] * 1e3:.2f} ms, E2E {one['e2e_slo_s'].iloc[0] * 1e3:.1f} ms "
-                  f"(uncalibrated); rates swept {', '.join(f'{r:g}' for r in tables['ep']['rate'])} req/s.", "",
-                  markdown_table(pd.DataFrame(table)), ""]
-        if "semmoe" in tables and row["attention"] == "dp":
-            lines += [f"- Sem-MoE / baseline, ours vs paper: {_ratio_sentence(one, row['sim_shape'])}"]
+        jobs = jobs.loc[[s for s in tables if s in jobs.index]]
+        if _bisected(jobs):
+            lines += _bisected_panel(row, jobs)
+        else:
+            lines += _grid_panel(row, tables, jobs)
         lines += [f"- {config_line(row)}", ""]
     return lines
 
 
-def _ratio_sentence(one: pd.DataFrame, shape: str) -> str:
+def _bisected_panel(row: pd.Series, jobs: pd.DataFrame) -> list[str]:
+    table = []
+    for system, job in jobs.iterrows():
+        cells = {"system": system}
+        for rule, label in (("ttft", "TTFT SLO"), ("e2e", "E2E SLO"), ("distserve", "DistServe goodput")):
+            key = "goodput_distserve_rps" if rule == "distserve" else f"throughput_under_{rule}_slo_rps"
+            cells[f"{label} req/s"] = f"{job[key]:.0f}"
+            cells[f"{label} x ep"] = _interval(throughput_ratio(job, jobs.loc["ep"], rule))
+        table.append(cells)
+    seeds = int(row.get("sim_seeds", 0) or 0)
+    lines = [f"**{_title(row)}** — one SLO from ep ({row.get('slo_statistic', 'mean')}): TTFT "
+             f"{row['slo_ttft_s'] * 1e3:.2f} ms, E2E {row['slo_e2e_s'] * 1e3:.1f} ms (uncalibrated); bisected on "
+             f"{seeds} paired seeds.", "", markdown_table(pd.DataFrame(table)), ""]
+    if "semmoe" in jobs.index and row["attention"] == "dp":
+        ratios = {(rule, base): throughput_ratio(jobs.loc["semmoe"], jobs.loc[base], rule)["mean"]
+                  for rule in ("ttft", "e2e") for base in ("ep", "moetuner") if base in jobs.index}
+        lines += [f"- Sem-MoE / baseline, ours vs paper: {_ratio_sentence(ratios, row['sim_shape'])}"]
+    return lines
+
+
+def _grid_panel(row: pd.Series, tables: dict[str, pd.DataFrame], jobs: pd.DataFrame) -> list[str]:
+    sim = _metrics(row["run_dir"])["config"]["sim"]
+    stat, multiplier = sim["slo"]["statistic"], sim["slo"]["multiplier"]
+    one = one_slo_throughput(tables, stat, multiplier)
+    table = []
+    for system in tables:
+        r = one.loc[system]
+        cell = {name: f"{r[f'throughput_under_{name}_slo_rps']:.1f}" + (" (all)" if r[f"all_rates_meet_{name}"] else "")
+                for name in ("ttft", "e2e")}
+        table.append({
+            "system": system,
+            "TTFT SLO (one) req/s": cell["ttft"],
+            "x ep": _times(r["throughput_under_ttft_slo_rps"] / one.at["ep", "throughput_under_ttft_slo_rps"]),
+            "E2E SLO (one) req/s": cell["e2e"],
+            "x ep ": _times(r["throughput_under_e2e_slo_rps"] / one.at["ep", "throughput_under_e2e_slo_rps"]),
+            "own TTFT SLO req/s": f"{jobs.at[system, 'throughput_under_ttft_slo_rps']:.1f}",
+            "own E2E SLO req/s": f"{jobs.at[system, 'throughput_under_e2e_slo_rps']:.1f}",
+            "DistServe goodput (own SLO) req/s": f"{jobs.at[system, 'goodput_distserve_rps']:.1f}",
+        })
+    lines = [f"**{_title(row)}** — read off the rate grid (these jobs kept no bisected per-seed values): SLO ({stat}, "
+             f"{multiplier:g} x ep at {tables['ep']['rate'].min():g} req/s): "
+             f"TTFT {one['ttft_slo_s'].iloc[0] * 1e3:.2f} ms, E2E {one['e2e_slo_s'].iloc[0] * 1e3:.1f} ms "
+             f"(uncalibrated); rates swept {', '.join(f'{r:g}' for r in tables['ep']['rate'])} req/s.", "",
+             markdown_table(pd.DataFrame(table)), ""]
+    if "semmoe" in tables and row["attention"] == "dp":
+        ratios = {(rule, base): one.at["semmoe", f"throughput_under_{rule}_slo_rps"]
+                  / one.at[base, f"throughput_under_{rule}_slo_rps"]
+                  for rule in ("ttft", "e2e") for base in ("ep", "moetuner") if base in one.index}
+        lines += [f"- Sem-MoE / baseline, ours vs paper: {_ratio_sentence(ratios, row['sim_shape'])}"]
+    return lines
+
+
+def _ratio_sentence(ratios: dict[tuple[str, str], float], shape: str) -> str:
+    """ratios: {(rule, baseline): Sem-MoE / baseline} -> one sentence beside the paper's Fig. 4 and Tables 5-6."""
     parts = []
     for base in ("ep", "moetuner"):
-        if base not in one.index:
+        if (("ttft", base)) not in ratios:
             continue
-        ours = [one.at["semmoe", f"throughput_under_{n}_slo_rps"] / one.at[base, f"throughput_under_{n}_slo_rps"]
-                for n in ("ttft", "e2e")]
         paper = PAPER_DP_RATIOS.get(shape)
         paper_text = (f"paper Fig. 4 ({shape}, Attention-DP) {paper['ttft'][base]:.2f}x / {paper['e2e'][base]:.2f}x"
                       if paper else f"paper Fig. 4 has no {shape}")
-        parts.append(f"vs `{base}`: TTFT {_times(ours[0])}, E2E {_times(ours[1])} ({paper_text}; Moonlight-16B "
-                     f"Tables 5-6 average {PAPER_MOONLIGHT['ttft'][base]:.2f}x / {PAPER_MOONLIGHT['e2e'][base]:.2f}x)")
+        parts.append(f"vs `{base}`: TTFT {_times(ratios[('ttft', base)])}, E2E {_times(ratios[('e2e', base)])} "
+                     f"({paper_text}; Moonlight-16B Tables 5-6 average {PAPER_MOONLIGHT['ttft'][base]:.2f}x / "
+                     f"{PAPER_MOONLIGHT['e2e'][base]:.2f}x)")
     return "; ".join(parts) + "."
 
 
@@ -741,12 +801,16 @@ def headline(summary: pd.DataFrame) -> list[str]:
                 f"all-to-all share of MoE-layer time is {_pct(ep['a2a_share'].iloc[0])} at {ep['rate'].iloc[0]:g} "
                 f"req/s and {_pct(ep['a2a_share'].iloc[-1])} at {ep['rate'].iloc[-1]:g} req/s (paper: 59.2 %)")
         if "semmoe" in tables and row["attention"] == "dp":
-            sim = _metrics(row["run_dir"])["config"]["sim"]["slo"]
-            one = one_slo_throughput(tables, sim["statistic"], sim["multiplier"])
-            ratio = [one.at["semmoe", f"throughput_under_{n}_slo_rps"] / one.at["ep", f"throughput_under_{n}_slo_rps"]
-                     for n in ("ttft", "e2e")]
+            jobs = summary[(summary[PANEL] == row[PANEL]).all(axis=1)].drop_duplicates("system").set_index("system")
+            if _bisected(jobs.loc[[s for s in ("ep", "semmoe") if s in jobs.index]]):
+                ratio = [_interval(throughput_ratio(jobs.loc["semmoe"], jobs.loc["ep"], n)) for n in ("ttft", "e2e")]
+            else:  # read off the rate grid
+                sim = _metrics(row["run_dir"])["config"]["sim"]["slo"]
+                one = one_slo_throughput(tables, sim["statistic"], sim["multiplier"])
+                ratio = [_times(one.at["semmoe", f"throughput_under_{n}_slo_rps"]
+                                / one.at["ep", f"throughput_under_{n}_slo_rps"]) for n in ("ttft", "e2e")]
             paper = PAPER_DP_RATIOS["deepseek_v2_lite"]
-            text += (f"; Sem-MoE / vanilla throughput under one SLO: TTFT {_times(ratio[0])}, E2E {_times(ratio[1])} "
+            text += (f"; Sem-MoE / vanilla throughput under one SLO: TTFT {ratio[0]}, E2E {ratio[1]} "
                      f"(paper: {paper['ttft']['ep']:.2f}x / {paper['e2e']['ep']:.2f}x)")
         lines.append(text + f". Routing: {routing_note(row['run_dir'])}; uncalibrated times.")
     return ["### Headline", "", *lines, ""] if lines else []

@@ -68,11 +68,11 @@ from repro.figures.paper import (
     PAPER_FIG5B_LAR_GAIN,
     PAPER_MOONLIGHT,
     as_the_papers_system,
+    throughput_ratio,
 )
 from repro.figures.render import markdown_table
 from repro.figures.table2 import paper_reductions, table2_frame
 from repro.sim.hardware import PUBLISHED
-from repro.sim.metrics import ratio_interval
 
 REPRODUCED, PARTLY, NOT_REPRODUCED, NOT_TESTABLE = "reproduced", "partly", "not reproduced", "not testable here"
 VERDICTS = (REPRODUCED, PARTLY, NOT_REPRODUCED, NOT_TESTABLE)
@@ -416,19 +416,6 @@ def parts_r3(summary: pd.DataFrame) -> list[dict]:
         parts.append(_part("R3", part, _pct(paper), text + ("" if part == "F1" else " (precision = F1 here)"),
                            rule_band(value, paper, paper, 0.10), job))
     return parts
-
-
-def throughput_ratio(numerator: pd.Series, denominator: pd.Series, rule: str) -> dict:
-    """Sem-MoE / baseline throughput under the `rule` SLO ("ttft" | "e2e") of two jobs: mean and 95 % interval of
-    the paired per-seed ratios when both jobs kept per-seed values of one length (repro.sim.metrics.ratio_interval),
-    else the ratio of their means with NaN bounds."""
-    key = f"throughput_under_{rule}_slo_rps"
-    num, den = numerator.get(key + "_per_seed"), denominator.get(key + "_per_seed")
-    if isinstance(num, list) and isinstance(den, list) and len(num) == len(den) and len(num) >= 2:
-        return ratio_interval(num, den)
-    a, b = _value(numerator, key), _value(denominator, key)
-    return {"mean": a / b if _finite(a, b) and b > 0 else float("nan"), "low": float("nan"), "high": float("nan"),
-            "n": 1}
 
 
 def _ratio_parts(claim: str, panels: dict[str, dict[str, pd.Series]], paper_ratios: dict, shape_label: str) -> list[dict]:
