@@ -132,6 +132,19 @@ def test_diff_runs_compares_simulator_latency_per_rate_and_one_sided_metrics(tmp
     assert diff["ratio"].iloc[1] == pytest.approx(1.25)
 
 
+def test_diff_runs_reads_a_steady_state_table_as_seed_0s_grid_and_compares_the_new_columns(tmp_path):
+    # one row per run: seed 0's reference and grid runs, a bisection probe, seed 1's runs; only seed 0's grid counts
+    rows = [(1.0, 0, "reference", 0.10), (4.0, 0, "grid", 0.20), (3.0, 0, "bisect", 9.0), (1.0, 1, "grid", 9.0),
+            (4.0, 1, "bisect", 9.0)]
+    table = pd.DataFrame([{"rate": r, "seed": s, "role": role, "ttft_mean_s": t} for r, s, role, t in rows])
+    slower = table.assign(ttft_mean_s=[0.10, 0.30, 5.0, 5.0, 5.0])  # seed 0's 4 req/s grid run x1.5; the rest ignored
+    write_job(tmp_path / "a", "serve_dp", "semmoe", 8, per_rate=table, a2a_share_decode_lightest=0.30)
+    write_job(tmp_path / "b", "serve_dp", "semmoe", 8, per_rate=slower, a2a_share_decode_lightest=0.40)
+    diff = diff_runs(load_results(tmp_path / "a"), load_results(tmp_path / "b"))
+    assert diff["metric"].tolist() == ["a2a_share_decode_lightest", "ttft_mean_s@4rps"]
+    assert diff["ratio"].tolist() == pytest.approx([4 / 3, 1.5])
+
+
 def test_diff_runs_rejects_two_jobs_with_one_key(tmp_path):
     write_job(tmp_path / "a" / "copy1", "paper_dp", "ep", 2)
     write_job(tmp_path / "a" / "copy2", "paper_dp", "ep", 2)

@@ -13,8 +13,10 @@ other key columns only, e.g. to put runs/paper_dp beside runs/paper_tp.
 
 Compared, when a job has them: LAR (and a bound's achieved LAR, the simulator's LAR, the node-local rate), all-to-all, dispatch,
 inter-node and real-execution bytes, load imbalance, the all-to-all time estimate, the simulator's throughput
-under SLO and latencies at the lightest rate, and, from sim_per_rate.csv, mean TTFT / TPOT / E2E and p99 E2E at
-every offered rate (`<metric>@<rate>rps`). A metric is reported when |B/A - 1| > threshold, or when one side
+under each SLO rule (bisected, mean over seeds), the heaviest stable rate, latencies, all-to-all shares and MoE-layer
+time (prefill-containing and decode-only iterations apart) at the lightest rate, and, from sim_per_rate.csv, mean
+TTFT / TPOT / E2E and p99 E2E at every rate of the grid (`<metric>@<rate>rps`; seed 0's grid runs of a steady-state
+table). A metric is reported when |B/A - 1| > threshold, or when one side
 lacks it; the change is printed as B - A for the LAR columns (fractions) and as B/A otherwise.
 
 Matched jobs must have been measured on the same routing: when both record `trace_digests` (the profile and
@@ -40,6 +42,7 @@ from repro.atomic import atomic_write_text  # noqa: E402
 from repro.errors import ReproError  # noqa: E402
 from repro.figures.html import write_html  # noqa: E402
 from repro.figures.jobs import SkippedJob, log, read_jobs  # noqa: E402
+from repro.figures.paper import rate_grid  # noqa: E402
 from repro.figures.render import markdown_table, save_png  # noqa: E402
 
 KEY = ("experiment", "model_name", "workload", "eval_workload", "evaluate_split", "system", "attention", "devices",
@@ -48,8 +51,11 @@ RATES = ("lar", "lar_achieved", "lar_sim", "node_local_activation_rate")  # frac
 METRICS = RATES + (
     "a2a_bytes", "dispatch_bytes", "dispatch_bytes_inter_node", "exec_dispatch_bytes",
     "token_imbalance_max_mean", "expert_load_imbalance_max_mean", "a2a_seconds_est",
-    "throughput_under_ttft_slo_rps", "throughput_under_e2e_slo_rps", "goodput_distserve_rps",
-    "ttft_p99_s_lightest", "e2e_p50_s_lightest", "moe_layer_s_lightest",
+    "throughput_under_ttft_slo_rps", "throughput_under_e2e_slo_rps", "goodput_distserve_rps", "capacity_rps",
+    "sim_heaviest_stable_rate_rps", "ttft_p99_s_lightest", "e2e_p50_s_lightest", "moe_layer_s_lightest",
+    "a2a_share_lightest", "a2a_share_heaviest",
+    "moe_layer_prefill_s_lightest", "moe_layer_decode_s_lightest", "a2a_share_prefill_lightest",
+    "a2a_share_decode_lightest", "moe_layer_prefill_s_heaviest_stable", "moe_layer_decode_s_heaviest_stable",
 )
 PER_RATE = ("ttft_mean_s", "tpot_mean_s", "e2e_mean_s", "e2e_p99_s")  # sim_per_rate.csv columns, one per rate
 FIGURE_BARS = 40  # the largest relative changes drawn; the tables list all of them
@@ -67,7 +73,8 @@ def read_results(runs_dir: str | Path) -> tuple[pd.DataFrame, list[SkippedJob]]:
         row = {}
         try:
             if path.exists():
-                table = pd.read_csv(path).set_index("rate")
+                # a steady-state table holds every run (seeds, bisection probes): the curve is seed 0's grid
+                table = rate_grid(pd.read_csv(path)).drop_duplicates("rate", keep="last").set_index("rate")
                 row = {f"{m}@{rate:g}rps": table.at[rate, m] for m in PER_RATE if m in table for rate in table.index}
         except (OSError, ValueError, KeyError, TypeError) as error:  # pandas' parser errors are ValueErrors
             skipped.append(SkippedJob(Path(run_dir) / "metrics.json",
