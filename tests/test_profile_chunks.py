@@ -10,11 +10,17 @@ import pytest
 
 import repro.affinity.tables as tables
 from repro.affinity.partial import count_shard, dense_counts, load_table, merge_tables, save_table
-from repro.affinity.tables import encode_tokens, layer_token_expert_counts, profile_tokens, token_expert_counts
-from repro.errors import TraceError
+from repro.affinity.tables import (
+    encode_tokens,
+    layer_token_expert_counts,
+    profile_tokens,
+    sample_profile_requests,
+    token_expert_counts,
+)
+from repro.errors import ConfigError, TraceError
 from repro.parallel import ParallelConfig
 from repro.systems import make_system
-from repro.traces import read_trace, write_trace
+from repro.traces import read_trace, select_requests, write_trace
 from repro.traces.shards import write_manifest
 from tests.test_trace_shards import token_routed_trace, write_shards
 
@@ -105,3 +111,27 @@ def test_bad_partials_are_refused_and_nothing_is_written(sharded, tmp_path):
     with pytest.raises(TraceError, match="shard 4 is not one of the 4 shards"):
         count_shard(path, 4, tmp_path / "p4.npz")
     assert not (tmp_path / "p4.npz").exists()
+
+
+@pytest.mark.parametrize("attention", ["tp", "dp"])
+def test_profile_tokens_cap_fits_on_a_seeded_sample_of_whole_requests(sharded, attention):
+    whole, _ = sharded
+    cap = whole.num_tokens // 3
+    kept = sample_profile_requests(whole.offsets, np.arange(whole.num_tokens), cap)
+    assert 0 < len(kept) <= cap
+    assert np.array_equal(kept, sample_profile_requests(whole.offsets, np.arange(whole.num_tokens), cap))  # seeded
+    requests = np.unique(np.searchsorted(whole.offsets, kept, side="right") - 1)
+    assert len(kept) == whole.lengths()[requests].sum()  # whole requests only
+    parallel = ParallelConfig(devices=4, attention=attention, tokens_per_step=64)
+
+    def fit(trace, **params):
+        return make_system("semmoe", n_starts=1, polish_rounds=4, **params).fit(trace, parallel, np.random.default_rng(0))
+
+    capped, subset = fit(whole, profile_tokens=cap), fit(select_requests(whole, requests))
+    assert capped.info["profile_sampled_tokens"] == len(kept)
+    for name in ("token_vocab", "token_device", "token_confidence", "markov_device", "markov_confidence"):
+        assert np.array_equal(getattr(capped, name), getattr(subset, name)), name
+    assert np.array_equal(capped.placement.physical_to_logical, subset.placement.physical_to_logical)
+    assert capped.token_frequency.sum() == len(kept) < whole.num_tokens  # the cap did leave tokens out
+    with pytest.raises(ConfigError, match="profile_tokens must be null"):
+        make_system("semmoe", profile_tokens=0)

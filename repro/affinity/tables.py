@@ -57,6 +57,20 @@ def profile_chunks(
         release_pages(trace.experts)
 
 
+def sample_profile_requests(offsets: np.ndarray, keep: np.ndarray, max_tokens: int, seed: int = 0) -> np.ndarray:
+    """int64[N''] the kept tokens (keep int64[N'] sorted) of a seeded random subset of whole requests holding at
+    most max_tokens of them: requests are taken in one seeded permutation while the total stays within the cap
+    (at least the first one). offsets int64[R+1]. The same arguments give the same sample."""
+    request_of_kept = np.searchsorted(np.asarray(offsets), keep, side="right") - 1
+    kept_per_request = np.bincount(request_of_kept, minlength=len(offsets) - 1)
+    order = np.random.default_rng(seed).permutation(len(kept_per_request))
+    within = np.cumsum(kept_per_request[order]) <= max_tokens
+    within[0] = True
+    chosen = np.zeros(len(kept_per_request), dtype=bool)
+    chosen[order[within]] = True
+    return keep[chosen[request_of_kept]]
+
+
 def profile_vocab(trace: RoutingTrace, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(token_vocab int32[t] sorted unique ids of the kept tokens, occurrences int64[t] kept tokens per row).
 

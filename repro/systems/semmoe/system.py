@@ -36,6 +36,7 @@ from repro.affinity.tables import (
     profile_chunks,
     profile_tokens,
     profile_vocab,
+    sample_profile_requests,
     token_device_counts,
     vocab_row_map,
 )
@@ -356,6 +357,9 @@ class SemMoE:
     devices until the busiest device's profile expert load is <= cap x the mean, losing the least local mass
     (`balance_expert_load`; swaps stay inside a node when hierarchical); plan.info reports the swaps and the
     profile's expert load max/mean before and after.
+    profile_tokens (None = all): fit on a seeded sample of whole profile requests holding at most this many
+    profiled tokens (`sample_profile_requests`, seed 0), for profiles larger than the fit needs; plan.info
+    reports profile_sampled_tokens when it applies.
     """
 
     name = "semmoe"
@@ -389,7 +393,11 @@ class SemMoE:
         dp_decode_tokens: float | None = None,
         expert_load_cap: float | None = None,
         dp_predictor: str = "tables",
+        profile_tokens: int | None = None,
     ):
+        if profile_tokens is not None and int(profile_tokens) < 1:
+            raise ConfigError(f"system.params.profile_tokens must be null (the whole profile) or >= 1, got {profile_tokens}.")
+        self.profile_tokens = None if profile_tokens is None else int(profile_tokens)
         if not 0.0 < float(theta) < 1.0:
             raise ConfigError(f"system.params.theta must be strictly between 0 and 1, got {theta}.")
         if min(alpha, beta, gamma) < 0:
@@ -486,6 +494,8 @@ class SemMoE:
         """(kept token indices int64[N'], token_vocab int32[t], occurrences int64[t] kept tokens per row) of the
         profile, read in chunks (repro.affinity.tables.profile_vocab)."""
         keep = profile_tokens(profile, self.prompt_only)
+        if self.profile_tokens is not None and len(keep) > self.profile_tokens:
+            keep = sample_profile_requests(profile.offsets, keep, self.profile_tokens)
         if len(keep) == 0:
             raise TraceError(
                 f"the profile split of {profile.meta.model!r} has no {'prompt ' if self.prompt_only else ''}tokens "
@@ -592,6 +602,8 @@ class SemMoE:
             "solver_load_share": float(unit_load[solver_units].sum() / unit_load.sum()),
             "solver_seconds": time.perf_counter() - started,
         }
+        if self.profile_tokens is not None:
+            info["profile_sampled_tokens"] = len(keep)
         if self.expert_load_cap is not None:
             info.update(expert_load_cap=self.expert_load_cap, expert_load_swaps=int(load_swaps),
                         profile_expert_load_max_mean_before=float(np.mean(np.concatenate(load_before))),
