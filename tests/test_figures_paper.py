@@ -305,3 +305,21 @@ def test_steady_state_tables_use_each_jobs_bisected_seeds_and_paired_intervals(t
     assert "vs `ep`: TTFT 1.20x, E2E 1.05x" in text
     headline = "\n".join(paper.headline(summary))
     assert "TTFT 1.20x [1.20, 1.20], E2E 1.05x [" in headline
+
+
+def test_fig1_splits_prefill_and_decode_and_says_where_semmoe_is_faster_or_slower(tmp_path):
+    root = tmp_path / "runs"
+    grid = per_rate_table([10.0, 40.0], [0.01, 0.02], [1.0, 2.0], [10.0, 39.0], 0.125)
+    for part in ("attention", "gate", "dispatch", "experts", "combine", "tp_collectives"):
+        grid[f"moe_{part}_prefill_s"], grid[f"moe_{part}_decode_s"] = grid[f"moe_{part}_s"] * 2, grid[f"moe_{part}_s"]
+    grid["a2a_share_prefill"], grid["a2a_share_decode"] = 0.40, 0.30
+    phases = {"ep": (100e-6, 50e-6), "semmoe": (80e-6, 60e-6)}  # Sem-MoE: prefill 0.80x, decode 1.20x
+    for system, (prefill, decode) in phases.items():
+        fake_job(root, "serve_dp", system, per_rate=grid, moe_layer_prefill_s_lightest=prefill,
+                 moe_layer_decode_s_lightest=decode, moe_layer_prefill_s_heaviest_stable=prefill,
+                 moe_layer_decode_s_heaviest_stable=None)
+    summary, _ = load_runs(root)
+    text = "\n".join(paper.fig1_breakdown(summary, tmp_path))
+    assert "| 40.0 % | 30.0 % |" in text  # the two phases' all-to-all shares at the lightest rate
+    semmoe = next(line for line in text.splitlines() if "| semmoe |" in line)
+    assert semmoe.endswith("| 0.80x (faster) | 0.80x (faster) | 1.20x (slower) | n/a |")

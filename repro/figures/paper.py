@@ -171,26 +171,39 @@ def _times(x: float) -> str:
 # ---- Fig. 1 ----------------------------------------------------------------------------------------------------
 
 
+PHASES = (("prefill", "prefill-containing"), ("decode", "decode-only"))
+
+
 def fig1_breakdown(summary: pd.DataFrame, out_dir: Path) -> list[str]:
-    """Fig. 1: vanilla EP's MoE-layer time split (gate / dispatch / experts / combine) per rate, all-to-all share
-    beside the paper's 59.2 %."""
-    panels = [(row, t["ep"]) for row, t in serving_panels(summary) if "ep" in t]
+    """Fig. 1: vanilla EP's MoE-layer time split (gate / dispatch / experts / combine) per rate, for prefill-containing
+    and decode-only iterations apart where the table has them, all-to-all share beside the paper's 59.2 %; then
+    every system's MoE-layer time per phase against vanilla EP's (where Sem-MoE is faster and where slower)."""
+    panels = [(row, t) for row, t in serving_panels(summary) if "ep" in t]
     if not panels:
         return []
-    fig, axes = _grid(len(panels), 4.4, 3.4)
+    fig, axes = _grid(len(panels), 5.2, 3.4)
     rows, configs = [], []
-    for ax, (row, per_rate) in zip(axes, panels, strict=True):
+    for ax, (row, tables) in zip(axes, panels, strict=True):
+        per_rate = tables["ep"]
+        phased = all(f"moe_{p}_{phase}_s" in per_rate for p in MOE_PARTS for phase, _ in PHASES)
+        groups = [(f"_{phase}", words) for phase, words in PHASES] if phased else [("", "all iterations")]
         x = np.arange(len(per_rate))
-        bottom = np.zeros(len(per_rate))
-        for part in MOE_PARTS:
-            us = per_rate[f"moe_{part}_s"].to_numpy() * 1e6
-            ax.bar(x, us, bottom=bottom, color=MOE_PART_COLORS[part], label=part)
-            bottom += us
-        ax.set_xticks(x, [f"{r:g}" for r in per_rate["rate"]], rotation=45, fontsize=7)
-        ax.set_xlabel("request rate (req/s)")
-        ax.set_ylabel("time per MoE layer (µs, uncalibrated)")
+        width = 0.8 / len(groups)
         share = ax.twinx()  # the result (a share) on its own axis, beside the paper's value
-        share.plot(x, per_rate["a2a_share"] * 100, "o-", color="k", ms=3, label="all-to-all share (ours)")
+        for g, (suffix, words) in enumerate(groups):
+            offset = x + (g - (len(groups) - 1) / 2) * width
+            bottom = np.zeros(len(per_rate))
+            for part in MOE_PARTS:
+                us = np.nan_to_num(per_rate[f"moe_{part}{suffix}_s"].to_numpy() * 1e6)
+                ax.bar(offset, us, width, bottom=bottom, color=MOE_PART_COLORS[part], hatch="//" if g else None,
+                       label=part if g == 0 else None)
+                bottom += us
+            share.plot(offset, per_rate[f"a2a_share{suffix}"] * 100, "o-" if g == 0 else "s--", color="k", ms=3,
+                       label=f"all-to-all share, {words} (ours)")
+        ax.set_xticks(x, [f"{r:g}" for r in per_rate["rate"]], rotation=45, fontsize=7)
+        ax.set_xlabel("request rate (req/s)" + ("; left bar prefill-containing, hatched decode-only" if phased else ""),
+                      fontsize=7)
+        ax.set_ylabel("time per MoE layer (µs, uncalibrated)")
         share.axhline(PAPER_A2A_SHARE * 100, color="#b00020", ls="--", lw=1,
                       label=f"paper: {PAPER_A2A_SHARE * 100:.1f} % (R1)")
         share.set_ylim(0, 100)
@@ -198,12 +211,15 @@ def fig1_breakdown(summary: pd.DataFrame, out_dir: Path) -> list[str]:
         share.grid(False)
         ax.set_title(_title(row), fontsize=8)
         lightest, heaviest = per_rate.iloc[0], per_rate.iloc[-1]
-        rows.append({"experiment": row["experiment"], "shape": row["sim_shape"], "workload": row["eval_workload"],
-                     "attention": row["attention"], "EP": row["devices"], "hardware": row["sim_hardware"],
-                     "a2a share, lightest rate": f"{_pct(lightest['a2a_share'])} @ {lightest['rate']:g}",
-                     "a2a share, heaviest rate": f"{_pct(heaviest['a2a_share'])} @ {heaviest['rate']:g}",
-                     "MoE layer µs (lightest)": f"{_layer_seconds(per_rate).iloc[0] * 1e6:.1f}",
-                     "paper": _pct(PAPER_A2A_SHARE)})
+        entry = {"experiment": row["experiment"], "shape": row["sim_shape"], "workload": row["eval_workload"],
+                 "attention": row["attention"], "EP": row["devices"], "hardware": row["sim_hardware"],
+                 "a2a share, lightest rate": f"{_pct(lightest['a2a_share'])} @ {lightest['rate']:g}",
+                 "a2a share, heaviest rate": f"{_pct(heaviest['a2a_share'])} @ {heaviest['rate']:g}"}
+        if phased:
+            entry.update({f"{words}, lightest": _pct(lightest[f"a2a_share_{phase}"]) for phase, words in PHASES})
+        entry.update({"MoE layer µs (lightest)": f"{_layer_seconds(per_rate).iloc[0] * 1e6:.1f}",
+                      "paper": _pct(PAPER_A2A_SHARE)})
+        rows.append(entry)
         configs.append(config_line(row))
     bars, lines = axes[0].get_legend_handles_labels(), share.get_legend_handles_labels()  # the same in every panel
     fig.legend(bars[0] + lines[0], bars[1] + lines[1], loc="outside right center", fontsize=7)
@@ -211,11 +227,40 @@ def fig1_breakdown(summary: pd.DataFrame, out_dir: Path) -> list[str]:
     return ["### Fig. 1: MoE-layer time breakdown of vanilla EP, all-to-all share", "",
             "Share = (dispatch + combine) / (gate + dispatch + experts + combine) of one MoE layer, mean over the "
             "engine's iterations at each rate (experts include the shared experts; attention is outside the layer, "
-            "as in the paper's split). Paper (R1): EP communication is up to 59.2 % of MoE-layer forward time "
-            "(DeepSeek-V2-Lite, SGLang + DeepEP, 8 GPUs, load not stated). Simulated times are uncalibrated: the "
-            "share is the result, not the microseconds.", "",
+            "as in the paper's split), for iterations that hold a prefill chunk and for decode-only iterations apart "
+            "(the window's iterations of seed 0's grid runs; an empty phase is left out). Paper (R1): EP "
+            "communication is up to 59.2 % of MoE-layer forward time (DeepSeek-V2-Lite, SGLang + DeepEP, 8 GPUs, "
+            "load not stated). Simulated times are uncalibrated: the share is the result, not the microseconds.", "",
             markdown_table(pd.DataFrame(rows)), "", f"![Fig. 1]({path.relative_to(out_dir)})", "",
-            *[f"- {c}" for c in dict.fromkeys(configs)], ""]
+            *[f"- {c}" for c in dict.fromkeys(configs)], "", *phase_comparison(summary, panels)]
+
+
+def phase_comparison(summary: pd.DataFrame, panels) -> list[str]:
+    """Each system's MoE-layer time per phase (prefill-containing / decode-only iterations) over vanilla EP's, at
+    the lightest and the heaviest stable rate (metrics.json keys moe_layer_<phase>_s_<load>), with the words
+    faster / slower: where the co-scheduling pays and where it costs."""
+    rows = []
+    for row, tables in panels:
+        jobs = summary[(summary[PANEL] == row[PANEL]).all(axis=1)].drop_duplicates("system").set_index("system")
+        if "ep" not in jobs.index:
+            continue
+        for system in [s for s in tables if s != "ep" and s in jobs.index]:
+            entry = {"panel": _title(row), "system": system}
+            for phase, words in PHASES:
+                for load in ("lightest", "heaviest_stable"):
+                    key = f"moe_layer_{phase}_s_{load}"
+                    ours, base = jobs.at[system, key] if key in jobs else None, jobs.at["ep", key] if key in jobs else None
+                    ratio = ours / base if isinstance(ours, float) and isinstance(base, float) and base > 0 else np.nan
+                    entry[f"{words}, {load.replace('_', ' ')}"] = (
+                        "n/a" if not np.isfinite(ratio) else
+                        f"{_times(ratio)} ({'faster' if ratio < 1 else 'slower' if ratio > 1 else 'equal'})")
+            rows.append(entry)
+    if not rows:
+        return []
+    return ["**MoE-layer time per phase, each system / vanilla EP** (< 1x: faster). Decode-only iterations carry "
+            "few tokens per rank, so the fixed per-call costs and the expert weights each rank reads dominate there: "
+            "a placement that concentrates a request's experts can be slower in decode while faster in prefill.", "",
+            markdown_table(pd.DataFrame(rows)), ""]
 
 
 # ---- Fig. 4 ----------------------------------------------------------------------------------------------------
