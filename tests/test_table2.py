@@ -183,3 +183,16 @@ def test_table_refuses_ambiguous_jobs_and_says_when_there_are_none(tmp_path, cap
     with pytest.raises(ReproError, match="several jobs for one model, input length and system"):
         table2_frame(read_jobs(runs)[0])
     assert main(["--runs", str(runs), "--out", str(tmp_path / "f")]) == 2
+
+
+def test_a_row_whose_jobs_do_not_all_keep_requests_compares_per_seed_statistics(tmp_path):
+    runs = tmp_path / "runs"
+    requests = pd.DataFrame({"rate": 1.0, "seed": [0, 0, 1, 1], "ttft_s": [0.5, 0.5, 0.5, 0.5], "e2e_s": 2.0})
+    for system in ("ep", "moetuner"):
+        write_job(runs, "paper_table2", "deepseek_v2_lite", system, 256, per_seed=[(0.10, 1.0), (0.10, 1.0)])
+    # Sem-MoE's per-request file would give 500 ms; its per-seed statistics say 80 ms: the row must use the latter
+    write_job(runs, "paper_table2", "deepseek_v2_lite", "semmoe", 256, per_seed=[(0.08, 1.0), (0.08, 1.0)],
+              requests=requests)
+    row = table2_frame(read_jobs(runs)[0]).iloc[0]
+    assert row["ttft_p99_semmoe_ms"] == pytest.approx(80.0) and row["source"].startswith("mean over seeds")
+    assert row["ttft_p99_vs_best"] == pytest.approx(0.2)

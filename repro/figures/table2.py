@@ -78,12 +78,14 @@ def _read_requests(run_dir: Path) -> pd.DataFrame | None:
     return None
 
 
-def job_point(run_dir: str | Path) -> dict:
+def job_point(run_dir: str | Path, pooled: bool = True) -> dict:
     """One job's Table 2 statistics at RATE, in seconds: {"<stat>", "<stat>_per_seed": list, "requests", "source"}.
+    pooled False: the per-seed statistics of sim_per_rate.csv even where per-request latencies exist (so a row
+    whose jobs do not all have them compares like with like).
 
     Raises ValueError (with the reason) when the job holds no latencies at RATE."""
     run_dir = Path(run_dir)
-    requests = _read_requests(run_dir)
+    requests = _read_requests(run_dir) if pooled else None
     point: dict = {}
     if requests is not None and len(requests):
         finite = requests[np.isfinite(requests["ttft_s"]) & np.isfinite(requests["e2e_s"])]
@@ -137,6 +139,9 @@ def table2_frame(summary: pd.DataFrame, experiment: str = EXPERIMENT) -> pd.Data
     paper = paper_reductions().set_index(["model", "input"])
     rows = []
     for (model, input_len), group in points.groupby(["model", "input"], sort=True, dropna=False):
+        if group["source"].nunique() > 1:  # some jobs kept per-request latencies, some not: per-seed for all
+            group = group.assign(**pd.DataFrame([job_point(d, pooled=False) for d in group["run_dir"]],
+                                                index=group.index))
         by = group.set_index("system")
         row = {"model": model, "input": input_len, "routing": by["routing"].iloc[0],
                "requests_per_system": int(by["requests"].min()), "source": by["source"].iloc[0],
