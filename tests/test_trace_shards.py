@@ -159,3 +159,29 @@ def test_combine_command_line(tmp_path):
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1 and bad.stderr.count("\n") == 1 and "request id" in bad.stderr
     assert not (tmp_path / "dup").exists()
+
+
+def test_a_big_split_of_an_on_disk_trace_stays_on_disk(sharded, monkeypatch, tmp_path):
+    """select_requests returns RowsViews beyond LAZY_SELECT_BYTES (0 here): same values, nothing copied."""
+    import repro.traces.ops as ops
+    from repro.traces.arrays import RowsView
+
+    whole, back, _ = sharded
+    monkeypatch.setattr(ops, "LAZY_SELECT_BYTES", 0)
+    lazy, eager = split_trace(back, 0.3), split_trace(whole, 0.3)
+    assert isinstance(lazy[0].experts, RowsView) and isinstance(lazy[1].weights, RowsView)
+    assert not isinstance(eager[0].experts, RowsView)  # an in-memory source is copied as before
+    rng = np.random.default_rng(4)
+    for a, b in zip(lazy, eager, strict=True):
+        assert trace_digest(a) == trace_digest(b)
+        n = b.num_tokens
+        for key in (3, slice(2, 90), rng.integers(-n, n, 30), (slice(None), 1), rng.random(n) < 0.5):
+            np.testing.assert_array_equal(a.experts[key], b.experts[key])
+    parallel = ParallelConfig(devices=4, attention="tp", tokens_per_step=64)
+    plans = [make_system("semmoe", n_starts=1).fit(t[0], parallel, np.random.default_rng(0)) for t in (lazy, eager)]
+    timing = ("plan_solver_seconds", "plan_fit_seconds")
+    summaries = [{k: v for k, v in evaluate(p, t[1]).summary.items() if k not in timing}
+                 for p, t in zip(plans, (lazy, eager), strict=True)]
+    assert summaries[0] == summaries[1]
+    write_trace(lazy[1], tmp_path / "written")
+    assert trace_digest(read_trace(tmp_path / "written")) == trace_digest(eager[1])

@@ -14,25 +14,13 @@ import numpy as np
 from repro.errors import TraceError
 
 
-class ConcatArray(np.lib.mixins.NDArrayOperatorsMixin):
-    """Read-only concatenation along axis 0 of arrays (memory maps) with one dtype and trailing shape.
+class LazyRows(np.lib.mixins.NDArrayOperatorsMixin):
+    """A read-only array-like whose rows (axis 0) are read on demand: shape, dtype, ndim, len; indexing whose first
+    key is an int, a slice or an int/bool array (further keys applied to the rows read); np.asarray materialises
+    every row; ufuncs and operators such as == work through np.asarray. Subclasses read rows with `_take`."""
 
-    Supports len, shape, dtype, ndim; indexing whose first key is an int, a slice or an int/bool array (touching
-    only the parts it selects; further keys are applied per part); np.asarray (materialises all rows), ufuncs and
-    operators such as == (through np.asarray). parts: arrays of shapes [n_s, ...]; starts int64[S+1] the first row of each part.
-    """
-
-    def __init__(self, parts):
-        self.parts = tuple(parts)
-        if not self.parts:
-            raise TraceError("a ConcatArray needs at least one part.")
-        self.dtype = self.parts[0].dtype
-        tail = self.parts[0].shape[1:]
-        for p in self.parts:
-            if p.dtype != self.dtype or p.shape[1:] != tail:
-                raise TraceError(f"cannot concatenate arrays of {p.dtype}{p.shape} and {self.dtype}{self.parts[0].shape}.")
-        self.starts = np.concatenate([[0], np.cumsum([len(p) for p in self.parts])]).astype(np.int64)
-        self.shape = (int(self.starts[-1]), *tail)
+    shape: tuple[int, ...]
+    dtype: np.dtype
 
     @property
     def ndim(self) -> int:
@@ -49,24 +37,22 @@ class ConcatArray(np.lib.mixins.NDArrayOperatorsMixin):
     def __len__(self) -> int:
         return self.shape[0]
 
-    def __repr__(self) -> str:
-        return f"ConcatArray({self.dtype}{self.shape}, {len(self.parts)} parts)"
-
     def __array__(self, dtype=None, copy=None):
-        out = np.concatenate([np.asarray(p) for p in self.parts])
+        out = self._range(0, len(self), ())
+        out = np.array(out) if isinstance(out, np.memmap) else np.asarray(out)
         return out if dtype is None else out.astype(dtype, copy=False)
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
-        if any(isinstance(x, ConcatArray) for x in kwargs.get("out", ())):
-            raise TraceError("a ConcatArray is read-only; it cannot be a ufunc's output.")
-        inputs = tuple(np.asarray(x) if isinstance(x, ConcatArray) else x for x in inputs)
+        if any(isinstance(x, LazyRows) for x in kwargs.get("out", ())):
+            raise TraceError(f"a {type(self).__name__} is read-only; it cannot be a ufunc's output.")
+        inputs = tuple(np.asarray(x) if isinstance(x, LazyRows) else x for x in inputs)
         return getattr(ufunc, method)(*inputs, **kwargs)
 
     def min(self):
-        return min(p.min() for p in self.parts)
+        return min(self[a:b].min() for a, b in iter_row_chunks(len(self), CHUNK_ROWS))
 
     def max(self):
-        return max(p.max() for p in self.parts)
+        return max(self[a:b].max() for a, b in iter_row_chunks(len(self), CHUNK_ROWS))
 
     def astype(self, dtype, copy: bool = True):
         return np.asarray(self).astype(dtype)
@@ -83,27 +69,13 @@ class ConcatArray(np.lib.mixins.NDArrayOperatorsMixin):
             row = int(first) + (len(self) if first < 0 else 0)
             if not 0 <= row < len(self):
                 raise IndexError(f"index {int(first)} is out of bounds for axis 0 with size {len(self)}")
-            part = int(np.searchsorted(self.starts, row, side="right")) - 1
-            return self.parts[part][(row - self.starts[part], *rest)]
+            return self._take(np.array([row]), rest)[0]
         if isinstance(first, slice):
             start, stop, step = first.indices(len(self))
             if step == 1:
-                return self._rows(start, max(start, stop), rest)
+                return self._range(start, max(start, stop), rest)
             first = np.arange(start, stop, step)
-        return self._take(np.asarray(first), rest)
-
-    def _rows(self, start: int, stop: int, rest: tuple) -> np.ndarray:
-        """Rows start:stop (then `rest`) from the parts that hold them."""
-        lo = max(int(np.searchsorted(self.starts, start, side="right")) - 1, 0)
-        hi = max(int(np.searchsorted(self.starts, stop, side="left")), lo + 1)
-        pieces = [
-            self.parts[s][(slice(max(start - self.starts[s], 0), min(stop, self.starts[s + 1]) - self.starts[s]), *rest)]
-            for s in range(lo, min(hi, len(self.parts)))
-        ]
-        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
-
-    def _take(self, index: np.ndarray, rest: tuple) -> np.ndarray:
-        """Rows `index` (int[...] or bool[N]) in that order, each part read once for the rows it holds."""
+        index = np.asarray(first)
         if index.dtype == bool:
             if index.shape != (len(self),):
                 raise IndexError(f"boolean index of shape {index.shape} does not match axis 0 of size {len(self)}")
@@ -112,6 +84,57 @@ class ConcatArray(np.lib.mixins.NDArrayOperatorsMixin):
         rows = np.where(rows < 0, rows + len(self), rows)
         if rows.size and (rows.min() < 0 or rows.max() >= len(self)):
             raise IndexError(f"index out of bounds for axis 0 with size {len(self)}")
+        out = self._take(rows, rest)
+        return out.reshape(*index.shape, *out.shape[1:])
+
+    def _range(self, start: int, stop: int, rest: tuple) -> np.ndarray:
+        """Rows start:stop, then `rest`."""
+        return self._take(np.arange(start, stop), rest)
+
+    def _take(self, rows: np.ndarray, rest: tuple) -> np.ndarray:
+        """Rows int64[n] (in range, in that order), then `rest`."""
+        raise NotImplementedError
+
+
+CHUNK_ROWS = 1 << 16  # rows per step of min / max
+
+
+class ConcatArray(LazyRows):
+    """Read-only concatenation along axis 0 of arrays (memory maps) with one dtype and trailing shape; an index
+    touches only the parts holding the rows it selects. parts: arrays of shapes [n_s, ...]; starts int64[S+1] the
+    first row of each part."""
+
+    def __init__(self, parts):
+        self.parts = tuple(parts)
+        if not self.parts:
+            raise TraceError("a ConcatArray needs at least one part.")
+        self.dtype = self.parts[0].dtype
+        tail = self.parts[0].shape[1:]
+        for p in self.parts:
+            if p.dtype != self.dtype or p.shape[1:] != tail:
+                raise TraceError(f"cannot concatenate arrays of {p.dtype}{p.shape} and {self.dtype}{self.parts[0].shape}.")
+        self.starts = np.concatenate([[0], np.cumsum([len(p) for p in self.parts])]).astype(np.int64)
+        self.shape = (int(self.starts[-1]), *tail)
+
+    def __repr__(self) -> str:
+        return f"ConcatArray({self.dtype}{self.shape}, {len(self.parts)} parts)"
+
+    def min(self):
+        return min(p.min() for p in self.parts)
+
+    def max(self):
+        return max(p.max() for p in self.parts)
+
+    def _range(self, start: int, stop: int, rest: tuple) -> np.ndarray:
+        lo = max(int(np.searchsorted(self.starts, start, side="right")) - 1, 0)
+        hi = max(int(np.searchsorted(self.starts, stop, side="left")), lo + 1)
+        pieces = [
+            self.parts[s][(slice(max(start - self.starts[s], 0), min(stop, self.starts[s + 1]) - self.starts[s]), *rest)]
+            for s in range(lo, min(hi, len(self.parts)))
+        ]
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+
+    def _take(self, rows: np.ndarray, rest: tuple) -> np.ndarray:
         part_of = np.searchsorted(self.starts, rows, side="right") - 1
         tail = self.parts[0][(np.zeros(0, dtype=np.int64), *rest)].shape[1:]
         out = np.empty((len(rows), *tail), dtype=self.dtype)
@@ -120,12 +143,35 @@ class ConcatArray(np.lib.mixins.NDArrayOperatorsMixin):
         for s in np.flatnonzero(np.diff(bounds)):
             sel = order[bounds[s] : bounds[s + 1]]
             out[sel] = self.parts[s][(rows[sel] - self.starts[s], *rest)]
-        return out.reshape(*index.shape, *tail)
+        return out
+
+
+class RowsView(LazyRows):
+    """Rows `rows` int64[n] of `base` (an array, memory map or LazyRows), read only when indexed: a request subset
+    of a big trace without copying its routing. A run of consecutive rows is read as one slice of base."""
+
+    def __init__(self, base, rows: np.ndarray):
+        self.base, self.rows = base, np.asarray(rows, dtype=np.int64)
+        self.dtype, self.shape = base.dtype, (len(self.rows), *base.shape[1:])
+
+    def __repr__(self) -> str:
+        return f"RowsView({self.dtype}{self.shape} of {self.base!r})"
+
+    def _range(self, start: int, stop: int, rest: tuple) -> np.ndarray:
+        rows = self.rows[start:stop]
+        if len(rows) and rows[-1] - rows[0] == len(rows) - 1 and np.all(np.diff(rows) == 1):
+            return self.base[(slice(int(rows[0]), int(rows[-1]) + 1), *rest)]
+        return self._take(np.arange(start, stop), rest)
+
+    def _take(self, rows: np.ndarray, rest: tuple) -> np.ndarray:
+        return np.asarray(self.base[(self.rows[rows], *rest)])
 
 
 def array_parts(array) -> tuple:
-    """The arrays whose rows make up `array`: its parts for a ConcatArray, else (array,)."""
-    return array.parts if isinstance(array, ConcatArray) else (array,)
+    """The arrays whose rows make up `array`: its parts for a ConcatArray, its base's for a RowsView, else (array,)."""
+    if isinstance(array, ConcatArray):
+        return array.parts
+    return array_parts(array.base) if isinstance(array, RowsView) else (array,)
 
 
 def release_pages(array) -> None:

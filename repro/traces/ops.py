@@ -10,20 +10,39 @@ from typing import NamedTuple
 import numpy as np
 
 from repro.errors import TraceError
-from repro.traces.arrays import iter_row_chunks, release_pages
+from repro.traces.arrays import LazyRows, RowsView, iter_row_chunks, release_pages
 from repro.traces.format import RoutingTrace, make_trace
 
 DIGEST_CHUNK_ROWS = 1 << 16  # token rows hashed at a time
+LAZY_SELECT_BYTES = 1 << 28  # selected experts beyond this (256 MB) stay on disk (RowsView) when the source does
 
 
 def select_requests(trace: RoutingTrace, indices) -> RoutingTrace:
-    """A new in-memory trace holding requests `indices` (int[R']) in that order."""
+    """A trace holding requests `indices` (int[R']) in that order.
+
+    In memory, except when the routing it selects from lives on disk (memory-mapped or sharded) and the selected
+    experts exceed LAZY_SELECT_BYTES: then token_ids, experts and weights are RowsViews that read the selected rows
+    on demand (a profile / evaluate split of a big trace is not copied; values are the same either way).
+    """
     idx = np.asarray(indices, dtype=np.int64)
     lengths = trace.lengths()[idx]
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     # gather token rows of every selected request without a Python loop per token
     starts = trace.offsets[:-1][idx]
     token_rows = np.repeat(starts - offsets[:-1], lengths) + np.arange(offsets[-1])
+    on_disk = isinstance(trace.experts, (np.memmap, LazyRows))
+    if on_disk and len(token_rows) * trace.experts[:1].nbytes > LAZY_SELECT_BYTES and len(token_rows):
+        return RoutingTrace(  # the source was validated when read, and a request subset of it stays valid
+            meta=trace.meta,
+            offsets=offsets,
+            token_ids=RowsView(trace.token_ids, token_rows),
+            experts=RowsView(trace.experts, token_rows),
+            prefill_len=np.asarray(trace.prefill_len)[idx].astype(np.int32),
+            request_ids=tuple(trace.request_ids[i] for i in idx),
+            request_datasets=tuple(trace.request_datasets[i] for i in idx),
+            request_labels=tuple(trace.request_labels[i] for i in idx),
+            weights=None if trace.weights is None else RowsView(trace.weights, token_rows),
+        )
     return make_trace(
         trace.meta,
         offsets,
