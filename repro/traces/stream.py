@@ -130,17 +130,19 @@ class TraceStreamWriter:
                 appender.discard()
 
 
-def publish_streamed_trace(path, fill: Callable[[Path], None], *, if_exists: str = "error") -> Path:
+def publish_streamed_trace(path, fill: Callable[[Path], None], *, if_exists: str = "error", validate: bool = True) -> Path:
     """Call fill(tmp) to write a trace into a fresh temporary directory, check it with read_trace (memory-mapped,
-    chunked), and publish it at `path` in one atomic rename, with write_trace's rules for what is already there
-    (if_exists replace | keep | error; anything that is not a trace is refused and never deleted)."""
+    chunked; validate=False skips that re-read for a writer that checked every row on the way in) and publish it
+    at `path` in one atomic rename, with write_trace's rules for what is already there (if_exists replace | keep |
+    error; anything that is not a trace is refused and never deleted)."""
     path = Path(path)
     if check_trace_destination(path, if_exists) == "trace" and if_exists == "keep":
         return path
 
     def write_into(tmp: Path) -> None:
         fill(tmp)
-        read_trace(tmp)  # the format's own validation, in chunks over the memory-mapped arrays
+        if validate:
+            read_trace(tmp)  # the format's own validation, in chunks over the memory-mapped arrays
 
     try:
         published = atomic_dir(path, write_into, replace=if_exists == "replace")
