@@ -59,7 +59,8 @@ class NpyAppender:
         chunk = np.ascontiguousarray(chunk)
         if chunk.dtype != self.dtype or chunk.shape[1:] != self.inner_shape:
             raise ValueError(f"{self.path.name}: chunk {chunk.dtype}{chunk.shape} does not fit {self.dtype}[n, {self.inner_shape}]")
-        self._file.write(memoryview(chunk).cast("B"))
+        if chunk.size:
+            self._file.write(memoryview(chunk.reshape(-1)).cast("B"))
         self.rows += len(chunk)
 
     def close(self) -> None:
