@@ -135,3 +135,20 @@ def test_profile_tokens_cap_fits_on_a_seeded_sample_of_whole_requests(sharded, a
     assert capped.token_frequency.sum() == len(kept) < whole.num_tokens  # the cap did leave tokens out
     with pytest.raises(ConfigError, match="profile_tokens must be null"):
         make_system("semmoe", profile_tokens=0)
+
+
+def test_statistics_and_request_tables_do_not_depend_on_the_chunking(sharded, monkeypatch):
+    import pandas as pd
+
+    from repro.affinity.requests import request_activations
+    from repro.affinity.stats import affinity_statistics
+
+    whole, path = sharded
+    want_stats = affinity_statistics(whole, min_occurrences=2)
+    want_requests = request_activations(whole, max_requests=25)
+    monkeypatch.setattr(tables, "PROFILE_CHUNK_TOKENS", 29)
+    for trace in (whole, read_trace(path)):
+        pd.testing.assert_frame_equal(affinity_statistics(trace, min_occurrences=2), want_stats, check_exact=True)
+        got = request_activations(trace, max_requests=25)
+        for name, value in want_requests.items():
+            assert np.array_equal(got[name], value), name

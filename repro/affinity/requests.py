@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from repro.affinity.stats import token_kurtosis
-from repro.affinity.tables import confidence_table, encode_tokens, layer_token_expert_counts, pair_counts
+from repro.affinity.tables import add_pair_counts, confidence_table, profile_chunks, profile_vocab
 from repro.errors import ConfigError, TraceError
 from repro.traces import RoutingTrace
 
@@ -66,29 +66,30 @@ def request_activations(
         raise ConfigError(f"layers {layer_index.tolist()} are outside the trace's {L} MoE layers.")
 
     prompt = np.flatnonzero(trace.prompt_mask())
-    owner = trace.request_of_token()[prompt]  # int64[N'] request of each prompt token
-    experts = np.asarray(trace.experts[prompt])  # int16[N', L, k]; int64 one layer at a time below
-
-    def layer_experts(layer: int) -> np.ndarray:  # int64[N', k]
-        return experts[:, layer].astype(np.int64)
-
+    owner = np.searchsorted(np.asarray(trace.offsets), prompt, side="right") - 1  # int64[N'] request of each
     kept = min(trace.num_requests, max_requests)
-    mine = owner < kept
-    counts = np.stack(
-        [pair_counts(owner[mine], layer_experts(layer)[mine], kept, E) for layer in layer_index], axis=1
-    ).astype(np.float32)  # [R', l, E]
-    activations = counts / np.maximum(counts.sum(axis=2, keepdims=True), 1.0)
-
     pair_layers = np.unique(np.linspace(0, max(L - 2, 0), min(max_pairs, max(L - 1, 0))).round().astype(np.int64))
+    token_vocab, _ = profile_vocab(trace, prompt)
+    # integer counts summed over chunks of prompt tokens (memory: the tables, not the tokens)
+    counts = np.zeros((len(layer_index), kept, E), dtype=np.int64)  # per chosen layer, kept request x expert
+    joint = np.zeros((len(pair_layers), E * E), dtype=np.int64)
+    first = np.zeros((len(token_vocab), E), dtype=np.int64)  # token row x expert at layer_index[0]
+    for part, token_ids, experts in profile_chunks(trace, prompt):
+        experts = experts.astype(np.int64)  # [n, L, k]
+        mine = owner[part] < kept
+        for i, layer in enumerate(layer_index):
+            add_pair_counts(counts[i], owner[part][mine], experts[mine, layer])
+        for p, a in enumerate(pair_layers):
+            # every (slot of layer a, slot of layer a + 1) pair of a token: n x k x k keys
+            joint[p] += np.bincount((experts[:, a, :, None] * E + experts[:, a + 1, None, :]).ravel(), minlength=E * E)
+        add_pair_counts(first, np.searchsorted(token_vocab, token_ids), experts[:, layer_index[0]])
+    counts = counts.transpose(1, 0, 2).astype(np.float32)  # [R', l, E]
+    activations = counts / np.maximum(counts.sum(axis=2, keepdims=True), 1.0)
     coactivation = np.zeros((len(pair_layers), E, E), dtype=np.float32)
-    for p, a in enumerate(pair_layers):
-        # every (slot of layer a, slot of layer a + 1) pair of a token: N' x k x k keys
-        keys = (layer_experts(a)[:, :, None] * E + layer_experts(a + 1)[:, None, :]).ravel()
-        joint = np.bincount(keys, minlength=E * E).astype(np.float64)
-        coactivation[p] = (joint / max(joint.sum(), 1.0)).reshape(E, E)
-
-    token_vocab, token_row = encode_tokens(trace.token_ids[prompt])
-    first = layer_token_expert_counts(token_row, layer_experts(layer_index[0]), len(token_vocab), E)  # [t, E]
+    for p in range(len(pair_layers)):
+        total = joint[p].astype(np.float64)
+        coactivation[p] = (total / max(total.sum(), 1.0)).reshape(E, E)
+    first = first.astype(np.float32)  # `layer_token_expert_counts` of the first chosen layer, [t, E]
     frequent = first.sum(axis=1) >= min_occurrences * k
     kurtosis = token_kurtosis(confidence_table(first[frequent])) if frequent.any() else np.zeros(0)
 

@@ -18,7 +18,14 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from repro.affinity.tables import confidence_table, encode_tokens, layer_token_expert_counts, profile_tokens
+from repro.affinity.tables import (
+    add_pair_counts,
+    confidence_table,
+    layer_token_expert_counts,
+    profile_chunks,
+    profile_tokens,
+    profile_vocab,
+)
 from repro.errors import ConfigError, TraceError
 from repro.traces import RoutingTrace
 
@@ -55,11 +62,30 @@ def static_topk_f1(
     in_predict = rank < predict_len[token_row]
     predict = layer_token_expert_counts(token_row[in_predict], experts[in_predict], num_rows, num_experts)
     truth = layer_token_expert_counts(token_row[~in_predict], experts[~in_predict], num_rows, num_experts)
+    return topk_f1_from_counts(predict, truth, occurrences, top_k, min_occurrences)
+
+
+def topk_f1_from_counts(
+    predict: np.ndarray, truth: np.ndarray, occurrences: np.ndarray, top_k: int, min_occurrences: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(rows int64[t'], f1 float32[t']) of `static_topk_f1` from its two count tables float32[t, E] (each row's
+    first predict_share of occurrences, and the rest) and occurrences int[t]."""
     rows = np.flatnonzero(occurrences >= max(2, min_occurrences))
     predicted = top_k_sets(predict[rows], top_k)
     actual = top_k_sets(truth[rows], top_k)
     overlap = (predicted[:, :, None] == actual[:, None, :]).any(axis=2).sum(axis=1)
     return rows, (overlap / top_k).astype(np.float32)
+
+
+def occurrence_rank(token_row: np.ndarray, seen: np.ndarray) -> np.ndarray:
+    """int64[n] how many earlier occurrences each token has: seen int64[t] counts those before this chunk
+    (token_row int64[n] in trace order); seen is advanced past the chunk in place."""
+    order = np.argsort(token_row, kind="stable")
+    sorted_rows = token_row[order]
+    rank = np.empty(len(token_row), dtype=np.int64)
+    rank[order] = np.arange(len(token_row)) - np.searchsorted(sorted_rows, sorted_rows, side="left") + seen[sorted_rows]
+    seen += np.bincount(token_row, minlength=len(seen))
+    return rank
 
 
 def topk_hotness(confidence: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -95,20 +121,50 @@ def affinity_statistics(
     keep = profile_tokens(trace, prompt_only)
     if len(keep) == 0:
         raise TraceError(f"the trace of {trace.meta.model!r} has no tokens to compute affinity statistics from.")
-    token_vocab, token_row = encode_tokens(trace.token_ids[keep])
-    num_rows, num_experts, top_k = len(token_vocab), trace.meta.num_experts, trace.meta.top_k
+    if not 0.0 < predict_share < 1.0:
+        raise ConfigError(f"predict_share must be in (0, 1), got {predict_share}.")
+    token_vocab, occurrences = profile_vocab(trace, keep)
+    num_rows, num_experts = len(token_vocab), trace.meta.num_experts
+    predict_len = np.maximum(1, np.floor(predict_share * occurrences).astype(np.int64))
+    layers = list(range(trace.num_layers) if layers is None else layers)
+    # layers are counted a group at a time (one chunked pass each) so the int64 [t, E] tables stay <= STATS_TABLE_BYTES
+    group_size = max(1, STATS_TABLE_BYTES // (2 * 8 * max(num_rows * num_experts, 1)))
     records = []
-    for layer in range(trace.num_layers) if layers is None else layers:
-        experts = np.asarray(trace.experts[keep, layer], dtype=np.int64)
-        confidence = confidence_table(layer_token_expert_counts(token_row, experts, num_rows, num_experts))
-        _, f1 = static_topk_f1(token_row, experts, num_rows, num_experts, predict_share, min_occurrences)
-        cumulative, beyond = topk_hotness(confidence, top_k)
-        kurtosis = token_kurtosis(confidence)
-        row = {"layer": layer, "model_layer": trace.meta.layer_ids[layer], "tokens": num_rows, "f1_tokens": len(f1)}
-        for name, values in (("f1", f1), ("topk_hotness", cumulative), ("max_nontopk_hotness", beyond)):
-            quartiles = np.quantile(values, QUANTILES) if len(values) else [np.nan] * len(QUANTILES)
-            row.update({f"{name}_p{int(q * 100)}": float(v) for q, v in zip(QUANTILES, quartiles, strict=True)})
-        row["kurtosis_p50"] = float(np.median(kurtosis))
-        row["kurtosis_gt8_share"] = float(np.mean(kurtosis > 8))
-        records.append(row)
+    for first in range(0, len(layers), group_size):
+        group = layers[first : first + group_size]
+        total = np.zeros((len(group), num_rows, num_experts), dtype=np.int64)
+        predicted = np.zeros_like(total)  # counts of each row's first predict_share of occurrences (trace order)
+        seen = np.zeros(num_rows, dtype=np.int64)
+        for _, token_ids, experts in profile_chunks(trace, keep):
+            token_row = np.searchsorted(token_vocab, token_ids)
+            in_predict = occurrence_rank(token_row, seen) < predict_len[token_row]
+            for i, layer in enumerate(group):
+                add_pair_counts(total[i], token_row, experts[:, layer])
+                add_pair_counts(predicted[i], token_row[in_predict], experts[in_predict, layer])
+        for i, layer in enumerate(group):
+            records.append(_layer_record(trace, layer, total[i], predicted[i], occurrences, min_occurrences))
     return pd.DataFrame.from_records(records)
+
+
+STATS_TABLE_BYTES = 1 << 29  # int64 count tables held at once by affinity_statistics (512 MB)
+
+
+def _layer_record(
+    trace: RoutingTrace, layer: int, total: np.ndarray, predicted: np.ndarray, occurrences: np.ndarray,
+    min_occurrences: int,
+) -> dict:
+    """One row of `affinity_statistics` from a layer's int counts total[t, E] and predicted[t, E] (the part of
+    total in each row's first predict_share of occurrences)."""
+    num_rows, top_k = total.shape[0], trace.meta.top_k
+    confidence = confidence_table(total.astype(np.float32))
+    _, f1 = topk_f1_from_counts(predicted.astype(np.float32), (total - predicted).astype(np.float32), occurrences,
+                                top_k, min_occurrences)
+    cumulative, beyond = topk_hotness(confidence, top_k)
+    kurtosis = token_kurtosis(confidence)
+    row = {"layer": layer, "model_layer": trace.meta.layer_ids[layer], "tokens": num_rows, "f1_tokens": len(f1)}
+    for name, values in (("f1", f1), ("topk_hotness", cumulative), ("max_nontopk_hotness", beyond)):
+        quartiles = np.quantile(values, QUANTILES) if len(values) else [np.nan] * len(QUANTILES)
+        row.update({f"{name}_p{int(q * 100)}": float(v) for q, v in zip(QUANTILES, quartiles, strict=True)})
+    row["kurtosis_p50"] = float(np.median(kurtosis))
+    row["kurtosis_gt8_share"] = float(np.mean(kurtosis > 8))
+    return row
