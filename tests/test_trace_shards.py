@@ -17,7 +17,16 @@ from repro.eval.accounting import evaluate
 from repro.parallel import ParallelConfig
 from repro.sim import simulate
 from repro.systems import make_system
-from repro.traces import TraceMeta, make_trace, read_trace, select_requests, split_trace, trace_digest, write_trace
+from repro.traces import (
+    TraceMeta,
+    concat_traces,
+    make_trace,
+    read_trace,
+    select_requests,
+    split_trace,
+    trace_digest,
+    write_trace,
+)
 from repro.traces.arrays import ConcatArray
 from repro.traces.shards import write_manifest
 
@@ -62,6 +71,8 @@ def test_sharded_trace_reads_as_its_concatenation(sharded):
     for name in ("offsets", "token_ids", "experts", "prefill_len", "weights"):
         np.testing.assert_array_equal(np.asarray(getattr(back, name)), getattr(whole, name))
     assert trace_digest(back) == trace_digest(whole)  # caches key a sharded trace like its concatenation
+    parts = [read_trace(tmp_path / "shards" / f"part-{i}") for i in range(3)]
+    assert trace_digest(back) == trace_digest(concat_traces(parts))
     # the manifest lists relative paths only: nothing was copied or linked
     manifest = json.loads((tmp_path / "sharded" / "shards.json").read_text())
     assert manifest["shards"] == ["../shards/part-0", "../shards/part-1", "../shards/part-2"]
