@@ -7,6 +7,10 @@
     result.per_layer   # DataFrame, one row per (grid rate, seed, MoE layer): component seconds, prefill/decode apart
     result.probes      # DataFrame, one row per simulation run (reference, grid and bisection probes), role column
     result.tables      # {"sim_per_rate", "sim_per_layer", "sim_probes"}: what a job writes as CSV
+    result.requests    # DataFrame, one row per window request of every run: TTFT / TPOT / E2E (sim_requests.parquet)
+
+Hardware: `config["hardware"]` priced as written, or with the calibration alternative `sim.calibration` names (the
+profile's `alternatives:`, repro.sim.hardware); the summary's sim_calibration says which.
 
 Method (conf/sim/default.yaml holds the defaults; every choice is stated in the summary):
 - Seeds. `sim.seeds` seeds are spawned from `rng`; seed s draws its own Poisson arrivals and its own requests, so
