@@ -20,7 +20,7 @@ arrays are appended to .npy files as whole tokens complete (repro.traces.stream)
 renamed into place only at the end. Input already in (request, position, layer) order -- what capture tools
 write -- is imported in one pass. Input in any other order is detected at its first out-of-order row; the import
 then starts again as a bounded external sort: each batch is parsed, checked, sorted and spilled as a run of .npy
-files into the destination's temporary directory (about 30 + 2k (+ 2k with weights) bytes per row on disk), and
+files into the destination's temporary directory (about 36 + 2k (+ 2k with weights) bytes per row on disk), and
 the runs are merged in slices whose total is about batch_rows rows. Peak memory is therefore bounded by
 batch_rows, whatever the file size, besides O(requests) tables (ids, labels, lengths) and the O(vocabulary)
 surface-string table. A Parquet row group is decoded whole by pyarrow: files written with huge row groups need
@@ -67,6 +67,9 @@ DEFAULT_BATCH_ROWS = 250_000
 MIN_BATCH_ROWS = 1
 MIN_MERGE_SLICE = 64  # rows taken from each run per merge step, however many runs there are
 BLOCK_SAMPLE_BYTES = 1 << 20  # read to estimate a CSV/JSONL line's length, which sizes the reader's blocks
+# pyarrow's CSV/JSON readers read blocks ahead of the consumer (dozens of them when parsing lags): blocks of
+# batch_rows / READ_AHEAD_BLOCKS rows keep that read-ahead near a few batches; they are gathered into batches
+READ_AHEAD_BLOCKS = 16
 INT32_MAX = int(np.iinfo(np.int32).max)
 NO_ROW = np.iinfo(np.int64).max
 # pyarrow.csv's default null spellings: a CSV cell read as text counts as empty when it is one of these
@@ -196,12 +199,12 @@ def _unreadable(path: Path, fmt: str, e: Exception) -> TraceError:
     return TraceError(f"{path} cannot be read as {fmt} ({str(e).splitlines()[0]}); fix the file or pass --format.")
 
 
-def _block_bytes(path: Path, batch_rows: int) -> int:
-    """Reader block size holding about batch_rows lines, from the average line length of the file's start."""
+def _block_bytes(path: Path, rows: int) -> int:
+    """Reader block size holding about `rows` lines, from the average line length of the file's start."""
     with open(path, "rb") as f:
         sample = f.read(BLOCK_SAMPLE_BYTES)
     per_line = len(sample) / max(1, sample.count(b"\n"))
-    return int(min(max(batch_rows * per_line, 1 << 16), (1 << 31) - 1))
+    return int(min(max(rows * per_line, 1 << 16), (1 << 31) - 1))
 
 
 def _columns_of(path: Path, fmt: str) -> list[str]:
@@ -230,24 +233,43 @@ def _batches(path: Path, fmt: str, used: list[str], batch_rows: int) -> Iterator
 
             reader = pa_csv.open_csv(
                 path,
-                read_options=pa_csv.ReadOptions(block_size=_block_bytes(path, batch_rows)),
+                read_options=pa_csv.ReadOptions(block_size=_block_bytes(path, batch_rows // READ_AHEAD_BLOCKS)),
                 parse_options=pa_csv.ParseOptions(newlines_in_values=True),  # quoted multi-line labels/tokens
                 convert_options=pa_csv.ConvertOptions(column_types={c: pa.string() for c in used}, include_columns=used),
             )
         elif fmt == "jsonl":
             import pyarrow.json as pa_json
 
-            reader = pa_json.open_json(path, read_options=pa_json.ReadOptions(block_size=_block_bytes(path, batch_rows)))
+            reader = pa_json.open_json(path, read_options=pa_json.ReadOptions(
+                block_size=_block_bytes(path, batch_rows // READ_AHEAD_BLOCKS)))
         else:
             import pyarrow.parquet as pa_parquet
 
             reader = pa_parquet.ParquetFile(path).iter_batches(batch_size=batch_rows, columns=used)
-        for batch in reader:
-            batch = pa.RecordBatch.from_arrays([batch.column(c) for c in used], names=used)
-            for start in range(0, batch.num_rows, batch_rows):
-                yield batch.slice(start, batch_rows)
+        pending, rows = [], 0  # small blocks gathered into batches of batch_rows rows
+        for block in reader:
+            pending.append(pa.RecordBatch.from_arrays([block.column(c) for c in used], names=used))
+            rows += block.num_rows
+            if rows >= batch_rows:
+                yield from _rebatch(pending, batch_rows, final=False)
+                rows = sum(b.num_rows for b in pending)
+        yield from _rebatch(pending, batch_rows, final=True)
     except (pa.ArrowInvalid, pa.ArrowTypeError, OSError) as e:
         raise _unreadable(path, fmt, e) from e
+
+
+def _rebatch(pending: list[pa.RecordBatch], batch_rows: int, final: bool) -> Iterator[pa.RecordBatch]:
+    """Whole batches of batch_rows rows from the blocks in `pending` (and the rest when final); what is left of a
+    block stays in `pending`."""
+    if not pending:
+        return
+    merged = pa.Table.from_batches(pending).combine_chunks()
+    pending.clear()
+    whole = merged.num_rows if final else merged.num_rows - merged.num_rows % batch_rows
+    for start in range(0, whole, batch_rows):
+        yield merged.slice(start, batch_rows).to_batches()[0]
+    if whole < merged.num_rows:
+        pending.append(merged.slice(whole).to_batches()[0])
 
 
 # ---- one batch's cells ----------------------------------------------------------------------------------------
