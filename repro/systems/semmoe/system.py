@@ -359,7 +359,7 @@ class SemMoE:
     profile's expert load max/mean before and after.
     profile_tokens (None = all): fit on a seeded sample of whole profile requests holding at most this many
     profiled tokens (`sample_profile_requests`, seed 0), for profiles larger than the fit needs; plan.info
-    reports profile_sampled_tokens when it applies.
+    reports profile_sampled_tokens whenever it is set.
     """
 
     name = "semmoe"
