@@ -1,4 +1,5 @@
-"""Tabular trace importer: round trips in three formats, one test per validation error, the CLI."""
+"""Tabular trace importer: round trips in three formats, one test per validation error (also across batches),
+the CLI. The streaming-specific tests are in test_traces_stream.py."""
 
 import importlib
 import json
@@ -134,7 +135,7 @@ def small_table() -> pd.DataFrame:
 
 
 def import_error(tmp_path, df, suffix=".csv", **options) -> str:
-    path = write_table(df, tmp_path / f"bad{suffix}")
+    path = write_table(df, tmp_path / f"bad{options.get('batch_rows', '')}{suffix}")
     with pytest.raises(TraceError) as e:
         import_table(path, **options)
     return str(e.value)
@@ -158,9 +159,10 @@ def import_error(tmp_path, df, suffix=".csv", **options) -> str:
          "negative-expert", "token-differs", "label-differs", "negative-position"],
 )
 @pytest.mark.parametrize("suffix", [".csv", ".jsonl", ".parquet"])
-def test_each_error_names_the_first_bad_row(tmp_path, suffix, mutate, row, words):
+@pytest.mark.parametrize("batch_rows", [3, 250_000])  # batches that cut tokens and requests; one batch
+def test_each_error_names_the_first_bad_row(tmp_path, suffix, mutate, row, words, batch_rows):
     df = mutate(small_table())
-    message = import_error(tmp_path, df.reset_index(drop=True), suffix=suffix)
+    message = import_error(tmp_path, df.reset_index(drop=True), suffix=suffix, batch_rows=batch_rows)
     where = {".csv": f"line {row + 2}", ".jsonl": f"line {row + 1}", ".parquet": f"row {row + 1}"}[suffix]
     assert f"{where}:" in message and words in message, message
 
