@@ -14,28 +14,34 @@ token; a request's prefill tokens come first) or `prefill_len` column (the reque
 all its rows) sets the trace's prefill_len; without either every token is prompt. Rows may come in any order;
 the trace holds them sorted by (request, position, layer), with requests kept in order of first appearance.
 
-Streaming: the file is read in batches of at most `batch_rows` rows (pyarrow.csv.open_csv, pyarrow.json.open_json,
-ParquetFile.iter_batches; a CSV or JSONL block is sized from the file's average line length) and the trace's
-arrays are appended to .npy files as whole tokens complete (repro.traces.stream), inside a temporary directory
-renamed into place only at the end. Input already in (request, position, layer) order -- what capture tools
-write -- is imported in one pass. Input in any other order is detected at its first out-of-order row; the import
-then starts again as a bounded external sort: each batch is parsed, checked, sorted and spilled as a run of .npy
-files into the destination's temporary directory (about 36 + 2k (+ 2k with weights) bytes per row on disk), and
-the runs are merged in slices whose total is about batch_rows rows. Peak memory is therefore bounded by
-batch_rows, whatever the file size, besides O(requests) tables (ids, labels, lengths) and the O(vocabulary)
-surface-string table. A Parquet row group is decoded whole by pyarrow: files written with huge row groups need
-memory for one of them. The trace is byte-identical to write_trace of the same rows.
+Streaming: the file is read in batches of at most `batch_rows` rows (pyarrow.csv.open_csv, pyarrow.json.open_json
+in blocks of about batch_rows / 16 lines gathered into batches, since pyarrow reads dozens of blocks ahead;
+ParquetFile.iter_batches) and the trace's arrays are appended to .npy files as whole tokens complete
+(repro.traces.stream), inside a temporary directory renamed into place only at the end. Input already in
+(request, position, layer) order -- what capture tools write -- is imported in one pass. Input in any other
+order is detected at its first out-of-order row; the import then starts again as a bounded external sort: each
+batch is parsed, checked, sorted and spilled as a run of .npy files into the destination's temporary directory
+(about 36 + 2k (+ 2k with weights) bytes per row on disk), and the runs are merged in slices whose total is
+about batch_rows rows. Peak memory is therefore bounded by batch_rows, whatever the file size, besides
+O(requests) tables (ids, labels, lengths) and the O(vocabulary) surface-string table. A Parquet row group is
+decoded whole by pyarrow: files written with huge row groups need memory for one of them. The trace is
+byte-identical to write_trace of the same rows (and to the whole-table importer this replaced). CSV cells are
+read as text and parsed per batch (Arrow's integer cast; pandas only for cells it refuses), so a bad cell is
+reported as the row it is on. Measured (bench/bench_traces.py, 2 shared cores, default batch_rows): a sorted
+10 M-row DeepSeek-V3-shaped table imports at about 1.1 M rows/s from Parquet and 0.44 M rows/s from CSV (the
+"[3, 5, ...]" lists are the CSV's cost), at about 0.35 GB peak RSS either way.
 
 Validation: every (request, position) has every layer exactly once, positions are 0..len-1, every expert list
 has the same length k with no repeated id and no negative id, weights (if any) match the experts and are finite
 within float16's range, a token is the same at all its layers and a request has one label. A problem raises
 TraceError naming the first bad row of the input (CSV: the line number in the file, the header being line 1;
 JSONL: the line number; Parquet: the 1-based row number) and what is wrong; nothing is written. Checks run
-vectorised per batch; a check that spans rows (a token's layers, a request's positions) runs when the token
-is complete. A bad cell stops the import at the end of the request holding it; a problem across rows is
-reported after the whole file was read (a later row could show the file unsorted, and the problem spurious). A bad request, position, layer or token cell is reported as soon as its batch is
-read (the checks across rows need clean keys); problems with prefill_len or phase are reported only when
-nothing else is wrong. Line numbers are worked out only on the error path.
+vectorised per batch; a check that spans rows (a token's layers, a request's positions) runs when the token is
+complete. A bad cell stops the import at the end of the request holding it; a problem across rows is reported
+after the whole file was read (a later row could show the file unsorted, and the problem spurious). A bad
+request, position, layer or token cell is reported as soon as its batch is read (the checks across rows need
+clean keys); problems with prefill_len or phase are reported only when nothing else is wrong. Line numbers are
+worked out only on the error path.
 
 Legend: n rows of the table, N tokens (= n / L), L MoE layers, k experts per token, R requests.
 """
