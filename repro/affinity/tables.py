@@ -71,6 +71,19 @@ def sample_profile_requests(offsets: np.ndarray, keep: np.ndarray, max_tokens: i
     return keep[chosen[request_of_kept]]
 
 
+def gather_rows(array, rows: np.ndarray, chunk_tokens: int | None = None) -> np.ndarray:
+    """array[rows] for sorted rows int64[n], read one block of chunk_tokens array rows at a time (default
+    PROFILE_CHUNK_TOKENS) with memory-mapped pages released after each block: a sparse sample of a big trace
+    would otherwise leave most of the file mapped (the kernel maps the cached pages around every fault)."""
+    parts = []
+    for start, stop in iter_row_chunks(len(array), chunk_tokens or PROFILE_CHUNK_TOKENS):
+        lo, hi = np.searchsorted(rows, [start, stop])
+        if lo < hi:
+            parts.append(np.array(array[rows[lo:hi]]))
+            release_pages(array)
+    return np.concatenate(parts) if parts else np.asarray(array[rows])
+
+
 def profile_vocab(trace: RoutingTrace, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(token_vocab int32[t] sorted unique ids of the kept tokens, occurrences int64[t] kept tokens per row).
 
@@ -468,8 +481,8 @@ def device_markov_table(
     # every s-th occurrence (deterministic) bounds the dense [n, D] work at DeepSeek-V3 scale; the token
     # table's totals still come from the whole profile
     sample = np.arange(0, len(keep), max(1, -(-len(keep) // max_occurrences)))
-    sample_experts = np.asarray(trace.experts[keep[sample]])  # int16[S, L, k]
-    sample_row = np.searchsorted(token_vocab, np.asarray(trace.token_ids[keep[sample]]))  # int64[S]
+    sample_experts = gather_rows(trace.experts, keep[sample])  # int16[S, L, k]
+    sample_row = np.searchsorted(token_vocab, gather_rows(trace.token_ids, keep[sample]))  # int64[S]
     token_device = np.empty((len(sample), num_layers), dtype=np.int64)
     table = np.zeros((num_layers, num_rows), dtype=np.int16)
     confidence = np.zeros((num_layers, num_rows), dtype=np.float32)
