@@ -251,7 +251,11 @@ def _batches(path: Path, fmt: str, used: list[str], batch_rows: int) -> Iterator
         else:
             import pyarrow.parquet as pa_parquet
 
-            reader = pa_parquet.ParquetFile(path).iter_batches(batch_size=batch_rows, columns=used)
+            parquet = pa_parquet.ParquetFile(path)
+            # one reader per row group: a single iter_batches over the file keeps ~10 bytes per row read (pyarrow
+            # 26: 0.35 GB more peak RSS at 50 M rows)
+            reader = (batch for group in range(parquet.num_row_groups)
+                      for batch in parquet.iter_batches(batch_size=batch_rows, row_groups=[group], columns=used))
         pending, rows = [], 0  # small blocks gathered into batches of batch_rows rows
         for block in reader:
             pending.append(pa.RecordBatch.from_arrays([block.column(c) for c in used], names=used))
