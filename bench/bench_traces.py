@@ -12,7 +12,8 @@ included; startup_s is that start-up alone); peak RSS = the import process's ru_
 stdlib-only launcher with os.wait4, so neither this process's memory nor the launcher's is counted). Targets on
 the 2-core machine: >= 1 M rows/s and peak RSS <= 1.5 GB at any size; the ratios to them are printed.
 Sizes: 1 M and 10 M rows (and one shuffled 1 M-row Parquet, the external-sort path); 50 M rows only with
-BENCH_TRACES_50M=1 (about 1.7 GB of CSV on disk and a few minutes), else recorded as skipped. --quick: 20 k rows.
+BENCH_TRACES_50M=1 (about 3 GB of CSV on disk and a few minutes), else recorded as skipped. --quick: 20 k rows.
+The machine is shared: other processes' load moved these rates by up to 2x between runs (peak RSS did not move).
 
 Legend: N tokens, L MoE layers, k experts per token.
 """
@@ -202,7 +203,7 @@ def import_throughput(quick: bool) -> dict:
         "import": cases,
         "import_startup_s": startup_s,
         "import_targets": f">= {TARGET_ROWS_PER_S:,.0f} rows/s, peak RSS <= {TARGET_RSS_GB} GB",
-        "import_50m": "measured" if big else f"skipped (set {BIG_ENV}=1: ~1.7 GB of CSV on disk, minutes)",
+        "import_50m": "measured" if big else f"skipped (set {BIG_ENV}=1: ~3 GB of CSV on disk, minutes)",
         "import_all_meet_targets": all(case["meets_targets"] for case in cases.values()),
     }
 
