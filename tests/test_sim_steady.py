@@ -98,6 +98,17 @@ def test_bisection_converges_on_a_monotone_toy(capacity):
     assert near["low"] <= capacity < near["high"] and len(near["probes"]) <= 5
 
 
+@pytest.mark.parametrize("offset", [-60, -7, 0, 1, 9, 45])
+def test_a_start_far_from_the_crossing_gallops_to_it(offset):
+    """From a ladder start `offset` steps above (or below) the crossing: the same rate the one-step walk finds,
+    in about 2 log2 |offset| runs rather than |offset|."""
+    ladder = 100.0 * 1.02 ** np.arange(200)
+    crossing = 120  # ladder[120] is the highest rate that meets
+    found = bisect_rate(lambda r: r <= ladder[crossing] * (1 + 1e-9), ladder, 0.02, crossing + offset)
+    assert found["low"] == pytest.approx(ladder[crossing]) and found["high"] == pytest.approx(ladder[crossing + 1])
+    assert len(found["probes"]) <= 2 * np.log2(abs(offset) + 1) + 3
+
+
 def test_rules_bisected_on_one_lattice_share_probes():
     """Two rules crossing at 1,050 and 1,100 req/s, bisected from the grid bracket [1000, 2000] with midpoints on
     the lattice 100 x 1.02^k: every probe is a lattice rate, and the second rule asks rates the first asked."""

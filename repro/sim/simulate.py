@@ -36,8 +36,8 @@ Method (conf/sim/default.yaml holds the defaults; every choice is stated in the 
 - Rules and bisection. A rate meets: `ttft` / `e2e` (the paper's rule) when the window's statistic is within the
   SLO; `distserve` when >= `attainment` of the window's requests meet TTFT and TPOT; `capacity` when the queue is
   stable. With `require_stable` every rule also needs a stable queue and no unfinished window request. Seed 0
-  runs the rate grid (the per-rate table), then `bisect_rate` walks the grid to each rule's crossing and bisects
-  it to `slo.rel_tol`; the other seeds walk a ladder of `rel_tol` steps from seed 0's rates. Midpoints and ladders
+  runs the rate grid (the per-rate table), then `bisect_rate` gallops along the grid to each rule's crossing and bisects
+  it to `slo.rel_tol`; the other seeds gallop along a ladder of `rel_tol` steps from seed 0's rates. Midpoints and ladders
   lie on one lattice, lowest rate x (1 + rel_tol)^k, and runs are cached per seed, so the rules share runs.
   Throughput under a rule is the highest rate meeting it (with a stable queue its steady-state throughput; the window's measured throughput is reported beside it; DistServe
   goodput is that rate too), per seed and as a mean; ratios between systems come from the per-seed values
@@ -424,7 +424,7 @@ def simulate(config: dict, plan: Plan, trace: RoutingTrace, hardware: dict, shap
     for runner in runners:
         runner.set_slo(slo)
 
-    # seed 0 runs the grid and bisects each rule from it; the other seeds walk a ladder of rel_tol steps from seed
+    # seed 0 runs the grid and bisects each rule from it; the other seeds gallop along a ladder of rel_tol steps from seed
     # 0's rate for each rule: a bracket is then one step wide. Both stay on one lattice grid[0] x (1 + rel_tol)^k,
     # so the rules probe the same rates and share runs. A rule seed 0 found no bracket for walks the grid instead.
     results: dict[str, list[dict]] = {rule: [] for rule in RULES}
