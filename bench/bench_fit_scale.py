@@ -14,6 +14,14 @@ real model's). Token ids follow a Zipf law over DeepSeek-V3's 129,280-id vocabul
 `python -m bench --only fit_scale` (or `--only traces`, which runs both trace benches). --quick: 50k tokens,
 8 MoE layers, DP only (a smoke run of the same path, not the target's size).
 
+Measured 2026-12-01 on the shared 2-core machine (other jobs running, load 3-7): 10 M tokens x 58 layers (9.3 GB in
+10 shards), conf/system/semmoe.yaml, EP 8: Attention-TP fit 221 s (solver 163 s), peak RSS 1.47 GB: meets both
+targets; Attention-DP fit 381 s (solver 315 s), peak RSS 7.47 GB: misses the memory target. Both read the trace
+(validation included) within 1.14 GB and run the same chunked passes, so the DP excess is the co-clustering
+solver's own input: one SparseAffinity (int64 / float64 COO) over 8192 request units x 58 layers x most of the 256
+experts, as before chunking; it is bounded by max_units, not by the profile's tokens. Validation and fit of the
+read trace: 65 s / 44 s.
+
 Legend: N tokens, L MoE layers, E experts, k experts per token.
 """
 
@@ -35,17 +43,26 @@ from omegaconf import OmegaConf
 ROOT = Path(__file__).resolve().parents[1]
 NUM_EXPERTS, TOP_K, NUM_LAYERS, VOCAB = 256, 8, 58, 129_280
 SHARD_TOKENS = 1_000_000
+GEN_TOKENS = 100_000  # tokens routed at a time while generating a shard
 TARGET_FIT_S, TARGET_RSS_GB = 600.0, 4.0
 
 
 def shard_routing(rng: np.random.Generator, token_ids: np.ndarray, num_layers: int, affinity: float = 0.8) -> np.ndarray:
-    """int16[n, L, k] token-determined routing (see the module docstring); token_ids int[n]."""
+    """int16[n, L, k] token-determined routing (see the module docstring); token_ids int[n].
+
+    Built GEN_TOKENS tokens at a time in int16/int32 arithmetic, so memory stays near the output's own size.
+    """
+    out = np.empty((len(token_ids), num_layers, TOP_K), dtype=np.int16)
     layer = np.arange(num_layers, dtype=np.int64)[None, :]
-    tok = token_ids.astype(np.int64)[:, None]
-    home = (tok * 2654435761 + layer * 40503) % NUM_EXPERTS  # [n, L] the token's base expert per layer
-    base = np.where(rng.random(home.shape) < affinity, home, rng.integers(0, NUM_EXPERTS, home.shape))
-    stride = 2 * ((tok * 7 + layer * 3) % 16) + 1  # odd: j x stride mod 256 is distinct for j < k
-    return ((base[:, :, None] + np.arange(TOP_K) * stride[:, :, None]) % NUM_EXPERTS).astype(np.int16)
+    slots = np.arange(TOP_K, dtype=np.int16)[None, None, :]
+    for start in range(0, len(token_ids), GEN_TOKENS):
+        tok = token_ids[start : start + GEN_TOKENS].astype(np.int64)[:, None]
+        home = ((tok * 2654435761 + layer * 40503) % NUM_EXPERTS).astype(np.int16)  # [c, L] base expert per layer
+        random_base = rng.integers(0, NUM_EXPERTS, home.shape, dtype=np.int16)
+        base = np.where(rng.random(home.shape, dtype=np.float32) < affinity, home, random_base)
+        stride = (2 * ((tok * 7 + layer * 3) % 16) + 1).astype(np.int16)  # odd: j x stride mod 256 distinct for j < k
+        out[start : start + GEN_TOKENS] = (base[:, :, None] + slots * stride[:, :, None]) % NUM_EXPERTS
+    return out
 
 
 def write_profile(root: Path, num_tokens: int, num_layers: int = NUM_LAYERS, seed: int = 0) -> Path:
