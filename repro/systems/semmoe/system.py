@@ -563,20 +563,13 @@ class SemMoE:
                 expert_load += np.bincount((layer_base + experts).ravel(), minlength=len(expert_load))
         expert_load = expert_load.reshape(num_layers, num_experts).astype(np.float64)
 
-        def layer_coo(layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-            """`layer_token_expert_coo` of the solver units: (row, expert) sorted, counts float32."""
-            row, expert = np.nonzero(solver_counts[layer])
-            return row, expert, solver_counts[layer][row, expert].astype(np.float32)
-
         def sparse(layers: list[int]) -> SparseAffinity:
-            parts = [layer_coo(layer) for layer in layers]
-            return SparseAffinity(
-                np.repeat(np.arange(len(layers)), [len(p[0]) for p in parts]),
-                np.concatenate([p[0] for p in parts]),
-                np.concatenate([p[1] for p in parts]),
-                np.concatenate([p[2] for p in parts]).astype(np.float64) / top_k,  # token units
-                len(layers), len(solver_units), num_experts,
-            )
+            """The group's affinity straight from the counts: np.nonzero's C order is (layer, unit, expert), the
+            per-layer `layer_token_expert_coo` order concatenated, without holding the per-layer parts beside it."""
+            counts = solver_counts[layers[0] : layers[-1] + 1]  # a group's layers are consecutive
+            layer, unit, expert = np.nonzero(counts)
+            value = counts[layer, unit, expert].astype(np.float32).astype(np.float64) / top_k  # token units
+            return SparseAffinity(layer, unit, expert, value, len(layers), len(solver_units), num_experts)
 
         layer_groups = [list(range(num_layers))] if units == "requests" else [[layer] for layer in range(num_layers)]
         # one clustering shared by every layer (requests), or one per layer (tokens: memory stays at one layer's
