@@ -271,8 +271,15 @@ def build_traces(cfg: dict, on_progress=None) -> tuple[RoutingTrace, RoutingTrac
 
 def unrouted_experts(*traces: RoutingTrace) -> int:
     """Expert ids below meta.num_experts that no token of these traces is routed to, in any layer."""
+    from repro.affinity.tables import PROFILE_CHUNK_TOKENS
+    from repro.traces.arrays import iter_row_chunks, release_pages
+
     num_experts = traces[0].meta.num_experts
-    routed = sum(np.bincount(np.asarray(t.experts).ravel(), minlength=num_experts) for t in traces)
+    routed = np.zeros(num_experts, dtype=np.int64)
+    for t in traces:  # in row chunks: a big memory-mapped trace is never held whole
+        for start, stop in iter_row_chunks(t.num_tokens, PROFILE_CHUNK_TOKENS):
+            routed += np.bincount(np.asarray(t.experts[start:stop]).ravel(), minlength=num_experts)[:num_experts]
+            release_pages(t.experts)
     return int((routed == 0).sum())
 
 
