@@ -406,6 +406,12 @@ def write_trace(
         for name, text in extra_files.items():
             (tmp / name).write_text(text, encoding="utf-8")
 
+    return publish_trace_dir(path, write_into, if_exists)
+
+
+def publish_trace_dir(path: Path, write_into, if_exists: str) -> Path:
+    """Publish the trace write_into(tmp) writes at `path` in one atomic rename (write_trace's if_exists rules);
+    a writer that lost the race to another reuses only a trace and refuses anything else."""
     try:
         published = atomic_dir(path, write_into, replace=if_exists == "replace")
     except OSError as e:

@@ -21,15 +21,14 @@ from pathlib import Path
 
 import numpy as np
 
-from repro.atomic import atomic_dir
 from repro.errors import TraceError
 from repro.traces.format import (
     ARRAY_DTYPES,
     TRACE_EXTRA_FILES,
     TraceMeta,
     check_trace_destination,
+    publish_trace_dir,
     read_trace,
-    trace_dir_state,
 )
 
 HEADER_ROWS_GUESS = 10**12 - 1  # the header space reserved up front is sized for this many rows (np.save pads to 64)
@@ -145,14 +144,4 @@ def publish_streamed_trace(path, fill: Callable[[Path], None], *, if_exists: str
         if validate:
             read_trace(tmp)  # the format's own validation, in chunks over the memory-mapped arrays
 
-    try:
-        published = atomic_dir(path, write_into, replace=if_exists == "replace")
-    except OSError as e:
-        raise TraceError(f"cannot write the trace to {path} ({e}); check the folder's permissions and free space.") from e
-    if not published:  # another writer published first: only a trace is reused
-        kind, why = trace_dir_state(path)
-        if kind != "trace":
-            raise TraceError(f"{path} {why}; nothing was written: choose a new or empty folder (it is never replaced).")
-        if if_exists == "error":
-            raise TraceError(f"{path} already holds a routing trace; nothing was written: choose another folder or replace it explicitly.")
-    return path
+    return publish_trace_dir(path, write_into, if_exists)
