@@ -406,3 +406,16 @@ def test_zero_token_trace_is_one_sentence(tmp_path, offsets):
     with pytest.raises(TraceError, match=f"the trace has {n} requests and no tokens"):
         read_trace(tmp_path / "t")
 
+
+
+def test_a_destination_swapped_while_it_is_listed_is_listed_again(tmp_path, monkeypatch):
+    """A writer's check can list the old directory while another writer's swap deletes it: the half-deleted
+    listing must not be taken for 'not a trace' (seen once in a full run of test_concurrent_writers_and_a_reader)."""
+    from repro.traces import format as trace_format
+
+    write_trace(small_trace(seed=3, num_requests=4, layers=2), tmp_path / "t")
+    identities = iter([(1, 1), (1, 2), (1, 2), (1, 2)])  # swapped during the first listing, stable after
+    listings = iter([("other", "lacks meta.json, so it is not a complete routing trace"), ("trace", "")])
+    monkeypatch.setattr(trace_format, "_dir_identity", lambda path: next(identities))
+    monkeypatch.setattr(trace_format, "_trace_dir_state_once", lambda path: next(listings))
+    assert trace_format.trace_dir_state(tmp_path / "t") == ("trace", "")

@@ -331,6 +331,17 @@ def trace_dir_state(path: str | os.PathLike) -> tuple[str, str]:
     replace what it points to.
     """
     path = Path(path)
+    # a concurrent writer may swap the directory and delete the old one while it is listed (a half-deleted
+    # listing reads as "not a trace"): list again until the directory is the same before and after
+    for _ in range(READ_ATTEMPTS):
+        before = _dir_identity(path)
+        state = _trace_dir_state_once(path)
+        if _dir_identity(path) == before:
+            break
+    return state
+
+
+def _trace_dir_state_once(path: Path) -> tuple[str, str]:
     if path.is_symlink():
         return "other", f"is a symbolic link (to {os.readlink(path)})"
     if not path.exists():
