@@ -42,6 +42,9 @@ Rules (the functions below; a NaN / missing value of ours is `not testable here`
   uncalibrated simulated time (R1: an absolute share, which the calibration alternatives move) is at most `partly`.
 - A claim's verdict from its parts: `not testable here` when no part is testable; `reproduced` only when every part
   is reproduced; `not reproduced` when every testable part is; else `partly` (untested parts make at most partly).
+- Calibration: the verdict reads jobs priced with the hardware profiles as written (sim.calibration=published);
+  `calibration_table` recomputes R1 and R4 under each alternative that experiment `calibration` ran and marks the
+  parts whose verdict flips between readings.
 
 Links point at the report's sections by their heading's slug (repro.figures.html.heading_slug, which REPORT.html's
 ids and GitHub's markdown anchors share), resolved against the finished report when it is given.
