@@ -15,8 +15,8 @@ Two steps:
 imbalance). With replicated experts the serving replica is the placement's static dispatch rule
 (`Placement.dispatch_device`: local, then nearest, then least loaded), so expert load splits across replicas
 exactly as that rule sends it, and `served_activations` counts what every replica served (unused replicas are
-reported as waste). Everything is counted exactly with integer histograms (np.bincount over flattened keys), in token
-chunks small enough to stay in cache: no Python loop per token.
+reported as waste). Everything is counted exactly in integers, in token chunks (a memory-mapped trace is read one
+chunk at a time) by the compiled loop of `repro.eval.counting`.
 """
 
 from __future__ import annotations
@@ -27,14 +27,14 @@ import numpy as np
 import pandas as pd
 
 from repro.errors import ConfigError, ReproError, TraceError
+from repro.eval.counting import count_rows
 from repro.eval.time_cost import PARTS, TimeModel, time_estimate  # imports repro.sim only when a time is priced
 from repro.systems.base import Plan
 from repro.traces import RoutingTrace
 
-# token-layers per chunk in `account`. Each chunk costs ~k^2/2 numpy calls of fixed overhead, so chunks must be
-# large enough to amortise them, yet small enough for the int32 work arrays (k x chunk x 4 bytes) to stay in L2.
-# A sweep of 2^12..2^17 on the 2-core development machine put the optimum at 2^14 for both k=2 and k=8.
-CHUNK_EVENTS = 1 << 14
+# token-layers per chunk in `account` and `served_activations`: what one read of a memory-mapped trace holds
+# (k x 2^20 expert ids, 16 MB at top-8 int16)
+CHUNK_EVENTS = 1 << 20
 
 PER_LAYER_COLUMNS = (
     "layer",
@@ -132,20 +132,10 @@ def account(
     )
     num_tokens, num_layers, top_k = experts.shape
     num_experts = dispatch_device.shape[2]
-    pairs = num_devices * num_devices
-    if num_layers * num_devices * max(2 * num_devices, num_experts) >= 2**31:
-        raise ConfigError(
-            f"{num_layers} layers x {num_devices} devices x {num_experts} experts overflow the int32 histogram "
-            "keys of account; evaluate fewer layers at a time (select a layer range of the trace)."
-        )
-    # every activation gets one histogram key: layer, "first copy to this device" flag, source, destination.
-    # The key without the flag is looked up from a [L, D, E] table, so replicated placements cost nothing extra.
-    layer_base = np.arange(num_layers)[:, None, None] * 2 * pairs
-    source_base = np.arange(num_devices)[None, :, None] * num_devices
-    key_table = (layer_base + source_base + dispatch_device).astype(np.int32).ravel()
-    layer_row = (np.arange(num_layers) * num_devices * num_experts).astype(np.int32)  # int32[L]
-    histogram = np.zeros(num_layers * 2 * pairs, dtype=np.int64)
-
+    activations = np.zeros((1, num_layers, num_devices, num_devices), dtype=np.int64)
+    token_copies = np.zeros_like(activations)
+    no_nodes = np.zeros((1, num_layers, num_devices, 0), dtype=np.int64)
+    no_slots = np.zeros((1, num_layers, 0), dtype=np.int64)
     chunk = max(16, CHUNK_EVENTS // num_layers)
     starts = range(0, num_tokens, chunk)
     if progress:
@@ -155,26 +145,12 @@ def account(
     for start in starts:
         experts_nLk = np.asarray(experts[start : start + chunk])
         _check_expert_range(experts_nLk, num_experts, start)
-        # row of (layer, home device) in the flattened key table
-        row_nL = home[start : start + chunk].astype(np.int32) * num_experts + layer_row
-        # slot-major [k, n, L] so that each slot's keys are contiguous for the duplicate test below
-        table_index_knL = np.empty((top_k, len(row_nL), num_layers), dtype=np.int32)
-        np.add(experts_nLk.transpose(2, 0, 1), row_nL, out=table_index_knL)
-        key_knL = np.take(key_table, table_index_knL)
-        # slot j is a first copy unless an earlier slot of the same token-layer already goes to that device;
-        # walk j downwards so the earlier slots still hold their unflagged keys when compared
-        for j in range(top_k - 1, 0, -1):
-            duplicate = key_knL[j] == key_knL[0]
-            for i in range(1, j):
-                duplicate |= key_knL[j] == key_knL[i]
-            key_knL[j] += ~duplicate * np.int32(pairs)
-        key_knL[0] += pairs
-        histogram += np.bincount(key_knL.ravel(), minlength=len(histogram))
+        count_rows(np.zeros(len(experts_nLk), dtype=np.int64), home[start : start + chunk], experts_nLk,
+                   dispatch_device, dispatch_device, 1, activations, token_copies, no_nodes, no_slots)
 
-    histogram = histogram.reshape(num_layers, 2, num_devices, num_devices)
     return LayerCounts(
-        activations=histogram.sum(axis=1),
-        token_copies=histogram[:, 1].copy(),
+        activations=activations[0],
+        token_copies=token_copies[0],
         bytes_per_token=int(bytes_per_token),
         top_k=int(top_k),
     )
@@ -185,27 +161,24 @@ def served_activations(
 ) -> np.ndarray:
     """int64[L, D, E] activations of expert e served on device d (inputs as in `account`).
 
-    Counts (layer, home device, expert) triples in token chunks, then routes each through dispatch_device, so
-    the per-replica load sums to the expert's activations and follows the dispatch rule.
+    Counts every activation at the physical "slot" (serving device, expert): the per-replica load sums to the
+    expert's activations and follows the dispatch rule.
     """
     home, experts, dispatch_device = _check_account_inputs(home, experts, dispatch_device, 1, num_devices)
-    num_tokens, num_layers, top_k = experts.shape
+    num_tokens, num_layers, _ = experts.shape
     num_experts = dispatch_device.shape[2]
-    layer_row = np.arange(num_layers, dtype=np.int64) * num_devices * num_experts  # [L]
-    by_source = np.zeros(num_layers * num_devices * num_experts, dtype=np.int64)
+    served_slot_LDE = (dispatch_device * num_experts + np.arange(num_experts)).astype(np.int64)
+    served = np.zeros((1, num_layers, num_devices * num_experts), dtype=np.int64)
+    activations = np.zeros((1, num_layers, num_devices, num_devices), dtype=np.int64)
+    copies = np.zeros_like(activations)
+    no_nodes = np.zeros((1, num_layers, num_devices, 0), dtype=np.int64)
     chunk = max(16, CHUNK_EVENTS // num_layers)
     for start in range(0, num_tokens, chunk):
-        experts_nLk = np.asarray(experts[start : start + chunk], dtype=np.int64)
+        experts_nLk = np.asarray(experts[start : start + chunk])
         _check_expert_range(experts_nLk, num_experts, start)
-        row_nL = home[start : start + chunk].astype(np.int64) * num_experts + layer_row
-        by_source += np.bincount((experts_nLk + row_nL[:, :, None]).ravel(), minlength=len(by_source))
-    by_source = by_source.reshape(num_layers, num_devices, num_experts)
-    served = np.zeros((num_layers, num_devices, num_experts), dtype=np.int64)
-    layer = np.arange(num_layers)[:, None, None]
-    expert = np.arange(num_experts)[None, None, :]
-    np.add.at(served, (np.broadcast_to(layer, by_source.shape), dispatch_device, np.broadcast_to(expert, by_source.shape)),
-              by_source)
-    return served
+        count_rows(np.zeros(len(experts_nLk), dtype=np.int64), home[start : start + chunk], experts_nLk,
+                   served_slot_LDE, dispatch_device, 1, activations, copies, no_nodes, served)
+    return served.reshape(num_layers, num_devices, num_experts)
 
 
 def replica_waste(placement, served: np.ndarray) -> dict:

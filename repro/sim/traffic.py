@@ -1,6 +1,7 @@
 """Where the tokens of a batch are served and which copies cross devices: the evaluator's counting, per iteration.
 
-`batch_traffic` is the vectorised, per-iteration form of `repro.eval.accounting.account` (tests check it equal):
+`batch_traffic` is the per-iteration form of `repro.eval.accounting.account` (both count with
+`repro.eval.counting.count_rows`; tests check them equal):
 activation (token n, layer l, slot j) of a token living on device s is served by physical slot
 slot_table[l, s, expert] on device dst = slot // slots_per_device; a token travels once to each distinct remote
 device (DeepEP's per-rank dedup), and once to each distinct remote node where the backend forwards inside the
@@ -18,10 +19,8 @@ from typing import NamedTuple
 import numpy as np
 
 from repro.errors import ConfigError
+from repro.eval.counting import count_rows
 from repro.systems.base import Placement
-
-# token-layers per chunk: int32 work arrays of k x chunk stay in L2 (the evaluator's measured optimum)
-CHUNK_EVENTS = 1 << 14
 
 
 class BatchTraffic(NamedTuple):
@@ -71,82 +70,18 @@ def batch_traffic(
     """Count one block: group_N int[N] iteration of each row, home_NL int[N, L] device each token lives on
     before each layer (a broadcast view is fine), experts_NLk int[N, L, k] logical experts,
     slot_table_LDE int[L, D, E] from `dispatch_slots`. Returns BatchTraffic (shapes in its docstring).
-
-    Like `account`, rows are processed in chunks whose int32 work arrays stay in cache, and every activation
-    gets one histogram key looked up from a [L, D, E] table (layer, first-copy flag, home, destination).
     """
-    num_layers, num_devices, num_experts = slot_table_LDE.shape
-    num_slots = num_devices * slots_per_device
+    num_layers, num_devices, _ = slot_table_LDE.shape
     num_nodes = -(-num_devices // devices_per_node)
-    pairs = num_devices * num_devices
-    per_group = num_layers * 2 * pairs
-    if num_groups * max(per_group, num_layers * num_devices * num_nodes, num_layers * num_slots) >= 2**31:
-        raise ConfigError(
-            f"{num_groups} iterations x {num_layers} layers x {num_devices} devices overflow the int32 histogram keys "
-            "of batch_traffic; lower sim.max_block_iterations."
-        )
-    layer_L = np.arange(num_layers, dtype=np.int64)[:, None, None]
-    dest_LDE = slot_table_LDE.astype(np.int64) // slots_per_device
-    home_LDE = np.arange(num_devices)[None, :, None]
-    key_table = ((layer_L * 2 * num_devices + home_LDE) * num_devices + dest_LDE).astype(np.int32).ravel()
-    slot_table = (layer_L * num_slots + slot_table_LDE).astype(np.int32).ravel()
-    node_table = ((layer_L * num_devices + home_LDE) * num_nodes + dest_LDE // devices_per_node).astype(np.int32).ravel()
-    row_L = (np.arange(num_layers) * num_devices * num_experts).astype(np.int32)
-    histogram = np.zeros(num_groups * per_group, dtype=np.int64)
-    slot_tokens = np.zeros(num_groups * num_layers * num_slots, dtype=np.int64)
-    node_copies = np.zeros(num_groups * num_layers * num_devices * num_nodes, dtype=np.int64) if num_nodes > 1 else None
-    group_N = np.asarray(group_N, dtype=np.int32)
-
-    chunk = max(16, CHUNK_EVENTS // num_layers)
-    for start in range(0, len(group_N), chunk):
-        experts_nLk = np.asarray(experts_NLk[start : start + chunk])
-        row_nL = home_NL[start : start + chunk].astype(np.int32) * num_experts + row_L
-        index_knL = np.empty((experts_nLk.shape[2], len(row_nL), num_layers), dtype=np.int32)
-        np.add(experts_nLk.transpose(2, 0, 1), row_nL, out=index_knL)
-        group_n1 = group_N[start : start + chunk, None]
-        key_knL = np.take(key_table, index_knL)
-        _flag_first_copies(key_knL, pairs)
-        key_knL += group_n1 * np.int32(per_group)
-        histogram += np.bincount(key_knL.ravel(), minlength=len(histogram))
-        slot_knL = np.take(slot_table, index_knL)
-        slot_knL += group_n1 * np.int32(num_layers * num_slots)
-        slot_tokens += np.bincount(slot_knL.ravel(), minlength=len(slot_tokens))
-        if node_copies is not None:
-            node_knL = np.take(node_table, index_knL)
-            first = _first_occurrence(node_knL)
-            node_knL += group_n1 * np.int32(num_layers * num_devices * num_nodes)
-            node_copies += np.bincount(node_knL[first], minlength=len(node_copies))
-
-    histogram = histogram.reshape(num_groups, num_layers, 2, num_devices, num_devices)
-    return BatchTraffic(
-        activations=histogram.sum(axis=2),
-        copies=histogram[:, :, 1],
-        node_copies=None if node_copies is None else node_copies.reshape(num_groups, num_layers, num_devices, num_nodes),
-        slot_tokens=slot_tokens.reshape(num_groups, num_layers, num_slots),
-    )
-
-
-def _flag_first_copies(key_knL: np.ndarray, pairs: int) -> None:
-    """Add `pairs` (the first-copy flag) to every key whose destination no earlier slot of its row has.
-
-    Keys of one token-layer differ only by destination, so comparing keys compares destinations; walk j
-    downwards so earlier slots still hold their unflagged keys when compared (as `account` does).
-    """
-    for j in range(key_knL.shape[0] - 1, 0, -1):
-        duplicate = key_knL[j] == key_knL[0]
-        for i in range(1, j):
-            duplicate |= key_knL[j] == key_knL[i]
-        key_knL[j] += ~duplicate * np.int32(pairs)
-    key_knL[0] += pairs
-
-
-def _first_occurrence(values_kNL: np.ndarray) -> np.ndarray:
-    """bool[k, N, L]: True where slot j's value differs from every earlier slot's value of the same row."""
-    top_k = values_kNL.shape[0]
-    first = np.ones(values_kNL.shape, dtype=bool)
-    for j in range(1, top_k):
-        duplicate = values_kNL[j] == values_kNL[0]
-        for i in range(1, j):
-            duplicate |= values_kNL[j] == values_kNL[i]
-        first[j] = ~duplicate
-    return first
+    activations = np.zeros((num_groups, num_layers, num_devices, num_devices), dtype=np.int64)
+    copies = np.zeros_like(activations)
+    node_copies = np.zeros((num_groups, num_layers, num_devices, num_nodes if num_nodes > 1 else 0), dtype=np.int64)
+    slot_tokens = np.zeros((num_groups, num_layers, num_devices * slots_per_device), dtype=np.int64)
+    bad_row = count_rows(np.asarray(group_N), home_NL, np.asarray(experts_NLk), slot_table_LDE,
+                         slot_table_LDE // slots_per_device, devices_per_node, activations, copies, node_copies,
+                         slot_tokens)
+    if bad_row >= 0:
+        raise ConfigError(f"token row {bad_row} of the batch has an expert id or home device outside the placement "
+                          f"({slot_table_LDE.shape[2]} experts, {num_devices} devices); check the trace's model.")
+    return BatchTraffic(activations=activations, copies=copies,
+                        node_copies=node_copies if num_nodes > 1 else None, slot_tokens=slot_tokens)
