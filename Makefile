@@ -5,7 +5,7 @@ PIP := $(VENV)/bin/pip
 # torch 2.13.0 CPU build when no NVIDIA GPU is visible; with a GPU, the user's CUDA torch is kept
 HAVE_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: setup test reproduce reproduce-beyond figures bench gpu-check gpu-test gpu-all gpu-all-dry serve-sglang serve-vllm bench-serving setup-engines-cpu lint clean wandb-sync
+.PHONY: setup test reproduce experiments reproduce-beyond figures bench gpu-check gpu-test gpu-all gpu-all-dry serve-sglang serve-vllm bench-serving setup-engines-cpu lint clean wandb-sync
 
 setup:
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -28,27 +28,42 @@ test:
 
 # experiments that read ../shared/data (arena-hard prompts, measured routing tables) run only where it exists
 SHARED_DATA ?= $(or $(REPRO_SHARED_DATA),../shared/data)
-OFFLINE_EXPERIMENTS := default paper_dp paper_tp dp_lookahead routing_sources exec exec_model serve_dp serve_tp
+# make reproduce runs two streams side by side (one core each on a 2-core laptop): the experiments on the trained
+# tiny model (the first trains it, ~6 CPU minutes, in one thread; its weights do not depend on the thread count)
+# and those on synthetic routing, which need no training. Each stream runs its experiments in order.
+TINY_EXPERIMENTS := default paper_dp paper_tp dp_lookahead routing_sources exec_model
+SYNTHETIC_EXPERIMENTS := exec serve_dp serve_tp
 # beyond the paper (replicated and multi-node placement; serve_dp's steady state with long windows, under each
 # calibration alternative, and on every routing source): a separate target
 BEYOND_EXPERIMENTS := replication_dp replication_tp multinode multinode_bound serve_dp_long calibration serve_dp_sources
 SHARED_EXPERIMENTS := $(if $(wildcard $(SHARED_DATA)/arena-hard),cross_dataset replay_olmoe_dp replay_olmoe_tp routing_sources_replay)
 BEYOND_SHARED_EXPERIMENTS := $(if $(wildcard $(SHARED_DATA)/olmoe-routing),replication_replay serve_dp_sources_replay)
+TINY_LOG := runs/reproduce_tiny_model.log
 
 reproduce:
-	for e in $(OFFLINE_EXPERIMENTS) $(SHARED_EXPERIMENTS); do \
-	  WANDB_MODE=$${WANDB_MODE:-offline} $(PY) -m repro.run -m experiment=$$e || exit 1; \
-	done
+	@mkdir -p runs
+	@echo "tiny-model experiments ($(TINY_EXPERIMENTS)) run beside the others; their output: $(TINY_LOG)"
+	@( OMP_NUM_THREADS=1 $(MAKE) --no-print-directory experiments EXPERIMENTS="$(TINY_EXPERIMENTS)" \
+	     > $(TINY_LOG) 2>&1 ) & tiny=$$!; \
+	$(MAKE) --no-print-directory experiments EXPERIMENTS="$(SYNTHETIC_EXPERIMENTS)"; status=$$?; \
+	[ $$status -eq 0 ] || echo "waiting for the tiny-model experiments ($(TINY_LOG)) before stopping" >&2; \
+	wait $$tiny || { tail -n 40 $(TINY_LOG); echo "tiny-model experiments failed; full output: $(TINY_LOG)" >&2; exit 1; }; \
+	exit $$status
+	$(MAKE) --no-print-directory experiments EXPERIMENTS="$(SHARED_EXPERIMENTS)"
 	# Sem-MoE's tunable defaults: chosen on the validate split, reported on evaluate (runs/tune_semmoe/*/tuned.json)
 	$(PY) -m repro.tune -m logger=none
 	# when Sem-MoE's locality pays in MoE-layer time, from the simulator's cost model (seconds; runs/breakeven)
 	$(PY) -m repro.sim.breakeven --out runs/breakeven
 	$(MAKE) figures
 
-reproduce-beyond:
-	for e in $(BEYOND_EXPERIMENTS) $(BEYOND_SHARED_EXPERIMENTS); do \
+# one experiment after another: make experiments EXPERIMENTS="serve_dp serve_tp"
+experiments:
+	for e in $(EXPERIMENTS); do \
 	  WANDB_MODE=$${WANDB_MODE:-offline} $(PY) -m repro.run -m experiment=$$e || exit 1; \
 	done
+
+reproduce-beyond:
+	$(MAKE) --no-print-directory experiments EXPERIMENTS="$(BEYOND_EXPERIMENTS) $(BEYOND_SHARED_EXPERIMENTS)"
 	$(MAKE) figures
 
 figures:
