@@ -95,19 +95,35 @@ def check_cocluster_args(num_experts: int, num_devices: int, theta: float, n_ste
 
 @dataclass(frozen=True)
 class SparseAffinity:
-    """COO affinity float[L, u, E]: unit[i] activates expert[i] value[i] times (load units) in layer[i].
+    """COO affinity float[L, u, E]: unit[i] activates expert e value[i] times (load units) in layer l, where
+    layer_expert[i] = l * E + e; entries are sorted by layer (layer_start[l] is layer l's first entry).
 
     Profile tables are sparse (a token row touches few experts), so a solver round costs O(nnz + u x D +
-    L x D x E) instead of O(u x E x D): what makes a 58-layer, 256-expert instance feasible on 2 cores.
+    L x D x E) instead of O(u x E x D): what makes a 58-layer, 256-expert instance feasible on 2 cores. Each
+    entry takes 16 bytes (int32 unit and layer-expert, float64 value): at 8192 request units x 58 layers x 256
+    experts the table itself is what a production-size Attention-DP fit holds.
     """
 
-    layer: np.ndarray  # int64[nnz]
-    unit: np.ndarray  # int64[nnz]
-    expert: np.ndarray  # int64[nnz]
+    unit: np.ndarray  # int32[nnz]
+    layer_expert: np.ndarray  # int32[nnz]
     value: np.ndarray  # float64[nnz]
+    layer_start: np.ndarray  # int64[L + 1]
     num_layers: int
     num_units: int
     num_experts: int
+
+    @classmethod
+    def from_coo(cls, layer, unit, expert, value, num_layers: int, num_units: int, num_experts: int) -> SparseAffinity:
+        """From int[nnz] layer (non-decreasing), unit, expert and float[nnz] value."""
+        layer = np.asarray(layer)
+        if len(layer) and np.any(np.diff(layer) < 0):
+            raise ConfigError("SparseAffinity entries must be sorted by layer.")
+        if num_units >= 2**31 or num_layers * num_experts >= 2**31:
+            raise ConfigError(f"{num_units} units or {num_layers} x {num_experts} layer-experts overflow int32 indices.")
+        layer_expert = (layer * num_experts + np.asarray(expert)).astype(np.int32)
+        layer_start = np.searchsorted(layer, np.arange(num_layers + 1))
+        return cls(np.asarray(unit).astype(np.int32), layer_expert, np.asarray(value, dtype=np.float64), layer_start,
+                   num_layers, num_units, num_experts)
 
     @classmethod
     def from_dense(cls, affinity: np.ndarray) -> SparseAffinity:
@@ -116,21 +132,32 @@ class SparseAffinity:
         if affinity.ndim != 3:
             raise ConfigError(f"affinity must be a [layers, units, experts] array, got shape {affinity.shape}.")
         layer, unit, expert = np.nonzero(affinity)
-        return cls(layer, unit, expert, affinity[layer, unit, expert].astype(np.float64), *affinity.shape)
+        return cls.from_coo(layer, unit, expert, affinity[layer, unit, expert], *affinity.shape)
+
+    @property
+    def layer(self) -> np.ndarray:
+        """int64[nnz] (computed: a temporary the size of the table)."""
+        return self.layer_expert // self.num_experts
+
+    @property
+    def expert(self) -> np.ndarray:
+        """int64[nnz] (computed)."""
+        return self.layer_expert % self.num_experts
 
     def hotness(self) -> np.ndarray:
         """float64[L, E] activations per expert."""
-        flat = np.bincount(self.layer * self.num_experts + self.expert, weights=self.value,
-                           minlength=self.num_layers * self.num_experts)
+        flat = np.bincount(self.layer_expert, weights=self.value, minlength=self.num_layers * self.num_experts)
         return flat.reshape(self.num_layers, self.num_experts)
 
     def coactivation(self, unit_load: np.ndarray) -> np.ndarray:
         """float64[L, E, E] sum_u A[u, e] A[u, e'] / load_u per layer, zero diagonal (sparse products)."""
-        scale = self.value / np.sqrt(np.maximum(unit_load[self.unit], 1e-12))
         out = np.empty((self.num_layers, self.num_experts, self.num_experts))
         for layer in range(self.num_layers):
-            sel = self.layer == layer
-            a = sp.csr_matrix((scale[sel], (self.unit[sel], self.expert[sel])), shape=(self.num_units, self.num_experts))
+            sel = slice(self.layer_start[layer], self.layer_start[layer + 1])
+            unit = self.unit[sel]
+            scale = self.value[sel] / np.sqrt(np.maximum(unit_load[unit], 1e-12))
+            expert = self.layer_expert[sel] - layer * self.num_experts
+            a = sp.csr_matrix((scale, (unit, expert)), shape=(self.num_units, self.num_experts))
             out[layer] = (a.T @ a).toarray()
         idx = np.arange(self.num_experts)
         out[:, idx, idx] = 0.0
@@ -138,13 +165,17 @@ class SparseAffinity:
 
     def cluster_affinity(self, unit_cluster: np.ndarray, num_devices: int) -> np.ndarray:
         """float64[L, D, E] activations of expert e by the units of cluster d."""
-        key = (self.layer * num_devices + unit_cluster[self.unit]) * self.num_experts + self.expert
-        flat = np.bincount(key, weights=self.value, minlength=self.num_layers * num_devices * self.num_experts)
-        return flat.reshape(self.num_layers, num_devices, self.num_experts)
+        key = np.asarray(unit_cluster, dtype=np.int64)[self.unit]
+        key *= self.num_layers * self.num_experts
+        key += self.layer_expert
+        flat = np.bincount(key, weights=self.value, minlength=num_devices * self.num_layers * self.num_experts)
+        return np.ascontiguousarray(flat.reshape(num_devices, self.num_layers, self.num_experts).transpose(1, 0, 2))
 
     def local_mass(self, expert_device: np.ndarray, num_devices: int) -> np.ndarray:
         """float64[u, D] mass of each unit's activations hosted on each device, summed over layers."""
-        key = self.unit * num_devices + expert_device[self.layer, self.expert]
+        key = self.unit.astype(np.int64)
+        key *= num_devices
+        key += np.asarray(expert_device).ravel()[self.layer_expert]
         dense = np.bincount(key, weights=self.value, minlength=self.num_units * num_devices)
         return dense.reshape(self.num_units, num_devices)
 

@@ -145,7 +145,7 @@ def present_local_mass(affinity: SparseAffinity, present: np.ndarray) -> np.ndar
     """
     num_layers, num_experts, num_devices = present.shape
     matrix = sp.csr_matrix(
-        (affinity.value, (affinity.unit, affinity.layer * num_experts + affinity.expert)),
+        (affinity.value, (affinity.unit, affinity.layer_expert)),
         shape=(affinity.num_units, num_layers * num_experts),
     )
     return np.asarray(matrix @ present.reshape(num_layers * num_experts, num_devices).astype(np.float64))

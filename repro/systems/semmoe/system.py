@@ -564,12 +564,22 @@ class SemMoE:
         expert_load = expert_load.reshape(num_layers, num_experts).astype(np.float64)
 
         def sparse(layers: list[int]) -> SparseAffinity:
-            """The group's affinity straight from the counts: np.nonzero's C order is (layer, unit, expert), the
-            per-layer `layer_token_expert_coo` order concatenated, without holding the per-layer parts beside it."""
+            """The group's affinity straight from the counts, in (layer, unit, expert) order, one layer's
+            nonzeros at a time (the int64 indices np.nonzero returns would triple the table)."""
             counts = solver_counts[layers[0] : layers[-1] + 1]  # a group's layers are consecutive
-            layer, unit, expert = np.nonzero(counts)
-            value = counts[layer, unit, expert].astype(np.float32).astype(np.float64) / top_k  # token units
-            return SparseAffinity(layer, unit, expert, value, len(layers), len(solver_units), num_experts)
+            per_layer = np.count_nonzero(counts.reshape(len(layers), -1), axis=1)
+            layer_start = np.concatenate([[0], np.cumsum(per_layer)])
+            unit = np.empty(layer_start[-1], dtype=np.int32)
+            layer_expert = np.empty(layer_start[-1], dtype=np.int32)
+            value = np.empty(layer_start[-1], dtype=np.float64)
+            for i in range(len(layers)):
+                rows, experts = np.nonzero(counts[i])
+                sel = slice(layer_start[i], layer_start[i + 1])
+                unit[sel] = rows
+                layer_expert[sel] = i * num_experts + experts
+                value[sel] = counts[i][rows, experts].astype(np.float32)  # as the dense float32 tables were
+            value /= top_k  # token units
+            return SparseAffinity(unit, layer_expert, value, layer_start, len(layers), len(solver_units), num_experts)
 
         layer_groups = [list(range(num_layers))] if units == "requests" else [[layer] for layer in range(num_layers)]
         # one clustering shared by every layer (requests), or one per layer (tokens: memory stays at one layer's
@@ -577,6 +587,8 @@ class SemMoE:
         load_swaps, load_before, load_after = 0, [], []
         for layers in layer_groups:
             affinity = sparse(layers)
+            if len(layer_groups) == 1:
+                solver_counts = None  # the affinity holds all the solver reads: free the dense counts before it runs
             result = self._solve_group(affinity, unit_load[solver_units], parallel, rng)
             if self.expert_load_cap is not None:
                 result, swaps, before, after = self._balance_load(result, affinity, expert_load[layers], parallel)

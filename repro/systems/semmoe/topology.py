@@ -35,9 +35,10 @@ def node_subproblem(
     local_unit[units] = np.arange(len(units))
     local_expert = np.full((num_layers, num_experts), -1, dtype=np.int64)
     np.put_along_axis(local_expert, experts, np.broadcast_to(np.arange(experts.shape[1]), experts.shape), axis=1)
-    keep = (local_unit[affinity.unit] >= 0) & (expert_node[affinity.layer, affinity.expert] == node)
-    sub = SparseAffinity(
-        affinity.layer[keep], local_unit[affinity.unit[keep]], local_expert[affinity.layer[keep], affinity.expert[keep]],
+    layer_expert = affinity.layer_expert
+    keep = (local_unit[affinity.unit] >= 0) & (expert_node.ravel()[layer_expert] == node)
+    sub = SparseAffinity.from_coo(
+        layer_expert[keep] // num_experts, local_unit[affinity.unit[keep]], local_expert.ravel()[layer_expert[keep]],
         affinity.value[keep], num_layers, len(units), experts.shape[1],
     )
     return sub, units, experts
