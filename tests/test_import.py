@@ -3,11 +3,15 @@ the CLI. The streaming-specific tests are in test_traces_stream.py."""
 
 import importlib
 import json
+import re
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from repro.errors import TraceError
 from repro.traces import TraceMeta, make_trace, read_trace
@@ -228,3 +232,42 @@ def test_cli_bad_input_exits_2_with_one_sentence_and_writes_nothing(tmp_path, ca
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "line 6:" in err and "Traceback" not in err
     assert not (tmp_path / "trace").exists()
+
+
+# ---- the compiled "[3, 5]" parser equals the pattern it replaced ---------------------------------------------------
+
+LIST_ALPHABET = st.sampled_from(["[", "]", ",", " ", "\t", "-", "0", "3", "12", "+", "x", "\n", "5"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(st.lists(LIST_ALPHABET, max_size=8).map("".join),
+                          st.lists(st.integers(-300, 300), max_size=5).map(str),
+                          st.just("[" + "9" * 19 + "]")), min_size=1, max_size=20))
+def test_int_list_parser_matches_the_pattern(cells):
+    """Malformed exactly where INT_LIST_PATTERN (Arrow's RE2, whose \\s is [\\t\\n\\f\\r ]) does not match or a
+    number has more than 18 digits; values are int() of the pieces."""
+    from repro.traces.tabular import INT_LIST_PATTERN, _parse_int_lists, _string_buffers
+
+    column = pa.array([*cells, None], type=pa.string())
+    flat, lengths, malformed = _parse_int_lists(*_string_buffers(column), np.array([False] * len(cells) + [True]))
+    pattern = re.compile(INT_LIST_PATTERN.replace(r"\s", r"[\t\n\f\r ]"))
+    whitespace = " \t\n\f\r"
+    expected_values, expected_lengths, expected_malformed = [], [], []
+    for cell in cells:
+        inner = cell.strip(whitespace)[1:-1].strip(whitespace)
+        values = [int(piece) for piece in inner.split(",")] if pattern.match(cell) and inner else []
+        bad = pattern.match(cell) is None or any(len(str(abs(v))) > 18 for v in values)
+        expected_malformed.append(bad)
+        expected_lengths.append(0 if bad else len(values))
+        expected_values += [] if bad else values
+    assert malformed.tolist() == [*expected_malformed, False]  # the null cell is not malformed, and empty
+    assert lengths.tolist() == [*expected_lengths, 0]
+    assert flat.tolist() == expected_values
+
+
+def test_int_list_parser_reads_sliced_and_large_string_arrays():
+    from repro.traces.tabular import _parse_int_lists, _string_buffers
+
+    for column in (pa.array(["[9]", "[1, 2]", " [ -3 ] "])[1:], pa.array(["[9]", "[1, 2]", " [ -3 ] "], type=pa.large_string())[1:]):
+        flat, lengths, malformed = _parse_int_lists(*_string_buffers(column), np.zeros(2, bool))
+        assert flat.tolist() == [1, 2, -3] and lengths.tolist() == [2, 1] and not malformed.any()
