@@ -152,3 +152,21 @@ def test_statistics_and_request_tables_do_not_depend_on_the_chunking(sharded, mo
         got = request_activations(trace, max_requests=25)
         for name, value in want_requests.items():
             assert np.array_equal(got[name], value), name
+
+
+def test_count_jobs_fanned_out_by_a_hydra_launcher_merge_to_the_single_process_table(sharded, tmp_path):
+    """The documented cluster recipe with Hydra's local launcher: a multirun over the shard index, then merge."""
+    whole, path = sharded
+    run = subprocess.run([sys.executable, "-m", "repro.affinity.count_job", "-m", f"trace={path}", "shard=range(0,4)",
+                          f"out_dir={tmp_path / 'tables'}", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert sorted(p.name for p in (tmp_path / "tables").iterdir()) == ["0.npz", "1.npz", "2.npz", "3.npz"]
+    merged = merge_tables(path, sorted((tmp_path / "tables").iterdir()))
+    np.testing.assert_array_equal(dense_counts(merged)[1], one_pass_counts(whole, False)[1])
+    # a shard index the trace does not have: one sentence, no table
+    bad = subprocess.run([sys.executable, "-m", "repro.affinity.count_job", f"trace={path}", "shard=4",
+                          f"out_dir={tmp_path / 'bad'}", f"hydra.run.dir={tmp_path / 'run'}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "shard 4 is not one of the 4 shards" in bad.stderr
+    assert not any((tmp_path / "bad").glob("*.npz"))
