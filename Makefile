@@ -5,7 +5,7 @@ PIP := $(VENV)/bin/pip
 # torch 2.13.0 CPU build when no NVIDIA GPU is visible; with a GPU, the user's CUDA torch is kept
 HAVE_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: setup test reproduce experiments reproduce-beyond figures bench gpu-check gpu-test gpu-all gpu-all-dry serve-sglang serve-vllm bench-serving setup-engines-cpu lint clean wandb-sync
+.PHONY: setup test reproduce experiments tune reproduce-beyond figures bench gpu-check gpu-test gpu-all gpu-all-dry serve-sglang serve-vllm bench-serving setup-engines-cpu lint clean wandb-sync
 
 setup:
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -28,30 +28,35 @@ test:
 
 # experiments that read ../shared/data (arena-hard prompts, measured routing tables) run only where it exists
 SHARED_DATA ?= $(or $(REPRO_SHARED_DATA),../shared/data)
-# make reproduce runs two streams side by side (one core each on a 2-core laptop): the experiments on the trained
-# tiny model (the first trains it, ~6 CPU minutes, in one thread; its weights do not depend on the thread count)
-# and those on synthetic routing, which need no training. Each stream runs its experiments in order.
-TINY_EXPERIMENTS := default paper_dp paper_tp dp_lookahead routing_sources exec_model
+# make reproduce runs in two phases of two streams side by side (one core each on a 2-core laptop; each stream's
+# output beside the terminal's goes to runs/reproduce_<name>.log). Phase 1: `default`, whose first job trains the
+# tiny routing model (~10 CPU minutes, one thread; its weights do not depend on the thread count), beside the
+# experiments on synthetic routing, which need no training. Phase 2: the other tiny-model experiments, and tuning.
 SYNTHETIC_EXPERIMENTS := exec serve_dp serve_tp
+TINY_EXPERIMENTS_A := paper_dp paper_tp dp_lookahead
+TINY_EXPERIMENTS_B := routing_sources exec_model
 # beyond the paper (replicated and multi-node placement; serve_dp's steady state with long windows, under each
 # calibration alternative, and on every routing source): a separate target
 BEYOND_EXPERIMENTS := replication_dp replication_tp multinode multinode_bound serve_dp_long calibration serve_dp_sources
 SHARED_EXPERIMENTS := $(if $(wildcard $(SHARED_DATA)/arena-hard),cross_dataset replay_olmoe_dp replay_olmoe_tp routing_sources_replay)
 BEYOND_SHARED_EXPERIMENTS := $(if $(wildcard $(SHARED_DATA)/olmoe-routing),replication_replay serve_dp_sources_replay)
-TINY_LOG := runs/reproduce_tiny_model.log
+
+# $(call side_by_side,GOALS IN THE BACKGROUND,GOALS IN THE FOREGROUND,LOG NAME): two `make` runs at once, one
+# thread each; fails (after both ended) when either failed, with the tail of the background one's log
+define side_by_side
+	@mkdir -p runs
+	@echo 'running $(1) beside $(2); its output: runs/reproduce_$(3).log'
+	@( OMP_NUM_THREADS=1 $(MAKE) --no-print-directory $(1) > runs/reproduce_$(3).log 2>&1 ) & other=$$!; \
+	OMP_NUM_THREADS=1 $(MAKE) --no-print-directory $(2); status=$$?; \
+	[ $$status -eq 0 ] || echo 'waiting for $(1) (runs/reproduce_$(3).log) before stopping' >&2; \
+	wait $$other || { tail -n 40 runs/reproduce_$(3).log; echo '$(1) failed; its output: runs/reproduce_$(3).log' >&2; exit 1; }; \
+	exit $$status
+endef
 
 reproduce:
-	@mkdir -p runs
-	@echo "tiny-model experiments ($(TINY_EXPERIMENTS)) run beside the others; their output: $(TINY_LOG)"
-	@( OMP_NUM_THREADS=1 $(MAKE) --no-print-directory experiments EXPERIMENTS="$(TINY_EXPERIMENTS)" \
-	     > $(TINY_LOG) 2>&1 ) & tiny=$$!; \
-	$(MAKE) --no-print-directory experiments EXPERIMENTS="$(SYNTHETIC_EXPERIMENTS)"; status=$$?; \
-	[ $$status -eq 0 ] || echo "waiting for the tiny-model experiments ($(TINY_LOG)) before stopping" >&2; \
-	wait $$tiny || { tail -n 40 $(TINY_LOG); echo "tiny-model experiments failed; full output: $(TINY_LOG)" >&2; exit 1; }; \
-	exit $$status
+	$(call side_by_side,experiments EXPERIMENTS=default,experiments EXPERIMENTS="$(SYNTHETIC_EXPERIMENTS)",tiny_model)
+	$(call side_by_side,experiments EXPERIMENTS="$(TINY_EXPERIMENTS_B)",experiments EXPERIMENTS="$(TINY_EXPERIMENTS_A)" tune,tiny_model_b)
 	$(MAKE) --no-print-directory experiments EXPERIMENTS="$(SHARED_EXPERIMENTS)"
-	# Sem-MoE's tunable defaults: chosen on the validate split, reported on evaluate (runs/tune_semmoe/*/tuned.json)
-	$(PY) -m repro.tune -m logger=none
 	# when Sem-MoE's locality pays in MoE-layer time, from the simulator's cost model (seconds; runs/breakeven)
 	$(PY) -m repro.sim.breakeven --out runs/breakeven
 	$(MAKE) figures
@@ -61,6 +66,10 @@ experiments:
 	for e in $(EXPERIMENTS); do \
 	  WANDB_MODE=$${WANDB_MODE:-offline} $(PY) -m repro.run -m experiment=$$e || exit 1; \
 	done
+
+# Sem-MoE's tunable defaults: chosen on the validate split, reported on evaluate (runs/tune_semmoe/*/tuned.json)
+tune:
+	$(PY) -m repro.tune -m logger=none
 
 reproduce-beyond:
 	$(MAKE) --no-print-directory experiments EXPERIMENTS="$(BEYOND_EXPERIMENTS) $(BEYOND_SHARED_EXPERIMENTS)"
