@@ -292,7 +292,9 @@ def test_steady_state_tables_use_each_jobs_bisected_seeds_and_paired_intervals(t
     grid = per_rate_table(rates, [0.010, 0.030, 0.060], [1.0, 3.0, 6.0], [10.0, 19.0, 30.0], 0.125)
     seeds = {"ep": ([20.0, 22.0, 21.0], [30.0, 30.0, 30.0]), "semmoe": ([24.0, 26.4, 25.2], [33.0, 31.5, 30.0])}
     for system, (ttft, e2e) in seeds.items():
-        fake_job(root, "serve_dp", system, per_rate=grid, slo_reference="ep", sim_seeds=3, slo_ttft_s=0.05,
+        # the labels simulate() writes: ep serves as its own reference
+        fake_job(root, "serve_dp", system, per_rate=grid, slo_reference="ep (this plan)" if system == "ep" else "ep",
+                 sim_seeds=3, slo_ttft_s=0.05,
                  slo_e2e_s=5.0, throughput_under_ttft_slo_rps=float(np.mean(ttft)),
                  throughput_under_ttft_slo_rps_per_seed=ttft, throughput_under_e2e_slo_rps=float(np.mean(e2e)),
                  throughput_under_e2e_slo_rps_per_seed=e2e, goodput_distserve_rps=10.0,
