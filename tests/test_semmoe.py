@@ -9,6 +9,7 @@ from repro.systems import make_system
 from repro.systems.semmoe import (
     SemMoE,
     SemMoEPlan,
+    SparseAffinity,
     align_to_slices,
     balanced_cocluster,
     capacity_assign,
@@ -611,3 +612,23 @@ def test_paper_only_search_is_the_plain_alternation():
     full = balanced_cocluster(affinity, load, 4, np.random.default_rng(0), n_steps=3)
     assert full.objective <= plain.objective + 1e-9  # start 0 is the same run; the rest only adds
     assert len(full.history) == 4 * 4 + 1
+
+
+def test_sparse_affinity_sums_equal_the_bincount_definition_to_the_last_bit():
+    """The compiled scatter sums add in entry order, as np.bincount does: bit-identical, with non-dyadic values."""
+    rng = np.random.default_rng(5)
+    num_layers, num_units, num_experts, devices = 3, 70, 16, 4
+    dense = rng.integers(1, 50, (num_layers, num_units, num_experts)) * (rng.random((num_layers, num_units, num_experts)) < 0.3) / 6
+    affinity = SparseAffinity.from_dense(dense)
+    layer, unit, expert = np.nonzero(dense)
+    assert np.array_equal(affinity.layer, layer) and np.array_equal(affinity.expert, expert)
+    expert_device = rng.integers(0, devices, (num_layers, num_experts))
+    unit_cluster = rng.integers(0, devices, num_units)
+    local = np.bincount(unit * devices + expert_device[layer, expert], weights=dense[layer, unit, expert],
+                        minlength=num_units * devices).reshape(num_units, devices)
+    cluster = np.bincount((layer * devices + unit_cluster[unit]) * num_experts + expert, weights=dense[layer, unit, expert],
+                          minlength=num_layers * devices * num_experts).reshape(num_layers, devices, num_experts)
+    assert np.array_equal(affinity.local_mass(expert_device, devices), local)
+    assert np.array_equal(affinity.cluster_affinity(unit_cluster, devices), cluster)
+    hotness = np.bincount(layer * num_experts + expert, weights=dense[layer, unit, expert], minlength=num_layers * num_experts)
+    assert np.array_equal(affinity.hotness(), hotness.reshape(num_layers, num_experts))

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numba
 import numpy as np
 import scipy.sparse as sp
 from scipy.optimize import linear_sum_assignment
@@ -165,19 +166,28 @@ class SparseAffinity:
 
     def cluster_affinity(self, unit_cluster: np.ndarray, num_devices: int) -> np.ndarray:
         """float64[L, D, E] activations of expert e by the units of cluster d."""
-        key = np.asarray(unit_cluster, dtype=np.int64)[self.unit]
-        key *= self.num_layers * self.num_experts
-        key += self.layer_expert
-        flat = np.bincount(key, weights=self.value, minlength=num_devices * self.num_layers * self.num_experts)
+        num_layer_experts = self.num_layers * self.num_experts
+        flat = _scatter_sum(self.unit, np.asarray(unit_cluster, dtype=np.int64), num_layer_experts, self.layer_expert,
+                            np.arange(num_layer_experts), self.value, num_devices * num_layer_experts)
         return np.ascontiguousarray(flat.reshape(num_devices, self.num_layers, self.num_experts).transpose(1, 0, 2))
 
     def local_mass(self, expert_device: np.ndarray, num_devices: int) -> np.ndarray:
         """float64[u, D] mass of each unit's activations hosted on each device, summed over layers."""
-        key = self.unit.astype(np.int64)
-        key *= num_devices
-        key += np.asarray(expert_device).ravel()[self.layer_expert]
-        dense = np.bincount(key, weights=self.value, minlength=self.num_units * num_devices)
-        return dense.reshape(self.num_units, num_devices)
+        flat = _scatter_sum(self.unit, np.arange(self.num_units), num_devices, self.layer_expert,
+                            np.ascontiguousarray(expert_device, dtype=np.int64).ravel(), self.value,
+                            self.num_units * num_devices)
+        return flat.reshape(self.num_units, num_devices)
+
+
+@numba.njit(cache=True)
+def _scatter_sum(major, major_of, stride, minor, minor_of, value, size):  # pragma: no cover (compiled)
+    """float64[size]: out[major_of[major[i]] * stride + minor_of[minor[i]]] += value[i], i in order. Equals
+    np.bincount(keys, weights=value) to the last bit (the same sequential sums) without the nnz-sized key and
+    lookup temporaries, which at production size are as large as the affinity table itself."""
+    out = np.zeros(size)
+    for i in range(len(value)):
+        out[major_of[major[i]] * stride + minor_of[minor[i]]] += value[i]
+    return out
 
 
 def place_experts(
