@@ -28,10 +28,11 @@ test:
 
 # experiments that read ../shared/data (arena-hard prompts, measured routing tables) run only where it exists
 SHARED_DATA ?= $(or $(REPRO_SHARED_DATA),../shared/data)
-# make reproduce runs in two phases of two streams side by side (one core each on a 2-core laptop; each stream's
-# output beside the terminal's goes to runs/reproduce_<name>.log). Phase 1: `default`, whose first job trains the
-# tiny routing model (~10 CPU minutes, one thread; its weights do not depend on the thread count), beside the
-# experiments on synthetic routing, which need no training. Phase 2: the other tiny-model experiments, and tuning.
+# make reproduce runs in two phases of two streams side by side (repro/side_by_side.py: one core each on a 2-core
+# laptop; the background stream's output goes to runs/reproduce_tiny_model*.log; a failure or Ctrl-C stops both).
+# Phase 1: `default`, whose first job trains the tiny routing model (~10 CPU minutes, one thread; its weights do not
+# depend on the thread count), beside the experiments on synthetic routing, which need no training. Phase 2: the
+# other tiny-model experiments, and tuning.
 SYNTHETIC_EXPERIMENTS := exec serve_dp serve_tp
 TINY_EXPERIMENTS_A := paper_dp paper_tp dp_lookahead
 TINY_EXPERIMENTS_B := routing_sources exec_model
@@ -41,21 +42,13 @@ BEYOND_EXPERIMENTS := replication_dp replication_tp multinode multinode_bound se
 SHARED_EXPERIMENTS := $(if $(wildcard $(SHARED_DATA)/arena-hard),cross_dataset replay_olmoe_dp replay_olmoe_tp routing_sources_replay)
 BEYOND_SHARED_EXPERIMENTS := $(if $(wildcard $(SHARED_DATA)/olmoe-routing),replication_replay serve_dp_sources_replay)
 
-# $(call side_by_side,GOALS IN THE BACKGROUND,GOALS IN THE FOREGROUND,LOG NAME): two `make` runs at once, one
-# thread each; fails (after both ended) when either failed, with the tail of the background one's log
-define side_by_side
-	@mkdir -p runs
-	@echo 'running $(1) beside $(2); its output: runs/reproduce_$(3).log'
-	@( OMP_NUM_THREADS=1 $(MAKE) --no-print-directory $(1) > runs/reproduce_$(3).log 2>&1 ) & other=$$!; \
-	OMP_NUM_THREADS=1 $(MAKE) --no-print-directory $(2); status=$$?; \
-	[ $$status -eq 0 ] || echo 'waiting for $(1) (runs/reproduce_$(3).log) before stopping' >&2; \
-	wait $$other || { tail -n 40 runs/reproduce_$(3).log; echo '$(1) failed; its output: runs/reproduce_$(3).log' >&2; exit 1; }; \
-	exit $$status
-endef
-
 reproduce:
-	$(call side_by_side,experiments EXPERIMENTS=default,experiments EXPERIMENTS="$(SYNTHETIC_EXPERIMENTS)",tiny_model)
-	$(call side_by_side,experiments EXPERIMENTS="$(TINY_EXPERIMENTS_B)",experiments EXPERIMENTS="$(TINY_EXPERIMENTS_A)" tune,tiny_model_b)
+	$(PY) -m repro.side_by_side --log runs/reproduce_tiny_model.log \
+	  --background '$(MAKE) --no-print-directory experiments EXPERIMENTS=default' \
+	  --foreground '$(MAKE) --no-print-directory experiments EXPERIMENTS="$(SYNTHETIC_EXPERIMENTS)"'
+	$(PY) -m repro.side_by_side --log runs/reproduce_tiny_model_b.log \
+	  --background '$(MAKE) --no-print-directory experiments EXPERIMENTS="$(TINY_EXPERIMENTS_B)"' \
+	  --foreground '$(MAKE) --no-print-directory experiments EXPERIMENTS="$(TINY_EXPERIMENTS_A)" tune'
 	$(MAKE) --no-print-directory experiments EXPERIMENTS="$(SHARED_EXPERIMENTS)"
 	# when Sem-MoE's locality pays in MoE-layer time, from the simulator's cost model (seconds; runs/breakeven)
 	$(PY) -m repro.sim.breakeven --out runs/breakeven

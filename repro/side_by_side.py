@@ -1,0 +1,94 @@
+"""Run two shell command lines side by side, as `make reproduce` runs its two streams (one core each):
+
+    python -m repro.side_by_side --log runs/reproduce_b.log --background 'make experiments EXPERIMENTS=default' \
+        --foreground 'make experiments EXPERIMENTS="serve_dp serve_tp"'
+
+The foreground command writes to this terminal, the background one to --log (its last lines are printed if it
+fails). Both run with OMP_NUM_THREADS=1, each in a process group of its own. When either fails, or on Ctrl-C or
+SIGTERM, the other one's whole process group is stopped at once with SIGTERM (every job writes its results
+atomically, so a stopped stream leaves finished jobs and no half-written one; a rerun resumes). Exit status: 0 when
+both succeeded, else the first failure's (130 after Ctrl-C).
+
+Why not a shell `&`: a background list of a non-interactive shell ignores SIGINT, and nothing stops its children
+when the other stream fails, so a failed or interrupted `make reproduce` would keep running the other stream.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+POLL_S = 0.2  # how often the two streams are checked (only latency: no result depends on it)
+STOP_GRACE_S = 30.0  # SIGTERM, then SIGKILL if a stream's process group is still there after this long
+TAIL_LINES = 40
+
+
+def stop(process: subprocess.Popen) -> None:
+    """SIGTERM the process group of `process` (its leader), SIGKILL it if it outlives the grace period."""
+    if process.poll() is not None:
+        return
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    except ProcessLookupError:
+        pass
+
+
+def _exit_status(returncode: int) -> int:
+    return returncode if returncode >= 0 else 128 - returncode  # killed by signal N: 128 + N, as a shell says
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def run(background: str, foreground: str, log: Path) -> int:
+    """Exit status of the pair (see the module docstring)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    failed, status = None, 0
+    with open(log, "w") as out:
+        streams = {
+            "background": subprocess.Popen(background, shell=True, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                           start_new_session=True),
+            "foreground": subprocess.Popen(foreground, shell=True, env=env, start_new_session=True),
+        }
+        try:
+            while failed is None and any(p.poll() is None for p in streams.values()):
+                time.sleep(POLL_S)
+                failed = next((name for name, p in streams.items() if p.poll()), None)  # a nonzero status
+            if failed is not None:
+                status = _exit_status(streams[failed].returncode)
+        except KeyboardInterrupt:
+            status = 130
+        finally:
+            for process in streams.values():
+                stop(process)
+            signal.signal(signal.SIGTERM, previous)
+    if failed == "background":
+        print("\n".join(log.read_text(errors="replace").splitlines()[-TAIL_LINES:]), file=sys.stderr)
+        print(f"the background stream ({background}) failed; its output: {log}", file=sys.stderr)
+    return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m repro.side_by_side", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--background", required=True, help="shell command line run with its output in --log")
+    parser.add_argument("--foreground", required=True, help="shell command line run with its output here")
+    parser.add_argument("--log", required=True, type=Path, help="file the background command's output goes to")
+    args = parser.parse_args(argv)
+    print(f"running `{args.background}` beside `{args.foreground}`; its output: {args.log}", flush=True)
+    return run(args.background, args.foreground, args.log)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""repro.side_by_side, make reproduce's two streams: both run, a failure stops the other stream's whole process
+group at once, and the exit status is the first failure's."""
+
+import os
+import time
+from pathlib import Path
+
+from repro.side_by_side import run
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie, killed but not yet reaped by init, is not)."""
+    stat = Path(f"/proc/{pid}/stat")
+    if stat.exists():
+        return stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_both_streams_run_with_one_thread_each(tmp_path):
+    log = tmp_path / "logs" / "background.log"
+    status = run("echo background $OMP_NUM_THREADS", f"echo foreground $OMP_NUM_THREADS > {tmp_path / 'fg'}", log)
+    assert status == 0
+    assert log.read_text() == "background 1\n" and (tmp_path / "fg").read_text() == "foreground 1\n"
+
+
+def test_a_failing_stream_stops_the_other_ones_process_group(tmp_path, capsys):
+    pid_file = tmp_path / "grandchild"
+    # the background stream's grandchild would run for a minute: it must be gone when run() returns
+    background = f"sleep 60 & echo $! > {pid_file}; wait"
+    started = time.perf_counter()
+    status = run(background, f"while [ ! -s {pid_file} ]; do sleep 0.05; done; exit 3", tmp_path / "bg.log")
+    assert status == 3 and time.perf_counter() - started < 20
+    grandchild, deadline = int(pid_file.read_text()), time.perf_counter() + 10
+    while alive(grandchild) and time.perf_counter() < deadline:  # SIGTERM was sent; dying takes a moment
+        time.sleep(0.05)
+    assert not alive(grandchild)
+    assert "failed" not in capsys.readouterr().err  # the background stream did not fail: it was stopped
+
+
+def test_a_failing_background_stream_shows_its_log(tmp_path, capsys):
+    status = run("echo the cause; exit 5", "sleep 60", tmp_path / "bg.log")
+    assert status == 5
+    err = capsys.readouterr().err
+    assert "the cause" in err and f"its output: {tmp_path / 'bg.log'}" in err
