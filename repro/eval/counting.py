@@ -6,9 +6,12 @@ p = slot_table[l, s, expert] on device d = p // slots_per_device. A token travel
 (DeepEP's per-rank dedup: the "copy") and once to each distinct node. Rows belong to one of G groups (the
 simulator's iterations of a block; the evaluator uses one).
 
-Why compiled: the exact accounting is ~10 array passes per activation in numpy (lookups, a k x k duplicate test,
-histogram keys, bincounts); one loop does it in one pass with the count tables in L1. Counts are integers, so the
-result is exactly numpy's (tests compare both against a pure-Python reference).
+Why compiled: in numpy the exact accounting took ~10 array passes per activation (lookups, a k x k duplicate test,
+histogram keys, bincounts) and two hand-vectorised copies of them (evaluator, simulator); here it is one loop that
+reads like the definition. Measured 2026-12-01 on the 2-core machine against the numpy versions it replaced: the
+simulator's counting 150-175 M activations/s (was ~85 M), `bench eval` at top-8 1.4x faster, at top-2 0.6x (the
+per-token-layer bit-set work dominates when k is small). Counts are integers, so results are unchanged (tests
+compare both users against a pure-Python reference).
 
 Legend: N token rows, G groups, L MoE layers, k experts per token, E logical experts, D devices, P physical slots
 per layer, M nodes.
