@@ -14,13 +14,13 @@ real model's). Token ids follow a Zipf law over DeepSeek-V3's 129,280-id vocabul
 `python -m bench --only fit_scale` (or `--only traces`, which runs both trace benches). --quick: 50k tokens,
 8 MoE layers, DP only (a smoke run of the same path, not the target's size).
 
-Measured 2026-12-01 on the shared 2-core machine (other jobs running, load ~4): 10 M tokens x 58 layers (9.3 GB in
-10 shards), conf/system/semmoe.yaml, EP 8: Attention-TP fit 256 s (solver 197 s), peak RSS 1.47 GB: meets both
-targets; Attention-DP fit 366 s (solver 296 s), peak RSS 6.53 GB (7.47 GB before its affinity was built in one
-np.nonzero): misses the memory target. Both read the trace (validation included) within 1.14 GB and run the same
-chunked passes, so the DP excess is the co-clustering solver's own input and work arrays: one SparseAffinity
-(int64 / float64 COO, 32 bytes a cell) over 8192 request units x 58 layers x most of the 256 experts; it is
-bounded by max_units, not by the profile's tokens. Reading (validation) took 39-46 s.
+Measured 2026-12-01 on the 2-core machine (one other job running), 10 M tokens x 58 layers (9.3 GB in 10 shards),
+conf/system/semmoe.yaml, EP 8: Attention-DP fit 297 s (solver 233 s), peak RSS 3.33 GB; Attention-TP fit 248 s
+(solver 185 s), peak RSS 1.59 GB: both meet both targets. Reading (validation) took 43-45 s. The DP fit had peaked
+at 6.53 GB: its co-clustering affinity over 8192 request units x 58 layers x most of the 256 experts was an
+int64 / float64 COO (32 bytes a cell) built by one np.nonzero, and every solver round made key temporaries of the
+same size; it is now int32 unit and layer-expert indices (16 bytes a cell) built a layer at a time, with compiled
+scatter sums that need no temporaries (results bit-identical). It is bounded by max_units, not by the tokens.
 
 Legend: N tokens, L MoE layers, E experts, k experts per token.
 """
