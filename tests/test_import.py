@@ -246,10 +246,11 @@ LIST_ALPHABET = st.sampled_from(["[", "]", ",", " ", "\t", "-", "0", "3", "12", 
 def test_int_list_parser_matches_the_pattern(cells):
     """Malformed exactly where INT_LIST_PATTERN (Arrow's RE2, whose \\s is [\\t\\n\\f\\r ]) does not match or a
     number has more than 18 digits; values are int() of the pieces."""
-    from repro.traces.tabular import INT_LIST_PATTERN, _parse_int_lists, _string_buffers
+    from repro.traces.int_lists import parse_int_lists, string_buffers
+    from repro.traces.tabular import INT_LIST_PATTERN
 
     column = pa.array([*cells, None], type=pa.string())
-    flat, lengths, malformed = _parse_int_lists(*_string_buffers(column), np.array([False] * len(cells) + [True]))
+    flat, lengths, malformed = parse_int_lists(*string_buffers(column), np.array([False] * len(cells) + [True]))
     pattern = re.compile(INT_LIST_PATTERN.replace(r"\s", r"[\t\n\f\r ]"))
     whitespace = " \t\n\f\r"
     expected_values, expected_lengths, expected_malformed = [], [], []
@@ -266,8 +267,8 @@ def test_int_list_parser_matches_the_pattern(cells):
 
 
 def test_int_list_parser_reads_sliced_and_large_string_arrays():
-    from repro.traces.tabular import _parse_int_lists, _string_buffers
+    from repro.traces.int_lists import parse_int_lists, string_buffers
 
     for column in (pa.array(["[9]", "[1, 2]", " [ -3 ] "])[1:], pa.array(["[9]", "[1, 2]", " [ -3 ] "], type=pa.large_string())[1:]):
-        flat, lengths, malformed = _parse_int_lists(*_string_buffers(column), np.zeros(2, bool))
+        flat, lengths, malformed = parse_int_lists(*string_buffers(column), np.zeros(2, bool))
         assert flat.tolist() == [1, 2, -3] and lengths.tolist() == [2, 1] and not malformed.any()

@@ -27,9 +27,10 @@ O(requests) tables (ids, labels, lengths) and the O(vocabulary) surface-string t
 decoded whole by pyarrow: files written with huge row groups need memory for one of them. The trace is
 byte-identical to write_trace of the same rows (and to the whole-table importer this replaced). CSV cells are
 read as text and parsed per batch (Arrow's integer cast; pandas only for cells it refuses), so a bad cell is
-reported as the row it is on. Measured (bench/bench_traces.py, 2 shared cores, default batch_rows): a sorted
-10 M-row DeepSeek-V3-shaped table imports at about 1.1 M rows/s from Parquet and 0.44 M rows/s from CSV (the
-"[3, 5, ...]" lists are the CSV's cost), at about 0.35 GB peak RSS either way.
+reported as the row it is on; the "[3, 5]" expert lists are parsed by a compiled pass (repro.traces.int_lists).
+Measured 2026-12-01 (bench/bench_traces.py, 2 cores, default batch_rows, process start-up included): sorted
+DeepSeek-V3-shaped tables of 10 M rows import at 1.54 M rows/s from Parquet and 1.10 M rows/s from CSV, of 50 M
+rows at 1.44 and 1.05 M rows/s, at <= 0.5 GB peak RSS; a 1 M-row file takes 2-3 s, about 1 s of it start-up.
 
 Validation: every (request, position) has every layer exactly once, positions are 0..len-1, every expert list
 has the same length k with no repeated id and no negative id, weights (if any) match the experts and are finite
@@ -56,7 +57,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import numba
 import numpy as np
 import pandas as pd
 import pyarrow as pa
@@ -353,8 +353,10 @@ def _list_column(column: pa.Array, name: str, *, integer: bool, width: int | Non
     checks.first(null, lambda r: f"{name} is empty")
     malformed = np.zeros(len(column), bool)
     if _is_text(column) and integer:
-        offsets, data = _string_buffers(column)
-        flat, lengths, malformed = _parse_int_lists(offsets, data, null)
+        from repro.traces.int_lists import parse_int_lists, string_buffers  # numba only where CSV lists are parsed
+
+        offsets, data = string_buffers(column)
+        flat, lengths, malformed = parse_int_lists(offsets, data, null)
         checks.first(malformed, lambda r: f"{name} {column[r].as_py()!r} is not a JSON list of integers like [3, 5]")
     elif _is_text(column):
         pattern = FLOAT_LIST_PATTERN
@@ -399,79 +401,6 @@ def _list_column(column: pa.Array, name: str, *, integer: bool, width: int | Non
     if good.any():
         out[good] = flat[starts[good][:, None] + np.arange(k)]
     return out, known
-
-
-def _string_buffers(column: pa.Array) -> tuple[np.ndarray, np.ndarray]:
-    """(int32 or int64 offsets[n + 1], uint8 data) of a string / large_string array, zero-copy."""
-    _, offsets, data = column.buffers()
-    width = 8 if pa.types.is_large_string(column.type) else 4
-    offsets = np.frombuffer(offsets, dtype=np.int64 if width == 8 else np.int32, count=len(column) + 1,
-                            offset=column.offset * width)
-    return offsets, np.frombuffer(data, dtype=np.uint8) if data is not None else np.zeros(0, np.uint8)
-
-
-@numba.njit(cache=True)
-def _parse_int_lists(offsets, data, null):  # pragma: no cover (compiled)
-    """(int64 flat values, int64[n] lengths, bool[n] malformed) of n text cells, each matching INT_LIST_PATTERN
-    (whitespace: tab, newline, form feed, carriage return, space, as RE2's \\s); a null or malformed cell has
-    length 0. One pass over the bytes: Arrow's regex match, trim, split and cast took most of a CSV import.
-    Integers of more than 18 digits count as malformed (they overflow int64 and no expert id is that large)."""
-    n = len(offsets) - 1
-    flat = np.empty(len(data) // 2 + 1, dtype=np.int64)  # a number and its separator take >= 2 bytes
-    lengths = np.zeros(n, dtype=np.int64)
-    malformed = np.zeros(n, dtype=np.bool_)
-    count = 0
-    for row in range(n):
-        if null[row]:
-            continue
-        i, end, start_count = offsets[row], offsets[row + 1], count
-        ok = True
-        while i < end and (data[i] == 32 or 9 <= data[i] <= 10 or 12 <= data[i] <= 13):
-            i += 1
-        if i < end and data[i] == 91:  # '['
-            i += 1
-        else:
-            ok = False
-        expect_number = False  # after ','; "[" alone may be followed by "]"
-        first = True
-        while ok:
-            while i < end and (data[i] == 32 or 9 <= data[i] <= 10 or 12 <= data[i] <= 13):
-                i += 1
-            if i < end and data[i] == 93 and not expect_number:  # ']'
-                i += 1
-                break
-            if not (first or expect_number):
-                ok = False
-                break
-            negative = i < end and data[i] == 45  # '-'
-            if negative:
-                i += 1
-            digits, value = 0, 0
-            while i < end and 48 <= data[i] <= 57:
-                value = value * 10 + (data[i] - 48)
-                digits += 1
-                i += 1
-            if digits == 0 or digits > 18:
-                ok = False
-                break
-            flat[count] = -value if negative else value
-            count += 1
-            first = False
-            while i < end and (data[i] == 32 or 9 <= data[i] <= 10 or 12 <= data[i] <= 13):
-                i += 1
-            expect_number = i < end and data[i] == 44  # ','
-            if expect_number:
-                i += 1
-            elif not (i < end and data[i] == 93):
-                ok = False
-        while ok and i < end and (data[i] == 32 or 9 <= data[i] <= 10 or 12 <= data[i] <= 13):
-            i += 1
-        if ok and i == end:
-            lengths[row] = count - start_count
-        else:
-            malformed[row] = True
-            count = start_count
-    return flat[:count], lengths, malformed
 
 
 def _check_expert_ids(experts_nk: np.ndarray, num_experts: int | None, name: str, checks: _BatchChecks) -> None:
