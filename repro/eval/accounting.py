@@ -130,29 +130,12 @@ def account(
     home, experts, dispatch_device = _check_account_inputs(
         home, experts, dispatch_device, bytes_per_token, num_devices
     )
-    num_tokens, num_layers, top_k = experts.shape
-    num_experts = dispatch_device.shape[2]
-    activations = np.zeros((1, num_layers, num_devices, num_devices), dtype=np.int64)
-    token_copies = np.zeros_like(activations)
-    no_nodes = np.zeros((1, num_layers, num_devices, 0), dtype=np.int64)
-    no_slots = np.zeros((1, num_layers, 0), dtype=np.int64)
-    chunk = max(16, CHUNK_EVENTS // num_layers)
-    starts = range(0, num_tokens, chunk)
-    if progress:
-        from tqdm import tqdm
-
-        starts = tqdm(starts, desc="accounting", unit="chunk")
-    for start in starts:
-        experts_nLk = np.asarray(experts[start : start + chunk])
-        _check_expert_range(experts_nLk, num_experts, start)
-        count_rows(np.zeros(len(experts_nLk), dtype=np.int64), home[start : start + chunk], experts_nLk,
-                   dispatch_device, dispatch_device, 1, activations, token_copies, no_nodes, no_slots)
-
+    activations, token_copies, _ = _count_in_chunks(home, experts, dispatch_device, dispatch_device, 0, progress)
     return LayerCounts(
-        activations=activations[0],
-        token_copies=token_copies[0],
+        activations=activations,
+        token_copies=token_copies,
         bytes_per_token=int(bytes_per_token),
-        top_k=int(top_k),
+        top_k=int(experts.shape[2]),
     )
 
 
@@ -165,20 +148,34 @@ def served_activations(
     expert's activations and follows the dispatch rule.
     """
     home, experts, dispatch_device = _check_account_inputs(home, experts, dispatch_device, 1, num_devices)
-    num_tokens, num_layers, _ = experts.shape
-    num_experts = dispatch_device.shape[2]
+    num_layers, _, num_experts = dispatch_device.shape
     served_slot_LDE = (dispatch_device * num_experts + np.arange(num_experts)).astype(np.int64)
-    served = np.zeros((1, num_layers, num_devices * num_experts), dtype=np.int64)
+    _, _, served = _count_in_chunks(home, experts, served_slot_LDE, dispatch_device, num_devices * num_experts)
+    return served.reshape(num_layers, num_devices, num_experts)
+
+
+def _count_in_chunks(home, experts, slot_table_LDE, device_table_LDE, num_slots: int, progress: bool = False):
+    """(activations int64[L, D, D], token_copies int64[L, D, D], slot_tokens int64[L, num_slots]) of checked
+    inputs, by `count_rows` over token chunks (a memory-mapped trace is read one chunk at a time); num_slots 0
+    skips the slot counts."""
+    num_tokens, num_layers, _ = experts.shape
+    num_devices, num_experts = device_table_LDE.shape[1:]
     activations = np.zeros((1, num_layers, num_devices, num_devices), dtype=np.int64)
-    copies = np.zeros_like(activations)
+    token_copies = np.zeros_like(activations)
+    slot_tokens = np.zeros((1, num_layers, num_slots), dtype=np.int64)
     no_nodes = np.zeros((1, num_layers, num_devices, 0), dtype=np.int64)
     chunk = max(16, CHUNK_EVENTS // num_layers)
-    for start in range(0, num_tokens, chunk):
+    starts = range(0, num_tokens, chunk)
+    if progress:
+        from tqdm import tqdm
+
+        starts = tqdm(starts, desc="accounting", unit="chunk")
+    for start in starts:
         experts_nLk = np.asarray(experts[start : start + chunk])
         _check_expert_range(experts_nLk, num_experts, start)
         count_rows(np.zeros(len(experts_nLk), dtype=np.int64), home[start : start + chunk], experts_nLk,
-                   served_slot_LDE, dispatch_device, 1, activations, copies, no_nodes, served)
-    return served.reshape(num_layers, num_devices, num_experts)
+                   slot_table_LDE, device_table_LDE, 1, activations, token_copies, no_nodes, slot_tokens)
+    return activations[0], token_copies[0], slot_tokens[0]
 
 
 def replica_waste(placement, served: np.ndarray) -> dict:
