@@ -30,9 +30,9 @@ test:
 SHARED_DATA ?= $(or $(REPRO_SHARED_DATA),../shared/data)
 # make reproduce runs in two phases of two streams side by side (repro/side_by_side.py: one core each on a 2-core
 # laptop; the background stream's output goes to runs/reproduce_tiny_model*.log; a failure or Ctrl-C stops both).
-# Phase 1: `default`, whose first job trains the tiny routing model (~10 CPU minutes, one thread; its weights do not
-# depend on the thread count), beside the experiments on synthetic routing, which need no training. Phase 2: the
-# other tiny-model experiments, and tuning.
+# Phase 1: `default`, whose first job trains the tiny routing model (~10 CPU minutes on the one thread it always uses,
+# so that its weights are the same on every machine), beside the experiments on synthetic routing, which need no
+# training. Phase 2: the other tiny-model experiments, and tuning.
 SYNTHETIC_EXPERIMENTS := exec serve_dp serve_tp
 TINY_EXPERIMENTS_A := paper_dp paper_tp dp_lookahead
 TINY_EXPERIMENTS_B := routing_sources exec_model

@@ -185,12 +185,14 @@ def routed_workload(cfg: dict, workload_cfg: dict, cache_dir: Path, on_progress=
     when set (cross-dataset runs keep one model for every workload), else the profiling workload cfg["workload"].
     The profile split does not depend on validate_fraction, so the cached trace is keyed without it.
     """
-    from repro.routing import route_workload
+    from repro.routing import ROUTING_CACHE_VERSION, route_workload
     from repro.workloads import load_workload
 
     model_cfg, seed, fraction = cfg["model"], cfg["seed"], cfg["profile_fraction"]
     train_cfg = cfg.get("train_workload") or cfg["workload"]
-    key = config_key(model_cfg, train_cfg, workload_cfg, seed, fraction)
+    # the routing code's version is part of the key: a trace routed by older code (or an older tiny model) is
+    # never reused for this config
+    key = config_key(model_cfg, train_cfg, workload_cfg, seed, fraction, ROUTING_CACHE_VERSION)
     cached = cache_dir / "traces" / key
     if (cached / "trace" / "meta.json").exists():
         log.info("routing trace from cache %s", cached)

@@ -241,3 +241,18 @@ def test_job_folder_resume_and_warnings_follow_the_trace_content(tmp_path, cache
     third = run()
     assert third.returncode == 0 and "skipping" not in third.stdout + third.stderr
     assert json.loads((job / "metrics.json").read_text())["summary"]["unrouted_experts"] == 0
+
+
+def test_a_cached_trace_is_keyed_by_the_routing_code_version(tmp_path, monkeypatch):
+    """A trace routed by older routing code (or an older tiny model) is never reused: the version is in the key."""
+    import repro.routing
+    from repro.run import routed_workload
+    from repro.traces import trace_digest
+
+    cfg = compose("model=synthetic_mixtral", "workload=mmlu", "workload.num_requests=20", f"cache_dir={tmp_path}")
+    first, _ = routed_workload(cfg, cfg["workload"], tmp_path)
+    again, _ = routed_workload(cfg, cfg["workload"], tmp_path)
+    assert len(list((tmp_path / "traces").iterdir())) == 1 and trace_digest(again) == trace_digest(first)
+    monkeypatch.setattr(repro.routing, "ROUTING_CACHE_VERSION", repro.routing.ROUTING_CACHE_VERSION + 1)
+    routed_workload(cfg, cfg["workload"], tmp_path)
+    assert len(list((tmp_path / "traces").iterdir())) == 2

@@ -84,6 +84,20 @@ def test_a_slowed_clock_trains_the_same_weights(trained, tmp_path, monkeypatch):
     assert not budget.exists() or not any(budget.iterdir())
 
 
+def test_the_thread_count_does_not_change_the_weights(trained, tmp_path):
+    """Multi-threaded GEMMs split their sums by the thread count: without one fixed training thread, this micro
+    model's weights differed between 1 and 4 threads (measured 2026-12-02), under one cache key."""
+    _, _, model, _, _ = trained
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        other, _, _, hit = load_or_train(check_tiny_config(MICRO), train_requests(), cache_dir=tmp_path, **ARGS)
+        assert torch.get_num_threads() == 4, "the caller's thread count is restored"
+    finally:
+        torch.set_num_threads(previous)
+    assert not hit and same_weights(other, model)
+
+
 def test_a_cache_entry_records_how_it_was_made(trained):
     _, entry, _, _, record = trained
     written = json.loads((entry / "config.json").read_text())
@@ -121,7 +135,7 @@ def _tamper(name):
         ("cut_short", "2 training steps (stopped by 'train_seconds') where this job trains max_steps=6"),
         ("seed", "seed=7 where this job has 0"),
         ("data", "data_digest='000"),
-        ("version", "cache_version=1 where this job has 2"),
+        ("version", f"cache_version=1 where this job has {tiny_model.CACHE_VERSION}"),
     ],
 )
 def test_a_job_refuses_an_entry_that_differs_from_its_config(trained, tmp_path, monkeypatch, tamper, says):

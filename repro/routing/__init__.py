@@ -22,6 +22,11 @@ from repro.errors import ConfigError
 from repro.traces import RoutingTrace, TraceMeta, make_trace
 from repro.workloads.request import Request
 
+# bump when a producer changes the routing (or the tiny model's weights) that a given config produces: it is part
+# of the cache keys of routed traces (repro.run) and of trained tiny models. 3: the tiny model trains and routes on
+# one thread (before, its weights depended on the machine's thread count under one key).
+ROUTING_CACHE_VERSION = 3
+
 PRODUCERS = {
     "tiny": "repro.routing.tiny_model:route_with_tiny_model",
     "hf": "repro.routing.hf_capture:route_with_hf_model",

@@ -44,15 +44,17 @@ from tqdm.auto import tqdm
 
 from repro.atomic import atomic_dir
 from repro.errors import ConfigError, WorkloadError
+from repro.routing import ROUTING_CACHE_VERSION
 from repro.routing.hf_capture import capture_routing
 from repro.traces.format import RoutingTrace, with_meta
 from repro.workloads.request import Request
 
 log = logging.getLogger(__name__)
 
-# bump when training code changes what a given config produces; 2: entries record how they were made and the
-# time budget left the key (version 1 entries may hold models a time limit cut short)
-CACHE_VERSION = 2
+# bump repro.routing.ROUTING_CACHE_VERSION when training code changes what a given config produces; 2: entries
+# record how they were made and the time budget left the key (version 1 entries may hold models a time limit cut
+# short); 3: trained on one thread (version 2 entries depend on the trainer's thread count)
+CACHE_VERSION = ROUTING_CACHE_VERSION
 TINY_DEFAULTS = {
     "name": "tiny_mixtral",
     "kind": "tiny",
@@ -241,15 +243,21 @@ def cache_key(cfg: dict, *, seed: int, tokenizer: str, vocab_size: int, tokens: 
 
 @contextlib.contextmanager
 def deterministic_torch():
-    """torch's deterministic kernels inside the block, the previous setting restored after. Without them two CPU
-    trainings of one seed differ (40 steps: weights up to 6e-3 apart, so two fresh clones routed differently);
-    with them they are bit-identical, at the same speed."""
-    previous = torch.are_deterministic_algorithms_enabled()
+    """torch's deterministic kernels on one intra-op thread inside the block, the previous settings restored after.
+
+    Without deterministic kernels two CPU trainings of one seed differ (40 steps: weights up to 6e-3 apart, so two
+    fresh clones routed differently). The thread count changes how GEMMs split their sums: measured 2026-12-02,
+    20 steps on 1 and on 2 threads gave different weights, and two 600-step models under one cache key routed
+    MMLU differently (final loss 1.068 vs 1.103). One thread makes the weights and the routing the same on every
+    machine (`make reproduce` trains on one thread anyway, beside another stream)."""
+    previous, previous_threads = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
     torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(1)
     try:
         yield
     finally:
         torch.use_deterministic_algorithms(previous)
+        torch.set_num_threads(previous_threads)
 
 
 def train_tiny_model(cfg: dict, stream: np.ndarray, model_vocab_size: int, unk_id: int, *, seed: int,
