@@ -124,7 +124,7 @@ def synthetic_trace_dir(path: Path) -> Path:
     return write_trace(make_trace(meta, np.concatenate([[0], np.cumsum(lengths)]), token_ids, experts), path)
 
 
-@pytest.mark.slow
+@pytest.mark.sweep
 @pytest.mark.parametrize(
     "experiment",
     # cross_dataset routes two workloads and exec_model runs the tiny model that routed the workload, which trace=
