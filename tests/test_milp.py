@@ -8,7 +8,7 @@ import pytest
 from repro.errors import ConfigError, SolverError
 from repro.parallel import ParallelConfig
 from repro.systems import make_system
-from repro.systems.milp import SolverTimeLimitWarning, solve_coclustering_milp, solve_milp
+from repro.systems.milp import SolverNodeLimitWarning, solve_coclustering_milp, solve_milp
 from repro.traces import TraceMeta, make_trace
 
 
@@ -92,14 +92,30 @@ def test_heuristic_within_5_percent_of_milp_optimum(heuristic_gaps):
     assert heuristic_gaps.max() <= 0.05, np.round(heuristic_gaps, 3)
 
 
-def test_time_limit_warns_and_reports_gap():
+def _hard_instance(num_tokens: int = 40, num_experts: int = 16):
     rng = np.random.default_rng(0)
-    confidence = rng.dirichlet(np.full(16, 0.2), size=40)
-    frequency = rng.zipf(1.5, 40).clip(max=50).astype(float)
-    with pytest.warns(SolverTimeLimitWarning, match="time limit"):
-        sol = solve_coclustering_milp(confidence, frequency, 4, theta=0.5, time_limit=0.5)
-    assert sol.status == "time_limit" and sol.gap > 0
-    assert np.all(np.bincount(sol.expert_cluster, minlength=4) == 4)  # still a feasible, balanced answer
+    confidence = rng.dirichlet(np.full(num_experts, 0.2), size=num_tokens)
+    frequency = rng.zipf(1.5, num_tokens).clip(max=50).astype(float)
+    return confidence, frequency
+
+
+def test_a_node_budget_warns_reports_gap_and_gives_the_same_answer_twice():
+    confidence, frequency = _hard_instance(20, 12)  # ~1.5 s per solve
+    solutions = []
+    for _ in range(2):
+        with pytest.warns(SolverNodeLimitWarning, match="budget of 1 nodes"):
+            solutions.append(solve_coclustering_milp(confidence, frequency, 4, theta=0.5, time_limit=600, node_limit=1))
+    first, second = solutions
+    assert first.status == "node_limit" and first.gap > 0
+    assert np.all(np.bincount(first.expert_cluster, minlength=4) == 3)  # still a feasible, balanced answer
+    assert np.array_equal(first.expert_cluster, second.expert_cluster) and first.objective == second.objective
+
+
+def test_a_wall_clock_stop_is_refused_not_used():
+    """An answer cut short by the clock would depend on the machine's speed: no answer, one sentence."""
+    confidence, frequency = _hard_instance()
+    with pytest.raises(SolverError, match="depends on the machine's speed, so none is used"):
+        solve_coclustering_milp(confidence, frequency, 4, theta=0.5, time_limit=0.5)
 
 
 def test_infeasible_raises_solver_error():

@@ -45,6 +45,10 @@ from repro.systems.oracle import ALIGN_MODES, TokenOraclePlan, make_base, max_we
 from repro.systems.semmoe.cocluster import balance_expert_load, check_expert_load_cap
 from repro.traces import RoutingTrace
 
+# the rounding MILPs' deterministic budget (solve_milp: where it runs out the best rounding is used, warned, the
+# same on every machine; its 600 s time limit only fails a solve that would otherwise depend on the clock)
+ROUNDING_NODES = 10_000
+
 
 def request_device_scores(trace: RoutingTrace, present: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
     """(score float[R, D]: activations of each request served on device d over all layers; per-layer
@@ -112,7 +116,7 @@ def token_balanced_assign(score: np.ndarray, length: np.ndarray, capacity: float
                 least = solve_milp(
                     np.concatenate([np.zeros(num_y), [1.0]]), constraints, integrality,
                     Bounds(np.zeros(num_y + 1), np.concatenate([np.ones(num_y), [z_bound]])),
-                    time_limit=60.0, mip_rel_gap=1e-9, what=f"{what} (rounding overflow)",
+                    time_limit=600.0, mip_rel_gap=1e-9, node_limit=ROUNDING_NODES, what=f"{what} (rounding overflow)",
                 ).objective
                 break
             except SolverError:
@@ -121,7 +125,7 @@ def token_balanced_assign(score: np.ndarray, length: np.ndarray, capacity: float
         result = solve_milp(
             np.concatenate([-(score[fractional] / scale).ravel(), [0.0]]), constraints, integrality,
             Bounds(np.zeros(num_y + 1), np.concatenate([np.ones(num_y), [least + 1e-6]])),
-            time_limit=60.0, mip_rel_gap=1e-9, what=f"{what} (rounding)",
+            time_limit=600.0, mip_rel_gap=1e-9, node_limit=ROUNDING_NODES, what=f"{what} (rounding)",
         )
         rank[fractional] = np.argmax(result.x[:-1].reshape(num_frac, num_devices), axis=1)
     return rank, -float(lp.fun) * scale

@@ -15,8 +15,9 @@ Deviations from the paper, disclosed:
   given layer l's), instead of one joint model with y·y products over all layers: the joint model has
   D⁴ product variables per layer pair and is out of reach for HiGHS at D = 8. A small secondary term
   (`locality_weight`) also rewards traffic that stays on a device.
-- HiGHS instead of Gurobi; time limit per solve; the best feasible answer is used at the limit (warned, and
-  plan.info["solver_status"] = "time_limit" with the gap).
+- HiGHS instead of Gurobi; a node budget per solve (node_limit: where it runs out, the best feasible answer is
+  used, warned, and plan.info["solver_status"] = "node_limit" with the gap; the same answer on every machine);
+  time_limit is a safety net that fails the fit rather than use an answer that depends on the machine's speed.
 - No data placement: requests round-robin (DP), contiguous token slices (TP) — MoETuner has none.
 
 Legend: L MoE layers, E experts per layer, D devices (= clusters), N tokens, k experts per token.
@@ -52,7 +53,8 @@ def layer_transitions(trace: RoutingTrace) -> np.ndarray:
     return out
 
 
-def balanced_clusters(load: np.ndarray, num_clusters: int, *, time_limit: float, mip_rel_gap: float) -> tuple[np.ndarray, MilpResult]:
+def balanced_clusters(load: np.ndarray, num_clusters: int, *, time_limit: float, mip_rel_gap: float,
+                      node_limit: int | None = None) -> tuple[np.ndarray, MilpResult]:
     """ILP 1: expert → cluster with exactly E/D experts per cluster, minimising the maximum cluster load.
 
     load float[E] profile activations of one layer. Returns (cluster int[E], solve result); variables
@@ -86,7 +88,7 @@ def balanced_clusters(load: np.ndarray, num_clusters: int, *, time_limit: float,
     integrality[-1] = 0
     result = solve_milp(
         cost, [LinearConstraint(matrix, lower, upper)], integrality, Bounds(np.zeros(num_x + 1), ub),
-        time_limit=time_limit, mip_rel_gap=mip_rel_gap,
+        time_limit=time_limit, mip_rel_gap=mip_rel_gap, node_limit=node_limit,
         what=f"MoETuner ILP 1 (E={num_experts} experts, D={num_clusters} clusters)",
     )
     result = MilpResult(result.x, result.objective * scale, result.status, result.gap, result.seconds)
@@ -94,7 +96,8 @@ def balanced_clusters(load: np.ndarray, num_clusters: int, *, time_limit: float,
 
 
 def place_clusters(
-    traffic: np.ndarray, bandwidth: np.ndarray, *, locality_weight: float, time_limit: float, mip_rel_gap: float
+    traffic: np.ndarray, bandwidth: np.ndarray, *, locality_weight: float, time_limit: float, mip_rel_gap: float,
+    node_limit: int | None = None,
 ) -> tuple[np.ndarray, MilpResult]:
     """ILP 2 step: device of each cluster of layer l+1 given layer l's placement.
 
@@ -133,7 +136,7 @@ def place_clusters(
     integrality[t_col] = 0
     result = solve_milp(
         cost, [LinearConstraint(matrix, lower, upper)], integrality, Bounds(np.zeros(num_y + 1), ub),
-        time_limit=time_limit, mip_rel_gap=mip_rel_gap, what=f"MoETuner ILP 2 (D={num_devices} devices)",
+        time_limit=time_limit, mip_rel_gap=mip_rel_gap, node_limit=node_limit, what=f"MoETuner ILP 2 (D={num_devices} devices)",
     )
     device = np.argmax(result.x[:num_y].reshape(num_devices, num_devices), axis=1)
     return device, result
@@ -162,8 +165,9 @@ def moetuner_placement(
     bandwidth: np.ndarray,
     *,
     locality_weight: float = 1e-3,
-    time_limit: float = 10.0,
+    time_limit: float = 600.0,
     mip_rel_gap: float = 0.025,
+    node_limit: int | None = 1000,
 ) -> tuple[np.ndarray, list[MilpResult]]:
     """ILP 1 per layer, then ILP 2 layer by layer. load float[L, E]; transitions float[L-1, E, E];
     bandwidth float[D, D]. Returns (expert_device int[L, E] with exactly E/D experts per device, solves)."""
@@ -172,7 +176,8 @@ def moetuner_placement(
     solves: list[MilpResult] = []
     clusters = np.empty((num_layers, num_experts), dtype=np.int64)
     for layer in range(num_layers):
-        clusters[layer], res = balanced_clusters(load[layer], num_devices, time_limit=time_limit, mip_rel_gap=mip_rel_gap)
+        clusters[layer], res = balanced_clusters(load[layer], num_devices, time_limit=time_limit, mip_rel_gap=mip_rel_gap,
+                                                 node_limit=node_limit)
         solves.append(res)
     expert_device = np.empty_like(clusters)
     expert_device[0] = clusters[0]  # layer 0: cluster c on device c (devices are interchangeable up to B)
@@ -182,7 +187,8 @@ def moetuner_placement(
         onehot_next = np.eye(num_devices)[clusters[layer + 1]]  # [E, C]
         traffic = onehot_dev.T @ transitions[layer] @ onehot_next
         device_of_cluster, res = place_clusters(
-            traffic, bandwidth, locality_weight=locality_weight, time_limit=time_limit, mip_rel_gap=mip_rel_gap
+            traffic, bandwidth, locality_weight=locality_weight, time_limit=time_limit, mip_rel_gap=mip_rel_gap,
+            node_limit=node_limit,
         )
         solves.append(res)
         expert_device[layer + 1] = device_of_cluster[clusters[layer + 1]]
@@ -193,17 +199,19 @@ class MoETuner:
     """MoETuner-style expert placement; no data placement (round-robin DP, contiguous TP).
 
     inter_node_bandwidth: relative bandwidth across nodes (parallel.devices_per_node devices per node); 1.0
-    gives the uniform matrix. time_limit / mip_rel_gap apply to every ILP solve (MoETuner used a 0.025 gap).
+    gives the uniform matrix. node_limit / mip_rel_gap / time_limit apply to every ILP solve (MoETuner used a 0.025
+    gap; see repro.systems.milp.solve_milp for the two limits).
     """
 
     name = "moetuner"
 
     def __init__(
         self,
-        time_limit: float = 10.0,
+        time_limit: float = 600.0,
         mip_rel_gap: float = 0.025,
         inter_node_bandwidth: float = 1.0,
         locality_weight: float = 1e-3,
+        node_limit: int | None = 1000,
     ):
         if not inter_node_bandwidth > 0:
             raise ConfigError(f"system.params.inter_node_bandwidth must be > 0, got {inter_node_bandwidth}.")
@@ -211,6 +219,7 @@ class MoETuner:
             raise ConfigError(f"system.params.locality_weight must be >= 0, got {locality_weight}.")
         self.time_limit = float(time_limit)
         self.mip_rel_gap = float(mip_rel_gap)
+        self.node_limit = node_limit
         self.inter_node_bandwidth = float(inter_node_bandwidth)
         self.locality_weight = float(locality_weight)
 
@@ -224,6 +233,7 @@ class MoETuner:
         expert_device, solves = moetuner_placement(
             load, transitions, bandwidth,
             locality_weight=self.locality_weight, time_limit=self.time_limit, mip_rel_gap=self.mip_rel_gap,
+            node_limit=self.node_limit,
         )
         placement = Placement.from_expert_device(expert_device, parallel.devices)
         contiguous = contiguous_placement(profile.num_layers, profile.meta.num_experts, parallel.devices)
