@@ -91,7 +91,7 @@ def test_replicated_plan_uses_redundant_slots_and_launch_says_so(tmp_path, capsy
     assert command[command.index("--ep-num-redundant-experts") + 1] == "4"
     assert command[command.index("--ep-size") + 1] == command[command.index("--tp-size") + 1] == str(DEVICES)
     assert command[command.index("--attn-dp-size") + 1] == str(DEVICES)
-    for flag in ("--enable-return-routed-experts", "--moe-a2a-backend", "--ep-dispatch-algorithm"):
+    for flag in ("--enable-return-routed-experts", "--moe-a2a-backend", "--ep-dispatch-algorithm", "--disable-radix-cache"):
         assert flag in command
     assert command[command.index("--init-expert-location") + 1] == str(out.resolve())
     rows = np.asarray(json.loads(out.read_text())["physical_to_logical_map"])

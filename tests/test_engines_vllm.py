@@ -163,6 +163,7 @@ def test_launch_command_and_entry_point(tmp_path, capsys):
     eplb = json.loads(command.split("--eplb-config ")[1].split(" --")[0].strip("'"))
     assert eplb == {"policy": "semmoe", "num_redundant_experts": 4, "step_interval": 64, "use_async": False}
     assert "--data-parallel-size 4" in command and "--enable-expert-parallel" in command
+    assert "--no-enable-prefix-caching" in command  # bench_serving re-sends its prompts at every rate
     entry = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["vllm.general_plugins"]
     module, _, function = entry["semmoe_placement"].partition(":")
     assert getattr(sys.modules.get(module) or __import__(module, fromlist=[function]), function) is vllm_engine.register

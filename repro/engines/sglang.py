@@ -144,7 +144,10 @@ def launch_command(
     """argv of `python -m sglang.launch_server` serving `location` (SGLang 0.5.23 flag names).
 
     DeepEP forces ep_size == tp_size, so TP = EP; Attention-DP uses --attn-dp-size (older releases spell it
-    `--dp-size D --enable-dp-attention`). Static dispatch keeps tokens on a local replica when there is one.
+    `--dp-size D --enable-dp-attention`). Static dispatch keeps tokens on a local replica when there is one. The
+    radix (prefix) cache is off: bench_serving sends the same prompts at every rate (after warm-up requests drawn
+    from them), so it would serve later rates' prefills from cache, which neither the simulator nor a stream of new
+    prompts gets.
     """
     argv = [
         "python", "-m", "sglang.launch_server", "--model-path", model_path, "--port", str(port),
@@ -156,7 +159,7 @@ def launch_command(
         "--moe-a2a-backend", "deepep", "--ep-dispatch-algorithm", "static",
         "--init-expert-location", str(Path(location).resolve()),
         "--ep-num-redundant-experts", str(num_redundant_experts),
-        "--enable-return-routed-experts",
+        "--enable-return-routed-experts", "--disable-radix-cache",
     ]
     return argv + list(extra or [])
 

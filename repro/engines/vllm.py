@@ -130,6 +130,9 @@ def launch_command(model: str, placement: str | Path, ep_size: int, attention: s
     """argv (env assignment first) of `vllm serve` installing `placement` via the plugin (vLLM 0.33.0 flags).
 
     Attention-DP: --data-parallel-size D with TP 1; Attention-TP: --tensor-parallel-size D. EP size = TP x DP.
+    Prefix caching is off: bench_serving sends the same prompts at every rate (after warm-up requests drawn from
+    them), so a prefix cache would serve later rates' prefills from cache, which neither the simulator nor a
+    stream of new prompts gets.
     """
     parallel = ["--data-parallel-size", str(ep_size), "--tensor-parallel-size", "1"] if attention == "dp" else \
         ["--tensor-parallel-size", str(ep_size)]
@@ -138,7 +141,7 @@ def launch_command(model: str, placement: str | Path, ep_size: int, attention: s
     return [
         f"{ENV_PLACEMENT}={Path(placement).resolve()}", "vllm", "serve", model, "--port", str(port), *parallel,
         "--enable-expert-parallel", "--enable-eplb", "--eplb-config", json.dumps(eplb),
-        "--enable-return-routed-experts",
+        "--enable-return-routed-experts", "--no-enable-prefix-caching",
     ]
 
 
