@@ -428,23 +428,25 @@ def test_tiny_model_trains_caches_and_reproduces(tmp_path, monkeypatch):
     np.testing.assert_array_equal(fresh.weights, first.weights)
 
 
-def test_training_and_capture_run_torchs_deterministic_kernels(tmp_path, monkeypatch):
+def test_training_and_capture_run_torchs_deterministic_kernels_on_one_thread(tmp_path, monkeypatch):
     # at the real size, CPU kernels without it made two trainings of one seed differ (issue: same seed, same numbers)
     seen = []
     real_train, real_capture = tiny_model.train_tiny_model, tiny_model.capture_routing
 
     def spy(real):
         def wrapped(*a, **k):
-            seen.append(torch.are_deterministic_algorithms_enabled())
+            seen.append((torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()))
             return real(*a, **k)
         return wrapped
 
     monkeypatch.setattr(tiny_model, "train_tiny_model", spy(real_train))
     monkeypatch.setattr(tiny_model, "capture_routing", spy(real_capture))
-    before = torch.are_deterministic_algorithms_enabled()
-    route_with_tiny_model(TINY, patterned_requests(4, seed=1), patterned_requests(10, seed=0), cache_dir=tmp_path,
-                          seed=0, dataset="unit", tokenizer="tok", vocab_size=1000)
-    assert seen == [True, True] and torch.are_deterministic_algorithms_enabled() == before
+    before = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
+    trace = route_with_tiny_model(TINY, patterned_requests(4, seed=1), patterned_requests(10, seed=0),
+                                  cache_dir=tmp_path, seed=0, dataset="unit", tokenizer="tok", vocab_size=1000)
+    # one thread too: a GEMM's sums depend on the thread count (tests/test_seed_exact.py)
+    assert seen == [(True, 1), (True, 1)] and (torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()) == before
+    assert (trace.meta.extra["device"], trace.meta.extra["torch_threads"]) == ("cpu", 1)
 
 
 def test_an_explicit_time_budget_stops_training_warns_and_caches_nothing(tmp_path, caplog):

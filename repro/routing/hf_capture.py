@@ -182,6 +182,10 @@ def capture_routing(
             "batch_tokens": int(batch_tokens),
             "max_new_tokens": int(max_new_tokens),
             "generated_tokens": int(sum(len(g) for g in generated)),
+            # near-tie top-k choices can depend on where the forward ran and, on a CPU, on the thread count (GEMMs
+            # split their sums by it): recorded so two captures can be told apart
+            "device": str(next(model.parameters()).device),
+            "torch_threads": int(torch.get_num_threads()),
         },
     )
     return make_trace(
