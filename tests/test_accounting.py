@@ -336,3 +336,17 @@ def test_inter_node_rdma_bytes_count_one_copy_per_token_and_remote_node():
     one_node = ParallelConfig(devices=4, attention="dp", tokens_per_step=4, bytes_per_token=BYTES, devices_per_node=4)
     s = evaluate(Plan(contiguous_placement(1, 4, 4), one_node), trace).summary
     assert s["dispatch_bytes_inter_node"] == s["dispatch_bytes_inter_node_rdma"] == 0
+
+
+@pytest.mark.parametrize("count", ["account", "served_activations"])
+def test_an_expert_id_outside_the_placement_names_its_token_and_layer(count, monkeypatch):
+    """The compiled loop finds the bad row; the sentence names the trace's token (chunks of 16 tokens here)."""
+    monkeypatch.setattr(accounting, "CHUNK_EVENTS", 16 * 2)
+    rng = np.random.default_rng(0)
+    experts = rng.integers(0, 4, (40, 2, 2)).astype(np.int16)
+    experts[37, 1, 0] = 9
+    home = np.zeros((40, 2), dtype=np.int64)
+    dispatch = np.zeros((2, 2, 4), dtype=np.int64)
+    args = (home, experts, dispatch, 8, 2) if count == "account" else (home, experts, dispatch, 2)
+    with pytest.raises(TraceError, match=r"expert id 9 at token 37, layer 1 is outside the placement's 0\.\.3"):
+        getattr(accounting, count)(*args)

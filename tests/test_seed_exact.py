@@ -16,7 +16,7 @@ import safetensors.torch
 import torch
 
 from repro.errors import ConfigError
-from repro.routing import tiny_model
+from repro.routing import ROUTING_CACHE_VERSION, tiny_model
 from repro.routing.tiny_model import check_tiny_config, load_or_train
 from repro.workloads.request import Request
 
@@ -135,7 +135,7 @@ def _tamper(name):
         ("cut_short", "2 training steps (stopped by 'train_seconds') where this job trains max_steps=6"),
         ("seed", "seed=7 where this job has 0"),
         ("data", "data_digest='000"),
-        ("version", f"cache_version=1 where this job has {tiny_model.CACHE_VERSION}"),
+        ("version", f"cache_version=1 where this job has {ROUTING_CACHE_VERSION}"),
     ],
 )
 def test_a_job_refuses_an_entry_that_differs_from_its_config(trained, tmp_path, monkeypatch, tamper, says):

@@ -172,9 +172,10 @@ def _count_in_chunks(home, experts, slot_table_LDE, device_table_LDE, num_slots:
         starts = tqdm(starts, desc="accounting", unit="chunk")
     for start in starts:
         experts_nLk = np.asarray(experts[start : start + chunk])
-        _check_expert_range(experts_nLk, num_experts, start)
-        count_rows(np.zeros(len(experts_nLk), dtype=np.int64), home[start : start + chunk], experts_nLk,
-                   slot_table_LDE, device_table_LDE, 1, activations, token_copies, no_nodes, slot_tokens)
+        bad_row = count_rows(np.zeros(len(experts_nLk), dtype=np.int64), home[start : start + chunk], experts_nLk,
+                             slot_table_LDE, device_table_LDE, 1, activations, token_copies, no_nodes, slot_tokens)
+        if bad_row >= 0:  # homes are checked already: an expert id out of range (the tables are dropped)
+            _check_expert_range(experts_nLk[bad_row : bad_row + 1], num_experts, start + bad_row)
     return activations[0], token_copies[0], slot_tokens[0]
 
 

@@ -23,8 +23,9 @@ from repro.traces import RoutingTrace, TraceMeta, make_trace
 from repro.workloads.request import Request
 
 # bump when a producer changes the routing (or the tiny model's weights) that a given config produces: it is part
-# of the cache keys of routed traces (repro.run) and of trained tiny models. 3: the tiny model trains and routes on
-# one thread (before, its weights depended on the machine's thread count under one key).
+# of the cache keys of routed traces (repro.run) and of trained tiny models. 2: tiny-model entries record how they
+# were made and the time budget left the key (version 1 entries may hold models a time limit cut short); 3: the tiny
+# model trains and routes on one thread (before, its weights depended on the machine's thread count under one key).
 ROUTING_CACHE_VERSION = 3
 
 PRODUCERS = {

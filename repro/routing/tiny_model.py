@@ -51,10 +51,6 @@ from repro.workloads.request import Request
 
 log = logging.getLogger(__name__)
 
-# bump repro.routing.ROUTING_CACHE_VERSION when training code changes what a given config produces; 2: entries
-# record how they were made and the time budget left the key (version 1 entries may hold models a time limit cut
-# short); 3: trained on one thread (version 2 entries depend on the trainer's thread count)
-CACHE_VERSION = ROUTING_CACHE_VERSION
 TINY_DEFAULTS = {
     "name": "tiny_mixtral",
     "kind": "tiny",
@@ -226,7 +222,7 @@ def made_from(cfg: dict, *, seed: int, tokenizer: str, vocab_size: int, tokens: 
     """Every input that changes the trained weights: recorded in a cache entry's config.json, hashed into its key."""
     data = hashlib.sha256(tokens.astype(np.int32).tobytes() + lengths.astype(np.int64).tobytes()).hexdigest()
     return {
-        "cache_version": CACHE_VERSION,
+        "cache_version": ROUTING_CACHE_VERSION,  # bump it when training changes what a config produces
         "train_config": {k: cfg[k] for k in TRAIN_KEYS},
         "seed": int(seed),
         "tokenizer": tokenizer,
