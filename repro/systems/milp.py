@@ -351,7 +351,7 @@ class SemMoEExact:
         max_variables: int = 20_000,
         time_limit: float = 600.0,
         mip_rel_gap: float = 1e-4,
-        node_limit: int | None = 100,
+        node_limit: int | None = 700,
         **semmoe_params,
     ):
         if max_tokens < 1:
