@@ -4,7 +4,7 @@
                               [--name NAME] [--skip-correctness] [--dry-run]
     python -m bench.gpu_check --tune --out DIR
 
-For each T and dtype, every contract kernel (the cases of bench.bench_kernels: Mixtral-shaped layer,
+For each T and dtype, every contract kernel (the cases of bench.kernel_cases: Mixtral-shaped layer,
 DeepSeek-V3 routing, Sem-MoE shuffle) runs through Triton and through its torch reference on the same inputs;
 the outputs are compared (integer outputs exactly, float outputs within TOLERANCES of their dtype) and both
 are timed with triton.testing.do_bench (median, CUDA events). Two timing rows per T put the Sem-MoE shuffle
@@ -61,7 +61,7 @@ import torch
 import yaml
 
 from bench.a2a_probe import A2A_PEER_BYTES, A2A_REPEATS, a2a_summary, measure_a2a
-from bench.bench_kernels import (
+from bench.kernel_cases import (
     HIDDEN,
     INTERMEDIATE,
     MIXTRAL,
@@ -133,7 +133,7 @@ def row(kernel: str, shape: str, dtype: str, tokens: int, triton_ms: float | Non
 
 
 def check_case(case, dtype_name: str) -> dict:
-    """Run one bench_kernels case through both paths, compare, time; a raising kernel is a failed row."""
+    """Run one bench.kernel_cases case through both paths, compare, time; a raising kernel is a failed row."""
     try:
         result = compare(case.run_triton(), case.run_torch())
         triton_ms = median_ms(case.run_triton, True, 0, 0)
