@@ -34,7 +34,7 @@ from repro.affinity.tables import profile_chunks, profile_tokens, profile_vocab
 from repro.atomic import atomic_write
 from repro.errors import ReproError, TraceError
 from repro.traces import RoutingTrace, read_trace
-from repro.traces.shards import is_sharded, manifest_shards
+from repro.traces.manifest import is_sharded, manifest_shards
 
 FIELDS = ("identity", "shards", "num_shards", "num_layers", "num_experts", "prompt_only", "token_vocab",
           "occurrences", "layer", "row", "expert", "count")

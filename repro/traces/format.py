@@ -33,7 +33,8 @@ import numpy as np
 
 from repro.atomic import atomic_dir
 from repro.errors import TraceError
-from repro.traces.arrays import release_pages
+from repro.traces.arrays import ConcatArray, release_pages
+from repro.traces.manifest import MANIFEST, SHARED_META, is_sharded, manifest_shards
 
 FORMAT_VERSION = 1
 ARRAY_DTYPES = {
@@ -448,10 +449,8 @@ def read_trace(path: str | os.PathLike, mmap: bool = True) -> RoutingTrace:
     and memory maps stay valid after the old directory is deleted. Only when the writer deletes the old
     directory between our opens is a file missing (even the optional weights.npy); then `path` names another
     directory and the read is repeated. A folder with a shards.json manifest is read as a sharded trace
-    (repro.traces.shards.read_sharded_trace: each shard read this way, arrays concatenated without copying).
+    (read_sharded_trace: each shard read this way, arrays concatenated without copying).
     """
-    from repro.traces.shards import is_sharded, read_sharded_trace  # shards reads its shards through this module
-
     path = Path(path)
     if is_sharded(path):
         return read_sharded_trace(path, mmap)
@@ -465,6 +464,62 @@ def read_trace(path: str | os.PathLike, mmap: bool = True) -> RoutingTrace:
             if _dir_identity(path) == before:
                 raise
     raise TraceError(f"{path} was replaced {READ_ATTEMPTS} times while being read; stop the processes rewriting it and retry.")
+
+
+def combine_shards(shards: list, names: list[str]):
+    """One RoutingTrace over `shards` (RoutingTraces in request order), refusing mismatched meta or request ids.
+
+    names[i] names shard i in messages. Arrays are not copied: token_ids, experts and weights are
+    ConcatArrays over the shards' arrays; offsets int64[R+1] and prefill_len int32[R] are concatenated.
+    """
+    first = shards[0].meta
+    for name, trace in zip(names[1:], shards[1:], strict=True):
+        for key in SHARED_META:
+            if getattr(trace.meta, key) != getattr(first, key):
+                raise TraceError(
+                    f"{name} has {key}={getattr(trace.meta, key)!r} but {names[0]} has {getattr(first, key)!r}; "
+                    "every shard of a sharded trace must come from the same model and tokenizer."
+                )
+        if (trace.weights is None) != (shards[0].weights is None):
+            raise TraceError(
+                f"{name} {'lacks' if trace.weights is None else 'has'} gate weights but {names[0]} "
+                f"{'has' if shards[0].weights is not None else 'lacks'} them; all shards or none must carry weights.npy."
+            )
+    owner: dict[str, int] = {}
+    for index, trace in enumerate(shards):
+        for request_id in trace.request_ids:
+            if owner.setdefault(request_id, index) != index:
+                raise TraceError(
+                    f"request id {request_id!r} is in both {names[owner[request_id]]} and {names[index]}; request ids "
+                    "must be unique across shards (re-export one capture with distinct ids)."
+                )
+    lengths = np.concatenate([t.lengths() for t in shards])
+    datasets = sorted({t.meta.dataset for t in shards})
+    return RoutingTrace(
+        meta=replace(first, dataset="+".join(datasets)),
+        offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+        token_ids=ConcatArray([t.token_ids for t in shards]),
+        experts=ConcatArray([t.experts for t in shards]),
+        prefill_len=np.concatenate([t.prefill_len for t in shards]).astype(np.int32),
+        request_ids=tuple(i for t in shards for i in t.request_ids),
+        request_datasets=tuple(d for t in shards for d in t.request_datasets),
+        request_labels=tuple(x for t in shards for x in t.request_labels),
+        weights=None if shards[0].weights is None else ConcatArray([t.weights for t in shards]),
+    )
+
+
+def read_sharded_trace(path: str | os.PathLike, mmap: bool = True):
+    """The sharded trace at `path` (see the module docstring); each shard is read and validated by read_trace."""
+    path = Path(path)
+    shard_dirs = manifest_shards(path)
+    shards = []
+    for shard_dir in shard_dirs:
+        if is_sharded(shard_dir):
+            raise TraceError(f"shard {shard_dir} of {path} is itself sharded; list its shards in {path / MANIFEST} instead.")
+        if not shard_dir.is_dir():
+            raise TraceError(f"shard {shard_dir} listed in {path / MANIFEST} is missing; restore it or re-create the manifest.")
+        shards.append(read_trace(shard_dir, mmap=mmap))
+    return combine_shards(shards, [f"shard {s}" for s in shard_dirs])
 
 
 class _TraceReplaced(TraceError):
