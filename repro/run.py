@@ -319,6 +319,7 @@ def fit_and_evaluate(config: dict, profile: RoutingTrace, evaluation: RoutingTra
     """(summary, EvalResult, plan): fit config's system on the profile (a hindsight system or bound on
     `evaluation`) and account it exactly on `evaluation`. The one place a system meets routing."""
     from repro.eval import evaluate, time_model_from_config
+    from repro.eval.decode_phase import decode_summary
 
     parallel, system = make_job(config)
     kind = getattr(system, "kind", "system")
@@ -329,11 +330,14 @@ def fit_and_evaluate(config: dict, profile: RoutingTrace, evaluation: RoutingTra
     plan = system.fit(fit_on, parallel, np.random.default_rng(config["seed"]))
     fit_seconds = time.perf_counter() - t0
     # the critical-path time (dispatch + experts + combine of the busiest rank) priced by the simulator's cost model
-    result = evaluate(plan, evaluation, history=config["history"], progress=progress,
-                      time_model=time_model_from_config(config, plan, evaluation))
+    priced = time_model_from_config(config, plan, evaluation)
+    result = evaluate(plan, evaluation, history=config["history"], progress=progress, time_model=priced)
+    # decode as a phase of its own: decode LAR, balance, weights read and time per step (or one "none" sentence)
+    phases = decode_summary(plan, evaluation, time_model=priced, home_NL=result.home)
     eval_seconds = time.perf_counter() - t0 - fit_seconds
 
     summary = dict(result.summary)
+    summary.update(phases)
     summary.update(
         system=config["system"]["name"],
         kind=kind,

@@ -21,7 +21,7 @@ chunk at a time) by the compiled loop of `repro.eval.counting`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pandas as pd
@@ -242,7 +242,7 @@ def home_devices(plan: Plan, trace: RoutingTrace, *, history: int = 2, progress:
     Attention-DP: plan.reset(), then one plan.assign_requests call over all requests in trace order; every
     token of request r lives on ranks[r] at every layer (returned as a read-only broadcast view), except that a
     plan with assign_decode moves each request's generated tokens to the rank it picks from the prompt's routing
-    (`repro.eval.decode_phase.decode_homes`).
+    (`decode_homes`).
     Attention-TP: plan.reset(), then tokens in trace order in steps of parallel.tokens_per_step (the last one
     shorter); per step and layer, plan.shuffle_tokens(token_ids, layer, prev_experts) with prev_experts the
     true routing int16[T, h', k] of the h' = min(layer, history) previous layers (None when h' == 0). Plans with
@@ -261,8 +261,6 @@ def home_devices(plan: Plan, trace: RoutingTrace, *, history: int = 2, progress:
         ranks = _check_ranks(plan, ranks, trace.num_requests, num_devices)
         per_token = np.repeat(ranks.astype(np.int16), trace.lengths())
         if hasattr(plan, "assign_decode"):  # PD-disaggregated decode: generated tokens on the rank chosen after prefill
-            from repro.eval.decode_phase import decode_homes
-
             per_token = decode_homes(plan, trace, ranks)
         home = np.broadcast_to(per_token[:, None], (trace.num_tokens, trace.num_layers))
         return home
@@ -290,6 +288,24 @@ def home_devices(plan: Plan, trace: RoutingTrace, *, history: int = 2, progress:
             # position j of the reduce-scatter output belongs to the rank whose slice contains j
             home[start + perm, layer] = np.repeat(rank_ids, counts)
     return home
+
+
+def decode_homes(plan: Plan, trace: RoutingTrace, prefill_ranks: np.ndarray) -> np.ndarray:
+    """int16[N] the device of each token: prefill_ranks[r] for request r's prompt tokens, the rank
+    plan.assign_decode chose for its generated tokens. The plan is shown the prompt tokens' routing only
+    (read-only), so its decode choice cannot depend on the decode routing it is evaluated on."""
+    prompt = trace.prompt_mask()
+    prompt_experts = read_only(np.asarray(trace.experts)[prompt])
+    prompt_offsets = read_only(np.concatenate([[0], np.cumsum(trace.prefill_len, dtype=np.int64)]))
+    decode = np.asarray(plan.assign_decode(prompt_experts, prompt_offsets, read_only(prefill_ranks)))
+    name = type(plan).__name__
+    if decode.shape != (trace.num_requests,) or not np.issubdtype(decode.dtype, np.integer):
+        raise ReproError(f"{name}.assign_decode returned {decode.dtype} {decode.shape}; it must return one integer "
+                         f"rank per request, shape ({trace.num_requests},).")
+    if decode.size and (decode.min() < 0 or decode.max() >= plan.parallel.devices):
+        raise ReproError(f"{name}.assign_decode returned ranks outside 0..{plan.parallel.devices - 1}.")
+    lengths = trace.lengths()
+    return np.where(prompt, np.repeat(prefill_ranks, lengths), np.repeat(decode, lengths)).astype(np.int16)
 
 
 def read_only(a: np.ndarray) -> np.ndarray:
@@ -385,6 +401,7 @@ class EvalResult:
     token_load: np.ndarray  # int64[L, D] tokens whose home (attention) device is d at layer l
     activations: np.ndarray  # int64[L, D, D] activations from home device to serving device
     served: np.ndarray | None = None  # int64[L, D, E] activations of expert e served on d (replicated plans only)
+    home: np.ndarray | None = None  # int16[N, L] each token's device before each layer (`home_devices`), set by evaluate
 
 
 def evaluate(
@@ -433,7 +450,8 @@ def evaluate(
             home_NL, trace.experts, dispatch_LDE // plan.parallel.devices_per_node, plan.parallel.bytes_per_token,
             plan.parallel.devices,
         ).token_copies[:, :, : plan.parallel.num_nodes]
-    result = summarise(plan, trace, counts, history=history, served=served, node_copies=node_copies)
+    result = replace(summarise(plan, trace, counts, history=history, served=served, node_copies=node_copies),
+                     home=home_NL)
     if seconds is not None:
         for part in PARTS:
             result.summary[f"time_estimate_{part}_s"] = float(seconds[part].sum())

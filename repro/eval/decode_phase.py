@@ -1,52 +1,48 @@
-"""Decode-phase accounting: where generated tokens live when a plan moves a request's decode to another rank.
+"""Decode-phase accounting: the generated tokens measured as decode steps, beside the prompt (prefill) tokens.
 
-A plan with an `assign_decode(prompt_experts, prompt_offsets, prefill_ranks) -> int[R]` method (a PD-
-disaggregated router: `repro.systems.signature`) decides each request's decode rank after its prefill, from the
-routing of its prompt tokens only. `decode_homes` asks it and returns the per-token device the evaluator
-(`home_devices`) uses: prompt tokens on the prefill rank, generated tokens on the decode rank.
+`decode_summary(plan, trace)` is what every job reports (repro.run, through `fit_and_evaluate`): when the routing
+holds generated tokens (prefill_len < length: the tiny model with model.max_new_tokens, an imported trace with a
+phase or prefill-length column) the decode-phase scalars of `decode_phase_metrics` and the prefill tokens' LAR;
+otherwise one sentence under "decode_phase" saying that there is nothing to measure.
 
-`decode_phase_metrics` measures the generated tokens alone, served as decode steps: step t holds the t-th
-generated token of every request still generating (all requests decode together, a static batch), each on its
-decode rank. It reports decode LAR, token balance (over the whole decode and per step), expert load balance, the
-distinct experts each rank's batch activates per step (the expert weights a rank reads when it holds every
-expert, ELDR's measure), the distinct experts each EP device serves per step (the weights it reads under EP),
-and, with a TimeModel, the MoE critical-path seconds of the decode steps priced by the simulator's cost model
-(`time_cost.moe_layer_seconds`, decode iterations): a TPOT estimate of the MoE layers.
+`decode_phase_metrics` serves the generated tokens as decode steps: step t holds the t-th generated token of every
+request still generating (all requests decode together, a static batch), each token on the device the evaluator
+put it on (`accounting.home_devices`: Attention-DP, its request's rank, or the decode rank a plan with
+`assign_decode` chose after prefill, `accounting.decode_homes`; Attention-TP, the slice the token scheduler gave
+it at each layer). It reports decode LAR, token balance (over the whole decode and per step), expert load
+balance, the distinct experts each rank's batch activates per step (the expert weights a rank reads when it holds
+every expert, ELDR's measure), the distinct experts each EP device serves per step (the weights it reads under
+EP), and, with a TimeModel, the MoE critical-path seconds of the decode steps priced by the simulator's cost model
+(`time_cost.moe_layer_seconds`, iterations without prefill): a TPOT estimate of the MoE layers.
 
 `prompt_tail_as_decode` turns a prompt-only trace into a proxy with "generated" tokens (the last part of each
 prompt), for routing sources that record no generation; results on it are labelled as a proxy.
 
 Legend: N tokens, n generated tokens, L MoE layers, k experts per token, E experts, D devices, K decode steps,
-R requests.
+R requests, G groups.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from repro.errors import ConfigError, ReproError, TraceError
-from repro.eval.accounting import _max_over, account, home_devices, read_only
-from repro.eval.time_cost import STEPS_PER_BLOCK, TimeModel, moe_layer_seconds
+from repro.errors import ConfigError, TraceError
+from repro.eval.accounting import _max_over, account, decode_homes, home_devices
+from repro.eval.time_cost import PARTS, STEPS_PER_BLOCK, TimeModel, moe_layer_seconds
 from repro.systems.base import Plan
 from repro.traces import RoutingTrace, make_trace
 
+__all__ = ["decode_homes", "decode_phase_metrics", "decode_steps", "decode_summary", "has_generated_tokens",
+           "prompt_tail_as_decode"]
 
-def decode_homes(plan: Plan, trace: RoutingTrace, prefill_ranks: np.ndarray) -> np.ndarray:
-    """int16[N] the device of each token: prefill_ranks[r] for request r's prompt tokens, the rank
-    plan.assign_decode chose for its generated tokens. The plan is shown the prompt tokens' routing only
-    (read-only), so its decode choice cannot depend on the decode routing it is evaluated on."""
-    prompt = trace.prompt_mask()
-    prompt_experts = read_only(np.asarray(trace.experts)[prompt])
-    prompt_offsets = read_only(np.concatenate([[0], np.cumsum(trace.prefill_len, dtype=np.int64)]))
-    decode = np.asarray(plan.assign_decode(prompt_experts, prompt_offsets, read_only(prefill_ranks)))
-    name = type(plan).__name__
-    if decode.shape != (trace.num_requests,) or not np.issubdtype(decode.dtype, np.integer):
-        raise ReproError(f"{name}.assign_decode returned {decode.dtype} {decode.shape}; it must return one integer "
-                         f"rank per request, shape ({trace.num_requests},).")
-    if decode.size and (decode.min() < 0 or decode.max() >= plan.parallel.devices):
-        raise ReproError(f"{name}.assign_decode returned ranks outside 0..{plan.parallel.devices - 1}.")
-    lengths = trace.lengths()
-    return np.where(prompt, np.repeat(prefill_ranks, lengths), np.repeat(decode, lengths)).astype(np.int16)
+NO_DECODE = ("none: the routing holds no generated tokens (prefill_len = length for every request), so no decode "
+             "metric is reported; route with model.max_new_tokens > 0 or import a trace with a phase or prefill_len "
+             "column to measure decode")
+
+
+def has_generated_tokens(trace: RoutingTrace) -> bool:
+    """True when some request has tokens after its prefill (prefill_len < length)."""
+    return bool(np.any(np.asarray(trace.prefill_len, dtype=np.int64) < trace.lengths()))
 
 
 def prompt_tail_as_decode(trace: RoutingTrace, decode_share: float) -> RoutingTrace:
@@ -70,86 +66,132 @@ def decode_steps(trace: RoutingTrace) -> np.ndarray:
     return position - np.repeat(trace.prefill_len.astype(np.int64), trace.lengths())
 
 
-def distinct_per_group(group_n: np.ndarray, experts_nLk: np.ndarray, num_groups: int, num_experts: int) -> np.ndarray:
-    """int64[G, L] distinct experts among the activations of each group's rows (group_n int[n] in 0..G-1)."""
+def distinct_per_group(group_nL: np.ndarray, experts_nLk: np.ndarray, num_groups: int, num_experts: int) -> np.ndarray:
+    """int64[G, L] distinct experts among the activations of each group's rows at each layer.
+
+    group_nL int[n] (one group per row, all layers) or int[n, L] (per row and layer), values in 0..G-1;
+    experts_nLk int[n, L, k]."""
     _, num_layers, _ = experts_nLk.shape
-    keys = (group_n[:, None, None] * num_layers + np.arange(num_layers)[None, :, None]) * num_experts + experts_nLk
+    group = np.asarray(group_nL, dtype=np.int64)
+    group = group[:, None] if group.ndim == 1 else group
+    keys = ((group[:, :, None] * num_layers + np.arange(num_layers)[None, :, None]) * num_experts
+            + np.asarray(experts_nLk, dtype=np.int64))
     present = np.unique(keys.ravel())
     return np.bincount(present // num_experts, minlength=num_groups * num_layers).reshape(num_groups, num_layers)
 
 
-def decode_phase_metrics(plan: Plan, trace: RoutingTrace, *, time_model: TimeModel | None = None) -> dict:
-    """Decode-phase scalars of `plan` on `trace` (Attention-DP; see the module doc), all prefixed decode_:
-    lar, tokens, steps, token_imbalance_max_mean (decode tokens per rank over the whole decode),
-    step_token_imbalance_max_mean (mean over steps of each step's max/mean batch size),
-    expert_load_imbalance_max_mean (mean over layers), batch_distinct_experts_max / _mean (per step and layer,
-    the busiest / mean rank's distinct experts among its batch's activations, averaged), device_distinct_experts_max
-    (the same for the experts each EP device serves), and with time_model: moe_seconds (sum over decode steps of the
-    MoE critical path, trace layers) and moe_seconds_per_step (its mean per step, a TPOT estimate of the MoE part).
+def decode_phase_metrics(plan: Plan, trace: RoutingTrace, *, time_model: TimeModel | None = None,
+                         home_NL: np.ndarray | None = None) -> dict:
+    """Decode-phase scalars of `plan` on `trace` (see the module doc), all prefixed decode_:
+    lar, tokens, steps, batch_tokens_mean (tokens per step), a2a_bytes (dispatch + combine of the decode tokens),
+    token_imbalance_max_mean (decode tokens per rank over the whole decode, mean over layers),
+    step_token_imbalance_max_mean (mean over steps and layers of each step's max/mean batch size),
+    expert_load_imbalance_max_mean (mean over layers), batch_distinct_experts_max / _mean (per step and layer, the
+    busiest / mean rank's distinct experts among its batch's activations, averaged), device_distinct_experts_max /
+    _mean (the same for the experts each EP device serves: the weights it reads), and with time_model:
+    moe_seconds (sum over decode steps of the MoE critical path, trace layers), moe_seconds_per_step (its mean per
+    step, a TPOT estimate of the MoE part) and its parts moe_{dispatch,experts,combine}_seconds_per_step.
+    home_NL: int[N, L] the evaluator's token devices when already computed (`EvalResult.home`), else asked anew.
     """
-    if plan.parallel.attention != "dp":
-        raise ConfigError("decode-phase metrics follow requests on Attention-DP ranks; set parallel.attention=dp.")
     step_N = decode_steps(trace)
     rows = np.flatnonzero(step_N >= 0)
     if len(rows) == 0:
         raise TraceError("the trace has no generated tokens (prefill_len = length everywhere); route with generation "
                          "or use prompt_tail_as_decode for a proxy.")
-    devices, num_experts = plan.parallel.devices, plan.placement.num_experts
-    home_n = np.asarray(home_devices(plan, trace)[rows, 0], dtype=np.int64)
+    devices, num_experts, num_layers = plan.parallel.devices, plan.placement.num_experts, trace.num_layers
+    if home_NL is None:
+        home_NL = home_devices(plan, trace)
+    home_nL = np.asarray(home_NL[rows], dtype=np.int64)
     experts_nLk = np.asarray(trace.experts[rows], dtype=np.int64)
     step_n = step_N[rows]
     num_steps = int(step_n.max()) + 1
     dispatch_LDE = plan.placement.dispatch_device()
-    counts = account(home_n[:, None].repeat(trace.num_layers, axis=1), experts_nLk, dispatch_LDE,
-                     plan.parallel.bytes_per_token, devices)
-    tokens_KD = np.bincount(step_n * devices + home_n, minlength=num_steps * devices).reshape(num_steps, devices)
-    per_rank = tokens_KD.sum(axis=0)
-    batch = distinct_per_group(step_n * devices + home_n, experts_nLk, num_steps * devices, num_experts)
-    batch = batch.reshape(num_steps, devices, -1)  # [K, D, L]
-    dest_nLk = dispatch_LDE[np.arange(trace.num_layers)[None, :, None], home_n[:, None, None], experts_nLk]
-    # a device serves an expert of layer l for a step when any activation of that step lands there: group by
-    # (step, device, layer) with the destination device in place of the home
-    served = np.zeros((num_steps, devices, trace.num_layers), dtype=np.int64)
-    layer_nLk = np.broadcast_to(np.arange(trace.num_layers)[None, :, None], experts_nLk.shape)
-    keys = np.unique((((step_n[:, None, None] * devices + dest_nLk) * trace.num_layers + layer_nLk) * num_experts
+    counts = account(home_nL, experts_nLk, dispatch_LDE, plan.parallel.bytes_per_token, devices)
+    layer_L = np.arange(num_layers)
+    # tokens per (step, layer, device): the decode batch of each rank at each layer (constant over layers in DP)
+    tokens_KLD = np.bincount(((step_n[:, None] * num_layers + layer_L) * devices + home_nL).ravel(),
+                             minlength=num_steps * num_layers * devices).reshape(num_steps, num_layers, devices)
+    per_rank_LD = tokens_KLD.sum(axis=0)
+    batch = distinct_per_group(step_n[:, None] * devices + home_nL, experts_nLk, num_steps * devices, num_experts)
+    batch = batch.reshape(num_steps, devices, num_layers)  # [K, D, L]
+    # a device serves an expert of layer l in a step when any activation of that step lands there
+    dest_nLk = dispatch_LDE[layer_L[None, :, None], home_nL[:, :, None], experts_nLk]
+    layer_nLk = np.broadcast_to(layer_L[None, :, None], experts_nLk.shape)
+    keys = np.unique((((step_n[:, None, None] * devices + dest_nLk) * num_layers + layer_nLk) * num_experts
                       + experts_nLk).ravel())
-    served.ravel()[:] = np.bincount(keys // num_experts, minlength=served.size)
-    step_max_mean = tokens_KD.max(axis=1) / tokens_KD.mean(axis=1)
+    served = np.bincount(keys // num_experts, minlength=num_steps * devices * num_layers).reshape(
+        num_steps, devices, num_layers)
+    step_max_mean = tokens_KLD.max(axis=2) / tokens_KLD.mean(axis=2)
     out = {
         "decode_lar": float(counts.local_activations.sum() / counts.total_activations.sum()),
         "decode_tokens": int(len(rows)),
         "decode_steps": num_steps,
-        "decode_token_imbalance_max_mean": float(per_rank.max() / per_rank.mean()),
+        "decode_batch_tokens_mean": float(len(rows) / num_steps),
+        "decode_a2a_bytes": int(2 * counts.traffic.sum()),
+        "decode_token_imbalance_max_mean": float(_max_over(per_rank_LD, np.mean).mean()),
         "decode_step_token_imbalance_max_mean": float(step_max_mean.mean()),
         "decode_expert_load_imbalance_max_mean": float(_max_over(counts.expert_load, np.mean).mean()),
         "decode_batch_distinct_experts_max": float(batch.max(axis=1).mean()),
         "decode_batch_distinct_experts_mean": float(batch.mean()),
         "decode_device_distinct_experts_max": float(served.max(axis=1).mean()),
+        "decode_device_distinct_experts_mean": float(served.mean()),
     }
     if time_model is not None:
-        seconds = decode_moe_seconds(time_model, step_n, home_n, experts_nLk, num_steps, devices)
-        out.update(decode_moe_seconds=float(seconds.sum()), decode_moe_seconds_per_step=float(seconds.sum() / num_steps))
+        seconds = decode_moe_seconds(time_model, step_n, home_nL, experts_nLk, num_steps, devices,
+                                     plan.parallel.attention)
+        total = sum(seconds[part] for part in PARTS)
+        out.update(decode_moe_seconds=float(total.sum()), decode_moe_seconds_per_step=float(total.sum() / num_steps))
+        for part in PARTS:
+            out[f"decode_moe_{part}_seconds_per_step"] = float(seconds[part].sum() / num_steps)
     return out
 
 
-def decode_moe_seconds(model: TimeModel, step_n: np.ndarray, home_n: np.ndarray, experts_nLk: np.ndarray,
-                       num_steps: int, devices: int) -> np.ndarray:
-    """float64[K] MoE critical-path seconds (dispatch + experts + combine, summed over trace layers) of each decode
-    step, priced as decode iterations by the simulator's cost model (as time_cost.time_estimate prices steps)."""
+def decode_summary(plan: Plan, trace: RoutingTrace, *, time_model: TimeModel | None = None,
+                   home_NL: np.ndarray | None = None) -> dict:
+    """What a job reports about its phases: {"decode_phase": NO_DECODE} when the routing holds no generated token,
+    else {"decode_phase": "measured", prefill_lar, prefill_tokens, **decode_phase_metrics(...)} (prefill_lar: the
+    LAR of the prompt tokens alone, on the same homes)."""
+    if not has_generated_tokens(trace):
+        return {"decode_phase": NO_DECODE}
+    if home_NL is None:
+        home_NL = home_devices(plan, trace)
+    prompt = np.flatnonzero(trace.prompt_mask())
+    out: dict = {"decode_phase": "measured", "prefill_tokens": int(len(prompt))}
+    if len(prompt):
+        counts = account(np.asarray(home_NL[prompt]), np.asarray(trace.experts[prompt]),
+                         plan.placement.dispatch_device(), plan.parallel.bytes_per_token, plan.parallel.devices)
+        out["prefill_lar"] = float(counts.local_activations.sum() / counts.total_activations.sum())
+    out.update(decode_phase_metrics(plan, trace, time_model=time_model, home_NL=home_NL))
+    return out
+
+
+def decode_moe_seconds(model: TimeModel, step_n: np.ndarray, home_nL: np.ndarray, experts_nLk: np.ndarray,
+                       num_steps: int, devices: int, attention: str = "dp") -> dict[str, np.ndarray]:
+    """{"dispatch", "experts", "combine"}: float64[K] MoE critical-path seconds (summed over trace layers) of each
+    decode step, priced as iterations without prefill by the simulator's cost model (as time_cost.time_estimate
+    prices steps). home_nL int[n, L] (or int[n]: one device for every layer)."""
     from repro.sim.traffic import batch_traffic  # the simulator package only where a time is priced (as time_cost)
 
-    out = np.zeros(num_steps)
+    out = {part: np.zeros(num_steps) for part in PARTS}
     num_layers = experts_nLk.shape[1]
+    home_nL = np.asarray(home_nL, dtype=np.int64)
+    home_nL = np.broadcast_to(home_nL[:, None], (len(home_nL), num_layers)) if home_nL.ndim == 1 else home_nL
     for first in range(0, num_steps, STEPS_PER_BLOCK):
         rows = np.flatnonzero((step_n >= first) & (step_n < first + STEPS_PER_BLOCK))
         if len(rows) == 0:
             continue
         group = step_n[rows] - first
         num_k = int(group.max()) + 1
-        home_NL = np.broadcast_to(home_n[rows, None], (len(rows), num_layers))
-        traffic = batch_traffic(group, home_NL, experts_nLk[rows], model.slot_table, model.slots_per_device, num_k,
+        home = home_nL[rows]
+        traffic = batch_traffic(group, home, experts_nLk[rows], model.slot_table, model.slots_per_device, num_k,
                                 model.devices_per_node)
-        tokens_KD = np.bincount(group * devices + home_n[rows], minlength=num_k * devices).reshape(num_k, devices)
-        seconds = moe_layer_seconds(model.cost, traffic, tokens_KD, None, np.zeros(num_k, dtype=bool))
-        out[first : first + num_k] = sum(part.sum(axis=1) for part in seconds.values())
+        tokens_KD = slices = None
+        if attention == "dp":
+            tokens_KD = np.bincount(group * devices + home[:, 0], minlength=num_k * devices).reshape(num_k, devices)
+        else:
+            key = (group[:, None] * num_layers + np.arange(num_layers)) * devices + home
+            slices = np.bincount(key.ravel(), minlength=num_k * num_layers * devices).reshape(num_k, num_layers, devices)
+        seconds = moe_layer_seconds(model.cost, traffic, tokens_KD, slices, np.zeros(num_k, dtype=bool))
+        for part in PARTS:
+            out[part][first : first + num_k] = seconds[part].sum(axis=1)
     return out

@@ -303,6 +303,40 @@ def exec_section(runs: pd.DataFrame) -> list[str]:
             markdown_table(table), ""]
 
 
+DECODE_COLUMNS = ("prefill_lar", "decode_lar", "decode_token_imbalance_max_mean", "decode_step_token_imbalance_max_mean",
+                  "decode_batch_distinct_experts_max", "decode_device_distinct_experts_max", "decode_moe_seconds_per_step")
+
+
+def decode_section(runs: pd.DataFrame) -> list[str]:
+    """Decode as a phase of its own (repro.eval.decode_phase): prefill and decode LAR side by side, decode token
+    balance, expert weights read per step and the MoE time per decode step, with its ratio to vanilla EP. Jobs
+    whose routing has no generated tokens are named in one line."""
+    if "decode_phase" not in runs or runs["decode_phase"].isna().all():
+        return []
+    measured = runs[runs["decode_phase"] == "measured"].copy()
+    lines = ["### Decode phase (generated tokens, served as decode steps)", ""]
+    if len(measured) < len(runs):
+        lines += [f"- {len(runs) - len(measured)} of {len(runs)} jobs: routing without generated tokens, so no decode "
+                  "metric (route with model.max_new_tokens > 0 or import prefill lengths).", ""]
+    if not len(measured):
+        return lines
+    group = [c for c in ("eval_workload", "attention", "devices") if c in measured]
+    if "decode_moe_seconds_per_step" in measured:
+        ep = measured[measured["system"] == "ep"].drop_duplicates(group).set_index(group)["decode_moe_seconds_per_step"]
+        keys = list(zip(*(measured[c] for c in group), strict=True))
+        measured["decode_time_vs_ep"] = [t / ep.get(k if len(k) > 1 else k[0], np.nan)
+                                         for t, k in zip(measured["decode_moe_seconds_per_step"], keys, strict=True)]
+        measured["decode_moe_seconds_per_step"] = measured["decode_moe_seconds_per_step"] * 1e3
+        measured = measured.rename(columns={"decode_moe_seconds_per_step": "decode_moe_ms_per_step"})
+    cols = group + ["system"] + [c.replace("seconds_per_step", "ms_per_step") for c in DECODE_COLUMNS] + ["decode_time_vs_ep"]
+    table = measured[[c for c in cols if c in measured]].sort_values(group + ["system"])
+    lines += ["Decode step t holds every request's t-th generated token on the device the plan put it; time is the MoE "
+              "critical path of a step (busiest device: remote copies, rows, expert weights read) priced by the "
+              "simulator's cost model. decode_time_vs_ep < 1: faster decode steps than vanilla EP.", "",
+              markdown_table(table), ""]
+    return lines
+
+
 def _config_block(run_dir: str) -> str:
     cfg = json.loads((Path(run_dir) / "metrics.json").read_text())["config"]
     keep = {k: cfg[k] for k in ("model", "workload", "system", "parallel", "seed", "profile_fraction", "validate_fraction")
@@ -342,6 +376,7 @@ def experiment_section(experiment: str, runs: pd.DataFrame, layers: pd.DataFrame
         lines += [f"### {title}", "", f"![{title}]({path.relative_to(out_dir)})", ""]
     lines += routing_sources_section(runs) if experiment.startswith("routing_sources") else []
     lines += exec_section(runs)
+    lines += decode_section(runs)
     lines += affinity_section(Path(runs["run_dir"].iloc[0]))
     lines += ["Config of the jobs (first job shown; swept keys vary):", "", _config_block(runs["run_dir"].iloc[0]), ""]
     return lines

@@ -24,7 +24,7 @@ Match: match="centroid" scores rank d by -||signature - centroid_d||^2 (needs th
 match="experts" by the share of the request's prefill activations whose expert sits on d (any placement).
 
 The evaluator accounts prompt tokens on the prefill rank and generated tokens on the decode rank
-(`repro.eval.decode_phase.decode_homes`); decode-phase LAR, balance and time are measured there.
+(`repro.eval.accounting.decode_homes`); decode-phase LAR, balance and time are measured there.
 
 Legend: R requests, N tokens, L MoE layers, E experts, k experts per token, D devices, F = L*E signature length.
 """
