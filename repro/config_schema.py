@@ -7,8 +7,10 @@ command line parsed (`parallel.devices=abc` is a string, `4.0` a float). So one 
 says what each key may hold (type and range); a group's keys are the table's plus those its conf/<group>/*.yaml
 options define, so a key a yaml adds is known without editing this file, and a key that no option defines is
 refused. Groups that validate themselves keep doing it and are called from here (ParallelConfig, the routing
-producers' check_*_config, repro.sim's check_sim_config and load_hardware, repro.exec's check_exec_config);
-system parameters are checked against the system class's signature and annotations. Every problem is one
+producers' check_*_config, repro.sim's check_sim_config and load_hardware, repro.exec's check_exec_config,
+repro.tune_config's check_tune_config); system parameters are checked against the system class's signature
+and annotations. The schema only composes: it sits below the entry points that call it (run, tune, exec) and
+imports none of them (tests/test_layers.py). Every problem is one
 ConfigError sentence naming the key, raised before any routing, training or output.
 
 CheckSweep (a Hydra callback in conf/config.yaml) runs check_config on every job of a multirun before the first
@@ -29,6 +31,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from repro.errors import ConfigError, ReproError, check_known_keys
+from repro.tune_config import check_tune_config
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 EVALUATE_SPLITS = ("validate", "evaluate")
@@ -483,8 +486,6 @@ def check_config(config: dict) -> None:
     if config.get("exec"):
         check_exec(config["exec"], parallel)
     if config.get("tune"):
-        from repro.tune import check_tune_config
-
         check_tune_config(config["tune"])
 
 

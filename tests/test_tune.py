@@ -74,6 +74,6 @@ def test_a_bad_tune_config_is_refused_before_any_candidate_runs(tmp_path, monkey
 
 
 def test_the_default_tune_config_is_sound():
-    from repro.tune import check_tune_config
+    from repro.tune_config import check_tune_config
 
     check_tune_config(tune_config("/nonexistent/trace")["tune"])

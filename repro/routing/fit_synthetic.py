@@ -23,7 +23,7 @@ import itertools
 
 import numpy as np
 
-from repro.affinity.stats import affinity_statistics
+from repro.affinity.stats import affinity_statistics  # layer: a CLI fitting Table-1 stats; nothing imports it
 from repro.routing.replay import load_replay_tables, resolve_table_paths, route_with_replay
 from repro.routing.synthetic import route_with_synthetic
 from repro.traces import RoutingTrace
