@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import numbers
+import re
 import sys
 from dataclasses import dataclass, fields
 from functools import cache
@@ -417,7 +418,7 @@ def check_system(system: dict) -> None:
     if unknown and not open_ended:
         takers = systems_taking(unknown[0])
         hint = (f"only {', '.join(takers)} take {unknown[0]!r}: set it for those systems alone (a multirun over them: "
-                f"-m system={','.join(takers)} ++system.params.{unknown[0]}=VALUE)" if takers
+                f"-m system={','.join(takers)} system.params.{unknown[0]}=VALUE)" if takers
                 else f"no system takes {unknown[0]!r}")
         raise ConfigError(f"system {name!r} has no parameter(s) {unknown}; {hint}; its parameters are {sorted(accepted)}.")
     for key, value in params.items():
@@ -517,6 +518,20 @@ def job_config(master, overrides: list[str]) -> dict:
     task = OmegaConf.to_container(cfg, resolve=False)
     task.pop("hydra", None)
     return OmegaConf.to_container(OmegaConf.create(task), resolve=True)
+
+
+def multirun_argv(argv: list[str]) -> list[str]:
+    """argv with each plain `system.params.KEY=VALUE` of a multirun (-m) turned into `++system.params.KEY=VALUE`.
+
+    Why: Hydra applies a multirun's non-swept overrides to its base config, composed with the default system (ep),
+    which lacks system-specific keys, so `-m system=semmoe_replicated,semmoe_hottest system.params.replicas_per_device=2`
+    died with "Key 'replicas_per_device' is not in struct" though both swept systems take it. `++` sets the key in
+    the base config too; CheckSweep still refuses, before the first job, a job whose system does not take it.
+    A swept value (`=0,2`) is left alone: Hydra applies it per job already."""
+    if "-m" not in argv[1:] and "--multirun" not in argv[1:]:
+        return list(argv)
+    plain = re.compile(r"system\.params\.[\w.]+=")
+    return [argv[0]] + [f"++{a}" if plain.match(a) and "," not in a.split("=", 1)[1] else a for a in argv[1:]]
 
 
 class CheckSweep(Callback):

@@ -33,7 +33,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from repro.atomic import atomic_dir, atomic_write
-from repro.config_schema import check_config
+from repro.config_schema import check_config, multirun_argv
 from repro.errors import ConfigError, ReproError
 from repro.jobdir import job_dirname  # noqa: F401  registers the resolver conf/config.yaml names its run dirs with
 from repro.parallel import ParallelConfig
@@ -496,4 +496,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    sys.argv = multirun_argv(sys.argv)  # a system-specific key in a sweep over systems
     main()

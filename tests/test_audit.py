@@ -165,3 +165,63 @@ def test_parallel_config_built_in_code_refuses_a_non_integer(devices):
 
     with pytest.raises(ConfigError, match=r"parallel\.devices must be an integer, got"):
         ParallelConfig(devices=devices)
+
+
+# ---- issue 28: the audit's remaining cases ---------------------------------------------------------------------
+
+
+def test_a_sweep_over_systems_takes_a_key_only_they_have(tmp_path):
+    """`-m system=A,B system.params.KEY=V` with a key both take (not the base config's default system ep) runs."""
+    trace = synthetic_trace_dir(tmp_path / "trace")
+    res = run_module("repro.run", "-m", f"trace={trace}", "system=semmoe_replicated,semmoe_hottest",
+                     "system.params.replicas_per_device=2", "parallel.devices=2", f"hydra.sweep.dir={tmp_path / 'sweep'}",
+                     cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    configs = [json.loads(p.read_text())["config"] for p in (tmp_path / "sweep").rglob("metrics.json")]
+    assert sorted(c["system"]["name"] for c in configs) == ["semmoe_hottest", "semmoe_replicated"]
+    assert all(c["system"]["params"]["replicas_per_device"] == 2 for c in configs)
+
+
+def test_a_sweep_with_a_system_lacking_the_key_stops_before_any_job(tmp_path):
+    trace = synthetic_trace_dir(tmp_path / "trace")
+    res = run_module("repro.run", "-m", f"trace={trace}", "system=eplb,ep", "system.params.replicas_per_device=2",
+                     f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
+    assert_one_error_line(res, "system 'ep' has no parameter(s) ['replicas_per_device']")
+    assert not (tmp_path / "sweep").exists()
+
+
+def rewrite_trace(trace_dir: Path, meta=None, requests=None, weights=None) -> Path:
+    """Edit a written trace in place as a user's editor or exporter would (meta.json, requests.json, weights.npy)."""
+    import numpy as np
+
+    if meta is not None:
+        (trace_dir / "meta.json").write_text(json.dumps(meta(json.loads((trace_dir / "meta.json").read_text()))))
+    if requests is not None:
+        (trace_dir / "requests.json").write_text(json.dumps(requests(json.loads((trace_dir / "requests.json").read_text()))))
+    if weights is not None:
+        np.save(trace_dir / "weights.npy", weights(np.load(trace_dir / "experts.npy").shape))
+    return trace_dir
+
+
+def _negated_weights(shape):
+    import numpy as np
+
+    return -np.full(shape, 0.5, dtype=np.float16)
+
+
+# (case, how the trace is spoiled, what the sentence says)
+BAD_TRACES = [
+    ("meta num_layers disagrees with layer_ids", dict(meta=lambda m: dict(m, num_layers=5)), "says num_layers=5 but layer_ids lists 2"),
+    ("duplicated request ids", dict(requests=lambda r: dict(r, id=[r["id"][0], *r["id"][:-1]])), "appears twice in requests.json"),
+    ("negated gate weights", dict(weights=_negated_weights), "gate weights must be >= 0"),
+]
+
+
+@pytest.mark.parametrize("case, spoil, message", BAD_TRACES, ids=[r[0] for r in BAD_TRACES])
+def test_a_spoiled_trace_is_one_sentence(tmp_path, case, spoil, message):
+    from repro.traces import read_trace
+
+    trace_dir = rewrite_trace(synthetic_trace_dir(tmp_path / "t"), **spoil)
+    with pytest.raises(TraceError) as error:
+        read_trace(trace_dir)
+    assert message in str(error.value) and "\n" not in str(error.value)

@@ -79,7 +79,12 @@ class TraceMeta:
         if not isinstance(d, dict):
             raise TraceError(f"{where} holds a JSON {type(d).__name__}, not an object; re-create the trace with repro.traces.")
         d = dict(d)
-        d.pop("num_layers", None)  # derived from layer_ids
+        stated = d.pop("num_layers", None)  # derived from layer_ids; a file that disagrees with itself is refused
+        if stated is not None and isinstance(d.get("layer_ids"), list) and stated != len(d["layer_ids"]):
+            raise TraceError(
+                f"{where} says num_layers={stated!r} but layer_ids lists {len(d['layer_ids'])} MoE layers; "
+                "fix one of them or re-create the trace."
+            )
         version = d.get("format_version", FORMAT_VERSION)
         if version != FORMAT_VERSION:  # checked first: another version may have other fields
             raise TraceError(f"{where} has format_version {version!r}; this suite reads {FORMAT_VERSION}.")
@@ -262,6 +267,13 @@ def validate(trace: RoutingTrace) -> None:
     for name in ("request_ids", "request_datasets", "request_labels"):
         if len(getattr(trace, name)) != r:
             raise TraceError(f"{name} has {len(getattr(trace, name))} entries; the trace has {r} requests.")
+    if len(set(trace.request_ids)) != r:
+        seen: set = set()
+        twice = next(i for i in trace.request_ids if i in seen or seen.add(i))
+        raise TraceError(
+            f"request id {twice!r} appears twice in requests.json; request ids must be unique (every split and "
+            "per-request result is keyed by them): re-export the trace with distinct ids."
+        )
     lo, hi, repeated = _scan_experts(trace.experts)
     if lo < 0 or hi >= m.num_experts:
         bad = lo if lo < 0 else hi
@@ -303,13 +315,22 @@ def _scan_experts(experts: np.ndarray) -> tuple[int, int, str]:
 
 
 def _check_finite_weights(weights: np.ndarray) -> None:
-    """NaN or inf gate weights (inf is also what an overflowing float16 cast leaves) would poison every weighted
+    """Negative, NaN or inf gate weights (inf is also what an overflowing float16 cast leaves) would poison every weighted
     metric; checked in chunks so a memory-mapped trace is not copied whole."""
     for start in range(0, len(weights), DISTINCT_CHECK_ROWS):
         chunk = np.asarray(weights[start : start + DISTINCT_CHECK_ROWS])
         # float16 is NaN or inf exactly when its 5 exponent bits are all set; integer ops are ~4x np.isfinite's speed
-        finite = (chunk.view(np.uint16) & 0x7C00) != 0x7C00
+        bits = chunk.view(np.uint16)
+        finite = (bits & 0x7C00) != 0x7C00
+        negative = (bits > 0x8000) & finite  # sign bit set, not -0.0: a gate weight is a probability share
         release_pages(weights)
+        if negative.any():
+            token, layer, slot = np.argwhere(negative)[0]
+            raise TraceError(
+                f"gate weight of token {start + token} at MoE layer index {layer} (slot {slot}) is "
+                f"{float(weights[start + token, layer, slot])!r}; gate weights must be >= 0 (re-export them, or drop "
+                "weights.npy)."
+            )
         if not finite.all():
             token, layer, slot = np.argwhere(~finite)[0]
             value = weights[start + token, layer, slot]
