@@ -1,0 +1,338 @@
+"""The cost model against real executions: gloo expert parallelism on this machine, per MoE layer and phase.
+
+    python -m bench --only cost_model            # -> bench/results/cost_model.json (+ cost_model.md)
+
+What runs: the MoE layers of repro.exec (`ep_moe_forward`: real all-to-alls over gloo, the torch grouped GEMM)
+on the MMLU evaluate-split tokens routed by the synthetic Mixtral routing model (8 experts, top-2, 2 layers),
+in Attention-DP, for the ep and semmoe plans fitted on the profile split, at 2 and 4 ranks, for prefill batches
+(PREFILL_TOKENS tokens of whole prompts per rank) and decode batches (DECODE_REQUESTS requests per rank, one
+token each). The trained tiny Mixtral of `exec_model` is not used: it needs ~10 CPU minutes of training that a
+shared 2-core machine cannot spare here; the MoE layer, the bytes and the phases are the same code.
+Per (rank count, plan, batch, layer) each rank times four phases, REPEATS times (the slowest rank's time is
+the layer's, as in the cost model):
+  gating    router GEMM + top-k softmax of its tokens (routing itself comes from the trace, so the traffic is the
+            plan's);
+  dispatch  the three all_to_all_single calls of ep_moe_forward: split counts, hidden states, ids + weights;
+  experts   permute, grouped SwiGLU GEMM, unpermute on the received copies (timed around repro.kernels' calls);
+  combine   the all_to_all_single of the weighted partial sums back.
+Each collective starts after an untimed barrier (CommRecord(barrier=True)); a compute phase takes the slowest
+rank's time, a collective call the fastest rank's (the last to arrive, so no wait for a late peer is in it:
+`reduce_ranks`), the median over REPEATS after one warm-up.
+The prediction: repro.sim.costs with the hardware profile bench.cpu_check measured for that rank count
+(conf/hardware/cpu_<host>_<N>ranks.yaml + measured/), from the same batches' exact traffic
+(repro.sim.traffic.batch_traffic on the plan's placement): gate = CostModel's GEMM term at the rank's tokens,
+experts = CostModel.experts (the measured per-slot table), dispatch and combine = costs.phase_seconds. The
+profile was calibrated on the microbenchmarks only, never on these timings. Two dispatch predictions are kept:
+`dispatch` prices the executor's three calls (counts, hidden states, ids + weights: each a call of the measured
+curve), `dispatch_sim` is the simulator's own term (one call of the hidden states), which is what serving
+estimates use. Reports per phase the median and max |relative error|, and for each (ranks, batch) whether the
+model orders ep vs semmoe (MoE-layer time, summed over layers) as the measurement does where the measured
+difference exceeds twice its run-to-run noise (the standard deviation of the difference over repeats).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+SYSTEMS = ("ep", "semmoe")
+PHASES = ("gating", "dispatch", "experts", "combine")
+PREFILL_TOKENS = (64, 256, 1024)
+DECODE_REQUESTS = (4, 16, 64)
+TARGET = 0.20
+
+
+def compose(*overrides: str) -> dict:
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return OmegaConf.to_container(hydra_compose("config", overrides=list(overrides)), resolve=True)
+
+
+# ---- batches ---------------------------------------------------------------------------------------------------
+
+
+def batches_of(trace, request_rank_R: np.ndarray, ranks: int, kind: str, size: int) -> list[np.ndarray]:
+    """Per rank the token rows of one batch: prefill = its requests' prompt tokens in order, cut at `size`
+    tokens; decode = one token (the first generated, else the last prompt token) of each of its first `size`
+    requests."""
+    offsets, prefill = np.asarray(trace.offsets), np.asarray(trace.prefill_len)
+    out = []
+    for rank in range(ranks):
+        mine = np.flatnonzero(request_rank_R == rank)
+        if kind == "prefill":
+            rows = np.concatenate([np.arange(offsets[r], offsets[r] + max(1, prefill[r])) for r in mine])[:size]
+        else:
+            mine = mine[:size]
+            first_generated = offsets[mine] + prefill[mine]
+            rows = np.where(first_generated < offsets[mine + 1], first_generated, offsets[mine + 1] - 1)
+        out.append(rows.astype(np.int64))
+    return out
+
+
+# ---- one rank ----------------------------------------------------------------------------------------------------
+
+
+class _ExpertTimer:
+    """Wraps repro.kernels' permute / fused_experts / unpermute (as ep_moe_forward imports them at call time) and
+    adds their wall seconds up, so the local expert step of a layer is timed without touching repro.exec."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    @contextlib.contextmanager
+    def installed(self):
+        import repro.kernels.dispatch as dispatch
+        import repro.kernels.grouped_gemm as grouped_gemm
+
+        originals = [(dispatch, "permute"), (grouped_gemm, "fused_experts"), (dispatch, "unpermute")]
+        saved = [(module, name, getattr(module, name)) for module, name in originals]
+
+        def timed(fn):
+            def wrapper(*args, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    self.seconds += time.perf_counter() - start
+            return wrapper
+
+        for module, name, fn in saved:
+            setattr(module, name, timed(fn))
+        try:
+            yield self
+        finally:
+            for module, name, fn in saved:
+                setattr(module, name, fn)
+
+
+def exec_worker(rank: int, world_size: int, *, cases: list[dict], shape: dict, repeats: int, seed: int) -> dict:
+    """Per case, layer and repeat this rank's seconds: {"times": float[C][L][R][6]} (gating, the three dispatch
+    calls counts / hidden states / ids + weights, experts, combine)."""
+    import torch
+    import torch.distributed as dist
+
+    from repro.exec.moe import CommRecord, build_local_experts, ep_moe_forward
+    from repro.exec.trace_mode import expert_weights
+    from repro.kernels.gating import topk_softmax
+
+    hidden, inter, experts, top_k = (shape[f] for f in ("hidden_size", "moe_intermediate_size", "num_experts", "top_k"))
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    timer = _ExpertTimer()
+    with timer.installed():
+        for case in cases:
+            rows = torch.as_tensor(case["rows"][rank])
+            ids_TLk = torch.as_tensor(case["experts"][rank].astype(np.int64))
+            weights_TLk = torch.as_tensor(case["weights"][rank], dtype=torch.float32)
+            x_TH = torch.randn(len(rows), hidden, generator=g)
+            per_layer = []
+            for layer in range(ids_TLk.shape[1]):
+                w13, w2 = expert_weights(seed, layer, experts, hidden, inter, torch.float32)
+                local = build_local_experts(case["physical_to_logical"][layer], rank, world_size, w13, w2)
+                expert_rank_E = torch.as_tensor(case["dispatch_device"][layer, rank])
+                router_EH = torch.randn(experts, hidden, generator=g) / hidden**0.5
+                reps = []
+                for repeat in range(repeats + 1):  # the first is a warm-up (allocations, lazy imports)
+                    record = CommRecord(barrier=True)
+                    dist.barrier()
+                    start = time.perf_counter()
+                    topk_softmax(x_TH @ router_EH.T, top_k, True, backend="torch")
+                    gating = time.perf_counter() - start
+                    timer.seconds = 0.0
+                    ep_moe_forward(x_TH, ids_TLk[:, layer], weights_TLk[:, layer], expert_rank_E, local, experts,
+                                   layer=layer, record=record, backend="torch")
+                    calls = [record.seconds.get((layer, n), 0.0) for n in ("counts", "dispatch", "dispatch_meta")]
+                    if repeat:
+                        reps.append([gating, *calls, timer.seconds, record.seconds.get((layer, "combine"), 0.0)])
+                per_layer.append(reps)
+            out.append(per_layer)
+    return {"times": out}
+
+
+def reduce_ranks(times_DCLR6: np.ndarray) -> np.ndarray:
+    """float[C, L, R, 4] phase seconds of a layer from every rank's: compute phases (gating, experts) the slowest
+    rank's (the layer waits for it); each collective call the fastest rank's, i.e. the rank that reached it last
+    after the barrier, whose time is the transfer without the wait for a late peer (on a shared, oversubscribed
+    CPU a rank is often descheduled for milliseconds between the barrier and the call); dispatch = the sum of its
+    three calls. bench.cpu_check reduces its all-to-all curve the same way."""
+    compute = times_DCLR6[..., [0, 4]].max(axis=0)
+    calls = times_DCLR6[..., [1, 2, 3, 5]].min(axis=0)
+    return np.stack([compute[..., 0], calls[..., :3].sum(axis=-1), compute[..., 1], calls[..., 3]], axis=-1)
+
+
+# ---- prediction --------------------------------------------------------------------------------------------------
+
+
+def exec_shape(spec: dict, num_layers: int):
+    from repro.sim.shapes import ModelShape
+
+    return ModelShape.from_config({
+        "name": spec["name"], "hidden_size": spec["hidden_size"], "num_hidden_layers": num_layers,
+        "first_dense_layers": 0, "num_experts": spec["num_experts"], "top_k": spec["top_k"], "num_shared_experts": 0,
+        "moe_intermediate_size": spec["moe_intermediate_size"], "shared_intermediate_size": 0,
+        "intermediate_size": spec["moe_intermediate_size"], "vocab_size": 1, "dtype_bytes": spec["dtype_bytes"],
+        "attention": {"kind": "gqa", "num_heads": 1, "num_kv_heads": 1, "head_dim": spec["hidden_size"]},
+    })
+
+
+def predict(hw, shape, placement, rows_D: list[np.ndarray], experts_NLk: np.ndarray) -> dict:
+    """float64[L] seconds of each phase (+ dispatch_sim) for one batch: rows_D[d] token rows living on rank d."""
+    from repro.sim.costs import CostModel, level_loads, phase_seconds
+    from repro.sim.hardware import interpolate
+    from repro.sim.shapes import RoutingMap
+    from repro.sim.traffic import batch_traffic, dispatch_slots
+
+    devices, num_layers = len(rows_D), experts_NLk.shape[1]
+    rows = np.concatenate(rows_D)
+    home_N = np.repeat(np.arange(devices), [len(r) for r in rows_D])
+    traffic = batch_traffic(np.zeros(len(rows), dtype=np.int64), np.broadcast_to(home_N[:, None], (len(rows), num_layers)),
+                            experts_NLk[rows], dispatch_slots(placement), placement.slots_per_device, 1, devices)
+    mapping = RoutingMap("strict", num_layers, shape.num_experts, shape.top_k, 1.0, shape.moe_intermediate_size, "")
+    model = CostModel(shape, hw, mapping, devices, "dp", "nccl")
+    tokens_KD = np.array([[len(r) for r in rows_D]], dtype=np.float64)
+    gate = model._gemm(tokens_KD, model.gate_params).max(axis=1)  # the simulator's gate term (CostModel.block)
+    experts = model.experts(traffic.slot_tokens).max(axis=2)[0]
+    backend = hw.backends["nccl"]
+    load = level_loads(traffic, "nccl", devices)
+    hidden_bytes = shape.hidden_size * shape.dtype_bytes
+    meta_bytes = 2 * shape.top_k * 4  # k int32 ids + k fp32 weights per copy (ep_moe_forward)
+    dispatch_sim = phase_seconds(load, backend.dispatch, hidden_bytes)[0]
+    counts_call = interpolate(backend.dispatch.measured, np.array([(devices - 1) * 8.0])) \
+        if backend.dispatch.measured is not None else backend.dispatch.latency
+    dispatch = counts_call + dispatch_sim + phase_seconds(load, backend.dispatch, meta_bytes)[0]
+    combine = phase_seconds(load, backend.combine, hidden_bytes)[0]
+    return {"gating": np.repeat(gate, num_layers), "dispatch": dispatch, "experts": experts, "combine": combine,
+            "dispatch_sim": dispatch_sim}
+
+
+# ---- driver ------------------------------------------------------------------------------------------------------
+
+
+def _hardware(host: str, ranks: int):
+    import yaml
+
+    from bench.cpu_check import HARDWARE_DIR, profile_name
+    from repro.sim.hardware import load_hardware
+
+    path = HARDWARE_DIR / f"{profile_name(host, ranks)}.yaml"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; run `python -m bench.cpu_check` on this machine first.")
+    return load_hardware(yaml.safe_load(path.read_text())), path.name
+
+
+def run(quick: bool) -> dict:
+    from bench.cpu_check import EXEC_SHAPE, host_name
+    from repro.exec.launch import launch
+    from repro.parallel import ParallelConfig
+    from repro.run import build_traces
+    from repro.systems import make_system
+
+    layers, requests, repeats = (2, 300, 3) if quick else (2, 600, 7)
+    prefill_sizes, decode_sizes = ((64, 256), (4, 16)) if quick else (PREFILL_TOKENS, DECODE_REQUESTS)
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="bench_cost_model_") as cache:
+        config = compose("experiment=exec", "logger=none", f"model.num_layers={layers}",
+                         f"workload.num_requests={requests}", f"cache_dir={cache}")
+        profile, evaluation = build_traces(config)
+    experts_NLk = np.asarray(evaluation.experts, dtype=np.int64)
+    weights_NLk = np.asarray(evaluation.weights if evaluation.weights is not None else
+                             np.full(experts_NLk.shape, 0.5), dtype=np.float32)
+    host = host_name()
+    shape = exec_shape(EXEC_SHAPE, layers)
+    cells, orders, profiles = [], [], {}
+    for ranks in (2, 4):
+        hw, profile_file = _hardware(host, ranks)
+        profiles[ranks] = profile_file
+        parallel = ParallelConfig.from_config(dict(config["parallel"], devices=ranks, attention="dp"))
+        plans = {}
+        for system in SYSTEMS:
+            params = config["system"]["params"] if system == config["system"]["name"] else {}
+            plan = make_system(system, **params).fit(profile, parallel, np.random.default_rng(config["seed"]))
+            plan.reset()
+            request_rank = np.asarray(plan.assign_requests(np.array(evaluation.token_ids), np.array(evaluation.offsets),
+                                                           np.array(evaluation.prefill_len)), dtype=np.int64)
+            plans[system] = (plan, request_rank)
+        cases, keys = [], []
+        for kind, sizes in (("prefill", prefill_sizes), ("decode", decode_sizes)):
+            for size in sizes:
+                for system, (plan, request_rank) in plans.items():
+                    rows_D = batches_of(evaluation, request_rank, ranks, kind, size)
+                    cases.append({"rows": rows_D, "experts": [experts_NLk[r] for r in rows_D],
+                                  "weights": [weights_NLk[r] for r in rows_D],
+                                  "physical_to_logical": plan.placement.physical_to_logical,
+                                  "dispatch_device": plan.placement.dispatch_device()})
+                    keys.append((kind, size, system, plan, rows_D))
+        started = time.perf_counter()
+        results = launch(exec_worker, ranks, backend="gloo", timeout_s=900, cases=cases, shape=EXEC_SHAPE,
+                         repeats=repeats, seed=config["seed"])
+        wall = time.perf_counter() - started
+        times = reduce_ranks(np.asarray([r["times"] for r in results]))  # [C, L, R, 4]
+        totals = {}
+        for c, (kind, size, system, plan, rows_D) in enumerate(keys):
+            pred = predict(hw, shape, plan.placement, rows_D, experts_NLk)
+            measured = np.median(times[c], axis=1)  # [L, 4]
+            for layer in range(layers):
+                cell = {"ranks": ranks, "phase_kind": kind, "size": size, "system": system, "layer": layer,
+                        "tokens_per_rank": [len(r) for r in rows_D]}
+                for p, phase in enumerate(PHASES):
+                    cell[f"{phase}_measured_s"] = float(measured[layer, p])
+                    cell[f"{phase}_predicted_s"] = float(pred[phase][layer])
+                cell["dispatch_sim_predicted_s"] = float(pred["dispatch_sim"][layer])
+                cells.append(cell)
+            per_repeat = times[c].sum(axis=(0, 2))  # [R] MoE time summed over layers and phases
+            predicted_total = sum(float(pred[p].sum()) for p in PHASES)
+            totals[(kind, size, system)] = (per_repeat, predicted_total)
+        for kind, sizes in (("prefill", prefill_sizes), ("decode", decode_sizes)):
+            for size in sizes:
+                (ep_r, ep_p), (sem_r, sem_p) = totals[(kind, size, "ep")], totals[(kind, size, "semmoe")]
+                diff = sem_r - ep_r
+                noise = float(np.std(diff, ddof=1)) if len(diff) > 1 else float("nan")
+                measured_diff, predicted_diff = float(np.median(sem_r) - np.median(ep_r)), sem_p - ep_p
+                resolved = abs(measured_diff) > 2 * noise
+                orders.append({"ranks": ranks, "phase_kind": kind, "size": size,
+                               "ep_measured_s": float(np.median(ep_r)), "semmoe_measured_s": float(np.median(sem_r)),
+                               "ep_predicted_s": ep_p, "semmoe_predicted_s": sem_p, "noise_s": noise,
+                               "resolved": bool(resolved),
+                               "agrees": bool(np.sign(measured_diff) == np.sign(predicted_diff)) if resolved else None})
+        profiles[f"exec_wall_s_{ranks}"] = round(wall, 1)
+    summary = summarise(cells, orders)
+    return {
+        "what": "repro.exec MoE layers on gloo vs repro.sim.costs with the bench.cpu_check profile (see docstring)",
+        "routing": f"synthetic Mixtral (8 experts top-2, {layers} layers), MMLU evaluate split, {requests} requests",
+        "shape": EXEC_SHAPE, "repeats": repeats, "profiles": profiles, "target_median_abs_error": TARGET,
+        "load_before_after": [[round(x, 2) for x in load_before], [round(x, 2) for x in os.getloadavg()]],
+        "summary": summary, "orders": orders, "cells": cells,
+    }
+
+
+def summarise(cells: list[dict], orders: list[dict]) -> dict:
+    """Per phase (and per rank count x batch kind) the median and max |relative error|, and the order check."""
+    out = {}
+    for phase in (*PHASES, "dispatch_sim"):
+        measured_key = "dispatch_measured_s" if phase == "dispatch_sim" else f"{phase}_measured_s"
+        groups = {"all": cells}
+        for ranks in sorted({c["ranks"] for c in cells}):
+            for kind in ("prefill", "decode"):
+                groups[f"{ranks} ranks {kind}"] = [c for c in cells if c["ranks"] == ranks and c["phase_kind"] == kind]
+        out[phase] = {}
+        for name, group in groups.items():
+            errors = np.array([(c[f"{phase}_predicted_s"] - c[measured_key]) / c[measured_key] for c in group
+                               if c[measured_key] > 0])
+            if len(errors):
+                out[phase][name] = {"median_abs_error": round(float(np.median(np.abs(errors))), 3),
+                                    "max_abs_error": round(float(np.max(np.abs(errors))), 3),
+                                    "median_signed_error": round(float(np.median(errors)), 3), "cells": len(errors)}
+        out[phase]["meets_target"] = out[phase]["all"]["median_abs_error"] <= TARGET
+    resolved = [o for o in orders if o["resolved"]]
+    out["order"] = {"comparisons": len(orders), "resolved": len(resolved),
+                    "agree": sum(bool(o["agrees"]) for o in resolved)}
+    return out
