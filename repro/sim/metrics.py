@@ -8,14 +8,15 @@ counts the unfinished ones.
 
 Steady state. A run's measurement window [t0, t1] excludes the warm-up (before t0) and the drain (after t1, when
 arrivals have stopped or are about to). Latency statistics cover the requests arriving in the window; throughput is
-the requests (tokens) *completing* in the window over its length; the queue is `stable` when the number of requests
-in the system (arrived, unfinished) grows by at most `tolerance` x the offered rate per second over the window
-(least-squares slope of that count sampled across the window), beyond what its own fluctuation explains: 3 x
-sqrt(mean count) over the window's length (a stable count varies by about its square root; without this allowance
-light loads, a few dozen requests in the system, would read as growing). A run whose running set is still filling
-in the window is not in steady state and reads as unstable: short windows err low near the knee. The waiting queue
-(arrived, no first token yet), where an overload piles up once the running set is full, and completions /
-arrivals in the window are reported beside it.
+the requests (tokens) *completing* in the window over its length. The window is cut into batches (`steady_state`):
+the queue is `stable` when the trend of the number of requests in the system (arrived, unfinished), a least-squares
+slope through its batch means, lies with 95 % confidence at or below `tolerance` x the offered rate per second,
+`unstable` when it lies above, `undecided` when the interval straddles it (the simulator then lengthens the run).
+Batch means make the decision robust to heavy tails: one long prompt moves one batch, not the verdict, and a
+stable queue's count, however bursty, has no trend over the whole window. A run is `converged` when it is
+decidedly unstable, or stable with the batch-means 95 % half-widths of its throughput and mean TTFT within
+`rel_halfwidth` (2 %) of their values. The waiting queue (arrived, no first token yet), where an overload piles
+up once the running set is full, and completions / arrivals in the window are reported beside it.
 
 SLO rules (thresholds fixed before any bisection, the same for every system compared; see repro/sim/simulate.py):
   paper      a latency statistic (mean by default) of the window's requests within multiplier (5) x that statistic
@@ -96,6 +97,101 @@ def queue_trend(arrival: np.ndarray, leave: np.ndarray, window: tuple[float, flo
     return float(slope), float(count_T.mean())
 
 
+def batch_interval(values_B: np.ndarray, confidence: float = 0.95) -> tuple[float, float]:
+    """(mean, half-width) of batch means values_B float[B]: the Student-t interval at `confidence` over the B
+    batches (B - 1 dof). A non-finite batch or fewer than 2 batches gives an infinite half-width."""
+    values_B = np.asarray(values_B, dtype=np.float64)
+    if len(values_B) < 2 or not np.all(np.isfinite(values_B)):
+        return (float(values_B.mean()) if len(values_B) else float("nan")), float("inf")
+    half = scipy_stats.t.ppf(0.5 + confidence / 2, len(values_B) - 1) * values_B.std(ddof=1) / np.sqrt(len(values_B))
+    return float(values_B.mean()), float(half)
+
+
+def trend_interval(times_B: np.ndarray, values_B: np.ndarray, confidence: float = 0.95) -> tuple[float, float]:
+    """(slope, half-width) of the least-squares line through batch means values_B float[B] at times_B float[B]:
+    the Student-t interval of the slope (B - 2 dof). Fewer than 3 batches give an infinite half-width."""
+    times_B, values_B = np.asarray(times_B, np.float64), np.asarray(values_B, np.float64)
+    centred = times_B - times_B.mean()
+    spread = float((centred**2).sum())
+    if len(values_B) < 3 or spread <= 0:
+        return 0.0, float("inf")
+    slope = float((centred * (values_B - values_B.mean())).sum() / spread)
+    residual = values_B - values_B.mean() - slope * centred
+    se = np.sqrt((residual**2).sum() / (len(values_B) - 2) / spread)
+    return slope, float(scipy_stats.t.ppf(0.5 + confidence / 2, len(values_B) - 2) * se)
+
+
+def steady_state(arrival: np.ndarray, first_token: np.ndarray, finish: np.ndarray, rate: float,
+                 window: tuple[float, float], tolerance: float, batches: int = 16, rel_halfwidth: float = 0.02,
+                 confidence: float = 0.95) -> dict:
+    """The window cut into `batches` equal batches, and what the whole window says about the run (batch means,
+    so that a heavy-tailed request only moves the batch it falls in):
+
+    - stability: the trend of the number of requests in the system (arrived, unfinished), a least-squares slope
+      through its batch means with a `confidence` interval. "unstable" when the whole interval lies above
+      `tolerance` x rate (requests pile up faster than that), "stable" when it lies at or below it, "undecided"
+      otherwise (a longer window is needed); `stable_point` is the slope's point estimate against the tolerance.
+    - throughput (completions per second of each batch) and the mean TTFT and E2E of the requests arriving in each
+      batch: the means over batches and their interval half-widths (infinite while a window request is unfinished).
+    - converged: "unstable" (no steady state, and the decision is settled), or "stable" with the throughput's and
+      the mean TTFT's half-widths within `rel_halfwidth` of their means.
+
+    arrival, first_token, finish: float64[R] seconds (NaN: not yet).
+    """
+    edges = np.linspace(window[0], window[1], batches + 1)
+    length = (window[1] - window[0]) / batches
+    samples = np.linspace(window[0], window[1], batches * 8 + 1)[:-1] + (window[1] - window[0]) / (batches * 16)
+    left = np.sort(finish[np.isfinite(finish)])
+    count = (np.searchsorted(np.sort(arrival), samples, side="right")
+             - np.searchsorted(left, samples, side="right")).astype(np.float64)
+    count_B = count.reshape(batches, 8).mean(axis=1)
+    mids_B = (edges[:-1] + edges[1:]) / 2
+    slope, slope_half = trend_interval(mids_B, count_B, confidence)
+    allowed = tolerance * rate
+    decision = ("unstable" if slope - slope_half > allowed else "stable" if slope + slope_half <= allowed
+                else "undecided")
+    done_B = np.histogram(finish[np.isfinite(finish)], bins=edges)[0]
+    throughput, throughput_half = batch_interval(done_B / length, confidence)
+    batch_of = np.searchsorted(edges, arrival, side="right") - 1
+    inside = (batch_of >= 0) & (batch_of < batches) & (arrival <= window[1])
+    row = {"stability": decision, "stable_point": bool(slope <= allowed), "in_system_trend_rps": slope,
+           "in_system_trend_halfwidth_rps": slope_half, "window_batches": int(batches),
+           "throughput_batch_rps": throughput, "throughput_halfwidth_rps": throughput_half}
+    for name, end in (("ttft", first_token), ("e2e", finish)):
+        latency = np.where(np.isfinite(end), end - arrival, np.inf)[inside]
+        total_B = np.bincount(batch_of[inside], weights=np.where(np.isfinite(latency), latency, 0.0),
+                              minlength=batches)
+        n_B = np.bincount(batch_of[inside], minlength=batches)
+        late_B = np.bincount(batch_of[inside], weights=~np.isfinite(latency), minlength=batches)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            mean_B = np.where(late_B > 0, np.inf, total_B / n_B)
+        mean, half = batch_interval(mean_B[n_B > 0], confidence)
+        row[f"{name}_batch_mean_s"], row[f"{name}_halfwidth_s"] = mean, half
+    row["converged"] = bool(decision == "unstable" or (
+        decision == "stable" and throughput_half <= rel_halfwidth * throughput
+        and row["ttft_halfwidth_s"] <= rel_halfwidth * row["ttft_batch_mean_s"]))
+    return row
+
+
+def run_until_converged(run: Callable[[int], dict], requests: int, cap: int) -> tuple[dict, int]:
+    """(row, extensions): run(n) -> a row of `steady_state`'s keys, for n = requests, 2 x requests, ... until a row
+    has converged or n reaches `cap` (the last n is the cap itself); the row of the last run, and how many times
+    the run was lengthened. An "unstable" verdict must hold on two runs in a row (n / 2 and n): under heavy-tailed
+    service one huge job's backlog, draining slowly, looks like a trend in a window a few times its drain time
+    long; a real overload keeps growing in the window twice as long, an excursion is diluted in it. A row that
+    reached the cap unconverged keeps converged False; stability_settled says whether its stability verdict was
+    (a queue near its capacity can settle that long before its latencies converge)."""
+    extensions, previous = 0, None
+    while True:
+        row = run(requests)
+        confirmed = row["stability"] != "unstable" or (previous is not None and previous["stability"] == "unstable")
+        row["converged"] = bool(row["converged"] and confirmed)
+        row["stability_settled"] = bool(confirmed and row["stability"] != "undecided")
+        if row["converged"] or requests >= cap:
+            return row, extensions
+        previous, requests, extensions = row, min(2 * requests, cap), extensions + 1
+
+
 def phase_breakdown(run: RunResult) -> dict:
     """Per phase (prefill-containing / decode-only iterations of the window): mean seconds per iteration of every
     MoE-layer component (mean over layers), the all-to-all share, the MoE layer's total, iterations, mean tokens
@@ -120,13 +216,15 @@ def phase_breakdown(run: RunResult) -> dict:
 
 
 def rate_row(rate: float, run: RunResult, prompt_len: np.ndarray, output_len: np.ndarray,
-             window: tuple[float, float] | None = None, tolerance: float = 0.05) -> dict:
+             window: tuple[float, float] | None = None, tolerance: float = 0.05, batches: int = 16,
+             rel_halfwidth: float = 0.02) -> dict:
     """One row of the per-rate table for the run's first len(run.arrival) requests (prompt_len / output_len of
     at least that length): steady-state window throughput and queue stability, latency statistics of the window's
     requests, the MoE-layer breakdown (whole run, and per phase over the window), LAR, engine counters.
 
     window None: the whole run, [first arrival, last finish] (throughput = requests / makespan, a burst measure,
-    as a real benchmark client reports it).
+    as a real benchmark client reports it). `stable` is `steady_state`'s decision, or its point estimate where the
+    window could not decide (`stability` says which; `converged` whether the run's estimates have converged).
     """
     n = len(run.arrival)
     prompt_len, output_len = prompt_len[:n], output_len[:n]
@@ -157,9 +255,11 @@ def rate_row(rate: float, run: RunResult, prompt_len: np.ndarray, output_len: np
         "waiting_mean": waiting,
         "in_system_slope_rps": system_slope,
         "in_system_mean": in_system,
-        "stable": bool(system_slope <= tolerance * rate + 3 * np.sqrt(in_system + 1) / length),
         "unfinished": int((inside & ~np.isfinite(run.finish)).sum()),
     }
+    row.update(steady_state(run.arrival, run.first_token, run.finish, rate, window, tolerance, batches,
+                            rel_halfwidth))
+    row["stable"] = row["stability"] == "stable" or (row["stability"] == "undecided" and row["stable_point"])
     for name in LATENCIES:
         for stat in STATISTICS:
             row[f"{name}_{stat}_s"] = statistic(latency[name][inside], stat)

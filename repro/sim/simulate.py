@@ -47,6 +47,7 @@ Method (conf/sim/default.yaml holds the defaults; every choice is stated in the 
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass
 
@@ -65,6 +66,7 @@ from repro.sim.metrics import (
     layer_rows,
     rate_row,
     request_latencies,
+    run_until_converged,
     statistic,
     window_requests,
 )
@@ -81,6 +83,7 @@ SIM_KEYS = {
     "rates", "duration_s", "min_requests", "warmup_s", "cooldown_s", "drain_s", "seeds", "stable_tolerance",
     "arrival", "output_len", "decode_routing", "backend", "schedule", "max_batched_tokens", "max_running_requests",
     "max_block_iterations", "iteration_overhead_us", "calibration", "kv_capacity_tokens", "routing_map", "slo", "shape",
+    "batches", "rel_halfwidth", "max_duration_s", "workers",
 }
 SLO_KEYS = {"multiplier", "statistic", "reference", "light_rate", "ttft_s", "tpot_s", "e2e_s", "attainment", "rel_tol",
             "require_stable"}
@@ -116,13 +119,23 @@ def check_sim_config(sim: dict) -> dict:
     for key, allowed in choices:
         if sim[key] not in allowed:
             raise ConfigError(f"sim.{key} must be one of {allowed}, got {sim[key]!r}.")
-    for key in ("min_requests", "seeds", "max_batched_tokens", "max_running_requests", "max_block_iterations"):
+    for key in ("min_requests", "seeds", "max_batched_tokens", "max_running_requests", "max_block_iterations",
+                "workers"):
         if not isinstance(sim[key], int | np.integer) or isinstance(sim[key], bool) or sim[key] < 1:
             raise ConfigError(f"sim.{key} must be an integer >= 1, got {sim[key]!r}.")
     for key in ("duration_s", "warmup_s", "cooldown_s", "drain_s", "stable_tolerance"):
         value = sim[key]
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
             raise ConfigError(f"sim.{key} must be a number >= 0, got {value!r}.")
+    if not (isinstance(sim["batches"], int) and not isinstance(sim["batches"], bool) and sim["batches"] >= 3):
+        raise ConfigError(f"sim.batches must be an integer >= 3 (batch means need a trend's 2 dof), got {sim['batches']!r}.")
+    if isinstance(sim["rel_halfwidth"], bool) or not isinstance(sim["rel_halfwidth"], int | float) \
+            or not 0 < sim["rel_halfwidth"] < 1:
+        raise ConfigError(f"sim.rel_halfwidth must be a relative half-width in (0, 1), got {sim['rel_halfwidth']!r}.")
+    cap = sim["max_duration_s"]
+    if isinstance(cap, bool) or not isinstance(cap, int | float) or not math.isfinite(cap) or cap < sim["duration_s"]:
+        raise ConfigError(f"sim.max_duration_s (the cap on a run's arrivals while it converges) must be a number >= "
+                          f"sim.duration_s={sim['duration_s']}, got {cap!r}.")
     if not sim["duration_s"] > sim["warmup_s"] + sim["cooldown_s"]:
         raise ConfigError(
             f"sim.duration_s={sim['duration_s']} leaves no measurement window after warmup_s={sim['warmup_s']} and "
@@ -266,9 +279,19 @@ def unit_rate_pattern(arrival: str, num_requests: int, rng: np.random.Generator,
     return times * (len(times) / times.max())
 
 
-def requests_at(rate: float, sim: dict) -> int:
-    """Requests offered at `rate`: max(min_requests, ceil(rate x duration_s))."""
-    return max(int(sim["min_requests"]), math.ceil(rate * sim["duration_s"] - 1e-9))
+def requests_at(rate: float, sim: dict, duration_s: float | None = None) -> int:
+    """Requests offered at `rate`: max(min_requests, ceil(rate x duration_s)) (sim.duration_s when not given)."""
+    duration_s = sim["duration_s"] if duration_s is None else duration_s
+    return max(int(sim["min_requests"]), math.ceil(rate * duration_s - 1e-9))
+
+
+def draw_requests(num_requests: int, size: int, rng: np.random.Generator) -> np.ndarray:
+    """int64[size] trace requests to serve: consecutive independent permutations of all `num_requests`, cut to
+    `size`. Without replacement while the trace suffices, and beyond it every prefix holds each request
+    floor(n / R) or ceil(n / R) times: a seed changes the order, never the workload's length mix beyond one
+    partial permutation (heavy-tailed prompts drawn with replacement made it the largest noise between seeds)."""
+    blocks = -(-size // num_requests)
+    return np.concatenate([g.permutation(num_requests) for g in rng.spawn(blocks)])[:size]
 
 
 @dataclass
@@ -294,7 +317,7 @@ def _pool(trace: RoutingTrace, sim: dict, size: int, rng: np.random.Generator,
                               "per trace request.")
         picked = np.arange(size)
     else:
-        picked = rng_sample.integers(0, trace.num_requests, size=size)
+        picked = draw_requests(trace.num_requests, size, rng_sample)
     requests, decode_routing, source = build_requests(trace, picked, sim["output_len"], sim["decode_routing"],
                                                       rng_output, rng_decode)
     pattern = unit_rate_pattern(sim["arrival"], size, rng_arrival, arrival_times)
@@ -302,15 +325,16 @@ def _pool(trace: RoutingTrace, sim: dict, size: int, rng: np.random.Generator,
 
 
 class _Runner:
-    """Runs (and caches) one seed's simulations of one plan: rate -> rate_row with the SLO flags."""
+    """Runs (and caches) one seed's simulations of one plan: rate -> rate_row with the SLO flags. A run doubles its
+    arrivals until its window has converged (metrics.steady_state), up to sim.max_duration_s of arrivals."""
 
-    def __init__(self, engine: Engine, pool: Pool, sim: dict, layer_ids, seed: int, role_log: list, plan: str):
+    def __init__(self, engine: Engine, pool: Pool, sim: dict, layer_ids, seed: int, plan: str):
         self.engine, self.pool, self.sim, self.layer_ids, self.seed = engine, pool, sim, layer_ids, seed
         self.plan = plan  # "plan" (the system measured) or "reference" (vanilla EP serving for the SLO)
         self.cache: dict[float, dict] = {}
         self.latency: dict[float, dict] = {}  # window requests' latencies (reference runs keep them for the SLO)
         self.layers: dict[float, list[dict]] = {}
-        self.log = role_log
+        self.log: list[dict] = []
         self.slo: dict | None = None
 
     def measure(self, rate: float, role: str) -> dict:
@@ -318,8 +342,35 @@ class _Runner:
         if rate in self.cache:
             return self.cache[rate]
         sim, pool = self.sim, self.pool
-        n = len(pool.pattern) if sim["arrival"] == "given" else requests_at(rate, sim)
-        arrivals = pool.pattern[:n] / rate
+        given = sim["arrival"] == "given"
+        n = len(pool.pattern) if given else requests_at(rate, sim)
+        last: dict = {}
+
+        def run_n(requests: int) -> dict:
+            last["run"], row, last["window"] = self._run(rate, requests)
+            return row
+
+        row, extensions = run_until_converged(run_n, n, n if given else requests_at(rate, sim, sim["max_duration_s"]))
+        run, window = last["run"], last["window"]
+        n = len(run.arrival)
+        req = pool.requests
+        inside = window_requests(run.arrival, window)
+        latency = {k: v[inside] for k, v in request_latencies(run, req.output_len[:n]).items()}
+        prompt = req.prompt_len[:n]
+        row.update(seed=self.seed, plan=self.plan, role=role, distinct_prompts=int(len(np.unique(pool.picked[:n]))),
+                   extensions=extensions, arrivals_span_s=float(run.arrival.max()),
+                   prompt_tokens_mean=float(prompt.mean()), prompt_tokens_p99=float(np.percentile(prompt, 99)))
+        self.latency[rate] = latency
+        if self.slo is not None:
+            self._flag(row, latency)
+        self.cache[rate] = row
+        self.layers[rate] = layer_rows(rate, run, self.layer_ids)
+        self.log.append(row)
+        return row
+
+    def _run(self, rate: float, n: int):
+        sim, req = self.sim, self.pool.requests
+        arrivals = self.pool.pattern[:n] / rate
         last = float(arrivals.max())
         window = (float(sim["warmup_s"]), last - float(sim["cooldown_s"]))
         if window[1] <= window[0]:
@@ -329,19 +380,9 @@ class _Runner:
                 "sim.min_requests, or lower warmup_s / cooldown_s."
             )
         run = self.engine.run(arrivals, until=last + float(sim["drain_s"]), window=window)
-        req = pool.requests
-        row = rate_row(rate, run, req.prompt_len, req.output_len, window, sim["stable_tolerance"])
-        inside = window_requests(run.arrival, window)
-        latency = {k: v[inside] for k, v in request_latencies(run, req.output_len[:n]).items()}
-        row.update(seed=self.seed, plan=self.plan, role=role, distinct_prompts=int(len(np.unique(pool.picked[:n]))),
-)
-        self.latency[rate] = latency
-        if self.slo is not None:
-            self._flag(row, latency)
-        self.cache[rate] = row
-        self.layers[rate] = layer_rows(rate, run, self.layer_ids)
-        self.log.append(row)
-        return row
+        row = rate_row(rate, run, req.prompt_len, req.output_len, window, sim["stable_tolerance"], sim["batches"],
+                       sim["rel_halfwidth"])
+        return run, row, window
 
     def _flag(self, row: dict, latency: dict) -> None:
         slo, sim = self.slo, self.sim
@@ -365,10 +406,108 @@ def _same_plan(plan: Plan, other: Plan) -> bool:
             and np.array_equal(plan.placement.physical_to_logical, other.placement.physical_to_logical))
 
 
+@dataclass
+class _Setup:
+    """What every seed's work needs (inherited by forked workers: nothing here is pickled)."""
+
+    plan: Plan
+    reference_plan: Plan
+    trace: RoutingTrace
+    sim: dict
+    size: int
+    cost: CostModel
+    engine_config: EngineConfig
+    arrival_times: np.ndarray | None
+    light_rate: float
+    grid: np.ndarray
+
+
+def _runners(setup: _Setup, seed: int, seed_rng: np.random.Generator) -> tuple[_Runner, _Runner]:
+    """(the plan's runner, the SLO reference's runner: the same one when the reference is the plan) of one seed."""
+    pool = _pool(setup.trace, setup.sim, setup.size, seed_rng, setup.arrival_times)
+    layer_ids = setup.trace.meta.layer_ids
+    engine = Engine(setup.plan, pool.requests, setup.cost, dispatch_slots(setup.plan.placement), setup.engine_config)
+    runner = _Runner(engine, pool, setup.sim, layer_ids, seed, "plan")
+    if setup.reference_plan is setup.plan:
+        return runner, runner
+    ref_engine = Engine(setup.reference_plan, pool.requests, setup.cost, dispatch_slots(setup.reference_plan.placement),
+                        setup.engine_config)
+    return runner, _Runner(ref_engine, pool, setup.sim, layer_ids, seed, "reference")
+
+
+def _seed_work(setup: _Setup, seed: int, seed_rng: np.random.Generator, slo: dict | None) -> dict:
+    """One seed, independent of every other seed (so seeds may run in parallel processes, with the same numbers).
+    slo None: the SLO reference's light-load run only. Else: seed 0 runs the rate grid (the per-rate table), then
+    every seed bisects each rule along the grid to its crossing; midpoints lie on one lattice grid[0] x
+    (1 + rel_tol)^k, so the rules probe the same rates and share runs."""
+    runner, reference = _runners(setup, seed, seed_rng)
+    if slo is None:
+        reference.measure(setup.light_rate, "reference")
+        return {"row": reference.cache[setup.light_rate], "latency": reference.latency[setup.light_rate],
+                "layers": reference.layers[setup.light_rate], "log": reference.log}
+    runner.set_slo(slo)
+    tol = setup.sim["slo"]["rel_tol"]
+    if seed == 0:
+        for rate in setup.grid:
+            runner.measure(rate, "grid")
+    found = {}
+    for rule in RULES:
+        key = "meets_capacity" if rule == "capacity" else f"meets_{rule}_slo"
+        found[rule] = bisect_rate(lambda r, k=key: runner.measure(r, "bisect")[k], setup.grid, tol,
+                                  lattice=float(setup.grid[0]))
+        found[rule]["window_throughput"] = runner.cache[found[rule]["low"]]["throughput_rps"] \
+            if found[rule]["low"] > 0 else 0.0
+        found[rule]["converged"] = _bracket_converged(runner, found[rule], float(setup.grid[0]),
+                                                      "stability_settled" if rule == "capacity" else "converged")
+    pool = runner.pool
+    return {"seed": seed, "cache": runner.cache, "latency": runner.latency, "layers": runner.layers,
+            "log": runner.log, "found": found, "distinct": int(len(np.unique(pool.picked))),
+            "decode_routing": pool.decode_routing, "output_source": pool.output_source}
+
+
+def _bracket_converged(runner: _Runner, found: dict, lowest: float, key: str) -> bool:
+    """Whether the runs deciding a bisected rate converged (`key`: "converged", or "stability_settled" for the
+    capacity rule, which only asks the stability verdict): the highest meeting rate's and the lowest failing one's
+    (the lowest grid rate's when even it fails)."""
+    rates = [found["low"] if found["low"] > 0 else lowest]
+    if np.isfinite(found["high"]) and found["high"] != rates[0]:
+        rates.append(found["high"])
+    return all(runner.cache[r][key] for r in rates)
+
+
+_FORKED: _Setup | None = None  # the setup a forked worker inherits
+
+
+def _forked_seed_work(seed: int, seed_rng: np.random.Generator, slo: dict | None) -> dict:
+    return _seed_work(_FORKED, seed, seed_rng, slo)
+
+
+def _each_seed(setup: _Setup, seed_rngs: list, slo: dict | None, workers: int) -> list[dict]:
+    """_seed_work of every seed, in seed order: in this process, or in `workers` forked processes."""
+    if workers <= 1 or len(seed_rngs) <= 1:
+        return [_seed_work(setup, seed, g, slo) for seed, g in enumerate(seed_rngs)]
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    global _FORKED
+    _FORKED = setup
+    try:
+        with ProcessPoolExecutor(min(workers, len(seed_rngs)), mp_context=multiprocessing.get_context("fork")) as pool:
+            return list(pool.map(_forked_seed_work, range(len(seed_rngs)), seed_rngs, [slo] * len(seed_rngs)))
+    finally:
+        _FORKED = None
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds of this process and of its finished children (forked seed workers)."""
+    times = os.times()
+    return times.user + times.system + times.children_user + times.children_system
+
+
 def simulate(config: dict, plan: Plan, trace: RoutingTrace, hardware: dict, shape: dict, rng: np.random.Generator,
              *, arrival_times: np.ndarray | None = None, progress: bool = False) -> SimResult:
     """Measure `plan` on `trace` in steady state (see the module docstring); same inputs, same numbers."""
-    started, cpu_started = time.perf_counter(), time.process_time()
+    started, cpu_started = time.perf_counter(), _cpu_seconds()
     sim = check_sim_config(config.get("sim") or {})
     model = ModelShape.from_config(shape)
     hw = load_hardware(hardware, alternative=sim["calibration"])
@@ -378,7 +517,8 @@ def simulate(config: dict, plan: Plan, trace: RoutingTrace, hardware: dict, shap
     slo_cfg, stat = sim["slo"], sim["slo"]["statistic"]
     grid = np.asarray(sim["rates"], dtype=np.float64)
     light_rate = float(slo_cfg["light_rate"] or grid[0])
-    size = max(requests_at(float(grid[-1]), sim), requests_at(light_rate, sim))
+    size = max(requests_at(float(grid[-1]), sim, sim["max_duration_s"]),
+               requests_at(light_rate, sim, sim["max_duration_s"]))
     capacity = sim.get("kv_capacity_tokens") or kv_capacity(model, hw, parallel.devices, parallel.attention)
     cost = CostModel(model, hw, mapping, parallel.devices, parallel.attention, sim["backend"])
     engine_config = EngineConfig(sim["max_batched_tokens"], sim["max_running_requests"], sim["schedule"], int(capacity),
@@ -391,78 +531,48 @@ def simulate(config: dict, plan: Plan, trace: RoutingTrace, hardware: dict, shap
 
         fitted = VanillaEP().fit(trace, parallel, np.random.default_rng(0))  # contiguous blocks: no randomness used
         reference_plan = plan if _same_plan(plan, fitted) else fitted
-
-    log: list[dict] = []
+    setup = _Setup(plan, reference_plan, trace, sim, size, cost, engine_config, arrival_times, light_rate, grid)
+    seed_rngs = rng.spawn(sim["seeds"])
     bar = None
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(desc="simulate runs", unit="run")
-        log = _ProgressLog(bar)
-    runners, references, pools = [], [], []
-    for seed, seed_rng in enumerate(rng.spawn(sim["seeds"])):
-        pool = _pool(trace, sim, size, seed_rng, arrival_times)
-        pools.append(pool)
-        engine = Engine(plan, pool.requests, cost, dispatch_slots(plan.placement), engine_config)
-        runners.append(_Runner(engine, pool, sim, trace.meta.layer_ids, seed, log, "plan"))
-        if reference_plan is plan:
-            references.append(runners[-1])
-        else:
-            ref_engine = Engine(reference_plan, pool.requests, cost, dispatch_slots(reference_plan.placement),
-                                engine_config)
-            references.append(_Runner(ref_engine, pool, sim, trace.meta.layer_ids, seed, log, "reference"))
+        bar = tqdm(desc="simulate seeds", unit="seed", total=2 * sim["seeds"] if derive else sim["seeds"])
 
     # the SLOs, fixed before any bisection: multiplier x the reference's statistic at the light rate, seeds pooled
+    light = _each_seed(setup, seed_rngs, None, sim["workers"]) if derive else []
+    if bar is not None:
+        bar.update(len(light))
     slo = {}
     for name in ("ttft", "tpot", "e2e"):
         if slo_cfg[f"{name}_s"] is not None:
             slo[name] = float(slo_cfg[f"{name}_s"])
             continue
-        pooled = np.concatenate([ref.latency[light_rate][name] if light_rate in ref.latency
-                                 else _light(ref, light_rate)[name] for ref in references])
+        pooled = np.concatenate([seed_light["latency"][name] for seed_light in light])
         slo[name] = float(slo_cfg["multiplier"] * statistic(pooled, stat))
-    for runner in runners:
-        runner.set_slo(slo)
-
-    # seed 0 runs the grid and bisects each rule from it; the other seeds gallop along a ladder of rel_tol steps from seed
-    # 0's rate for each rule: a bracket is then one step wide. Both stay on one lattice grid[0] x (1 + rel_tol)^k,
-    # so the rules probe the same rates and share runs. A rule seed 0 found no bracket for walks the grid instead.
-    results: dict[str, list[dict]] = {rule: [] for rule in RULES}
-    ladder = rate_ladder(float(grid[0]), float(grid[0]), float(grid[-1]), slo_cfg["rel_tol"])[0]
-    for runner in runners:
-        if runner.seed == 0:
-            for rate in grid:
-                runner.measure(rate, "grid")
-        for rule in RULES:
-            key = "meets_capacity" if rule == "capacity" else f"meets_{rule}_slo"
-            rates, start = grid, 0
-            first = results[rule][0] if results[rule] else None
-            if first is not None and first["low"] > 0 and first["bracketed"]:
-                rates, start = ladder, int(np.argmin(np.abs(np.log(ladder / first["low"]))))
-            found = bisect_rate(lambda r, k=key, run=runner: run.measure(r, "bisect")[k], rates, slo_cfg["rel_tol"],
-                                start, lattice=float(grid[0]))
-            found["window_throughput"] = runner.cache[found["low"]]["throughput_rps"] if found["low"] > 0 else 0.0
-            results[rule].append(found)
+    seeds = _each_seed(setup, seed_rngs, slo, sim["workers"])
     if bar is not None:
+        bar.update(len(seeds))
         bar.close()
 
-    per_rate = pd.DataFrame([row for runner in runners for _, row in sorted(runner.cache.items())])
-    per_layer = pd.DataFrame([dict(row, seed=0) for rate in grid for row in runners[0].layers[float(rate)]])
-    probes = pd.DataFrame(list(log))
-    summary = _summary(sim, slo, stat, light_rate, results, per_rate, probes, pools, trace, hw, model, mapping,
+    per_rate = pd.DataFrame([row for seed in seeds for _, row in sorted(seed["cache"].items())])
+    per_layer = pd.DataFrame([dict(row, seed=0) for rate in grid for row in seeds[0]["layers"][float(rate)]])
+    probes = pd.DataFrame([row for part in light + seeds for row in part["log"]])
+    results = {rule: [seed["found"][rule] for seed in seeds] for rule in RULES}
+    summary = _summary(sim, slo, stat, light_rate, results, per_rate, probes, seeds, trace, hw, model, mapping,
                        parallel, capacity, reference_plan is plan, time.perf_counter() - started,
-                       time.process_time() - cpu_started)
-    return SimResult(summary, per_rate, per_layer, probes, request_table(runners))
+                       _cpu_seconds() - cpu_started)
+    return SimResult(summary, per_rate, per_layer, probes, request_table(seeds))
 
 
-def request_table(runners: list[_Runner]) -> pd.DataFrame:
+def request_table(seeds: list[dict]) -> pd.DataFrame:
     """Per-request latencies of every run of the measured plan, window requests only (the ones its statistics are
     over): rate, seed, role (grid / bisect / reference), ttft_s, tpot_s, e2e_s (inf: unfinished when the run
     stopped; tpot NaN for one-token outputs), in_window (always true here; repro.figures.table2 reads it)."""
-    frames = [pd.DataFrame({"rate": rate, "seed": runner.seed, "role": runner.cache[rate]["role"],
+    frames = [pd.DataFrame({"rate": rate, "seed": seed["seed"], "role": seed["cache"][rate]["role"],
                             "ttft_s": latency["ttft"], "tpot_s": latency["tpot"], "e2e_s": latency["e2e"],
                             "in_window": True})
-              for runner in runners for rate, latency in sorted(runner.latency.items())]
+              for seed in seeds for rate, latency in sorted(seed["latency"].items())]
     columns = ["rate", "seed", "role", "ttft_s", "tpot_s", "e2e_s", "in_window"]
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=columns)
 
@@ -482,25 +592,7 @@ def _finite(value: float) -> float | None:
     return float(value) if np.isfinite(value) else None
 
 
-def _light(reference: _Runner, rate: float) -> dict:
-    reference.measure(rate, "reference")
-    return reference.latency[rate]
-
-
-class _ProgressLog(list):
-    """The probe log, ticking a progress bar per simulation."""
-
-    def __init__(self, bar):
-        super().__init__()
-        self.bar = bar
-
-    def append(self, row: dict) -> None:
-        super().append(row)
-        self.bar.update(1)
-        self.bar.set_postfix(seed=row["seed"], rate=f"{row['rate']:.4g}")
-
-
-def _summary(sim, slo, stat, light_rate, results, per_rate, probes, pools, trace, hw, model, mapping, parallel,
+def _summary(sim, slo, stat, light_rate, results, per_rate, probes, seeds, trace, hw, model, mapping, parallel,
              capacity, reference_is_plan, wall, cpu) -> dict:
     slo_cfg, warnings = sim["slo"], []
     names = {"ttft": "the paper's TTFT rule", "e2e": "the paper's E2E rule", "distserve": "DistServe's rule",
@@ -517,7 +609,8 @@ def _summary(sim, slo, stat, light_rate, results, per_rate, probes, pools, trace
     lightest, heaviest = seed0.iloc[0], seed0.iloc[-1]
     stable = seed0[seed0["stable"]]
     busiest = stable.iloc[-1] if len(stable) else lightest  # the heaviest stable grid rate: steady-state batches
-    first = pools[0]
+    first = seeds[0]
+    prompts = np.asarray(trace.prefill_len, dtype=np.float64)
     reference = "given" if not any(slo_cfg[f"{n}_s"] is None for n in ("ttft", "tpot", "e2e")) else (
         "self" if slo_cfg["reference"] == "self" else "ep" + (" (this plan)" if reference_is_plan else ""))
     summary = {
@@ -530,8 +623,8 @@ def _summary(sim, slo, stat, light_rate, results, per_rate, probes, pools, trace
         "sim_shape": model.name,
         "sim_routing_source": f"{trace.meta.source or 'unknown'}:{trace.meta.model}:{trace.meta.dataset}",
         "sim_routing_map": mapping.description,
-        "sim_decode_routing": first.decode_routing,
-        "sim_output_len_source": first.output_source,
+        "sim_decode_routing": first["decode_routing"],
+        "sim_output_len_source": first["output_source"],
         "sim_arrival": sim["arrival"],
         "sim_backend": sim["backend"],
         "sim_schedule": sim["schedule"],
@@ -546,8 +639,19 @@ def _summary(sim, slo, stat, light_rate, results, per_rate, probes, pools, trace
         "sim_num_requests": int(probes["requests_total"].sum()),  # simulated requests, all runs
         "sim_requests_per_rate": [int(r) for r in seed0["requests_total"]],
         "sim_trace_requests": trace.num_requests,
-        "sim_distinct_prompts": int(max(len(np.unique(p.picked)) for p in pools)),  # in the largest run of a seed
-        "sim_sampling": "trace order (given arrivals)" if sim["arrival"] == "given" else "uniform with replacement",
+        "sim_distinct_prompts": int(max(seed["distinct"] for seed in seeds)),  # in the largest run of a seed
+        "sim_sampling": "trace order (given arrivals)" if sim["arrival"] == "given" else
+        "consecutive permutations of the trace's requests (without replacement while they suffice)",
+        "sim_trace_prompt_tokens_mean": float(prompts.mean()),
+        "sim_trace_prompt_tokens_p99": float(np.percentile(prompts, 99)),
+        "sim_drawn_prompt_tokens_mean_per_seed": [float(per_rate.loc[per_rate["seed"] == seed["seed"],
+                                                                     "prompt_tokens_mean"].mean()) for seed in seeds],
+        "sim_drawn_prompt_tokens_p99_per_seed": [float(per_rate.loc[per_rate["seed"] == seed["seed"],
+                                                                    "prompt_tokens_p99"].mean()) for seed in seeds],
+        "sim_batches": int(sim["batches"]),
+        "sim_rel_halfwidth": float(sim["rel_halfwidth"]),
+        "sim_max_duration_s": float(sim["max_duration_s"]),
+        "sim_workers": int(sim["workers"]),
         "sim_kv_capacity_tokens": int(capacity),
         "sim_rates": [float(r) for r in sim["rates"]],
         "sim_runs": len(probes),
@@ -579,6 +683,21 @@ def _summary(sim, slo, stat, light_rate, results, per_rate, probes, pools, trace
         summary[f"rate_{rule}_fails_rps_per_seed"] = [_finite(f["high"]) for f in found]  # null: none failed
         summary[f"window_throughput_{rule}_rps_per_seed"] = measured
         summary[f"bracketed_{rule}"] = bool(all(f["bracketed"] for f in found))
+        summary[f"converged_{rule}_per_seed"] = [bool(f["converged"]) for f in found]
+        summary[f"converged_{rule}"] = bool(all(f["converged"] for f in found))
+    # nothing downstream may treat a rule's value as converged unless the runs deciding it on every seed were
+    unconverged = probes[~probes["converged"].astype(bool)]
+    summary["sim_converged"] = bool(all(summary[f"converged_{rule}"] for rule in RULES))
+    summary["sim_runs_converged"] = int(len(probes) - len(unconverged))
+    summary["sim_unconverged_runs"] = [f"{row.plan} seed {row.seed} at {row.rate:.6g} req/s ({row.stability})"
+                                       for row in unconverged.itertuples()]
+    summary["sim_extensions"] = int(probes["extensions"].sum())
+    for rule in RULES:
+        if not summary[f"converged_{rule}"]:
+            seeds_left = [s for s, ok in enumerate(summary[f"converged_{rule}_per_seed"]) if not ok]
+            warnings.append(f"under {names[rule]} the runs deciding the rate of seed(s) {seeds_left} did not converge "
+                            f"within sim.max_duration_s={sim['max_duration_s']:g} s of arrivals; that value is "
+                            "unconverged (raise max_duration_s).")
     summary["goodput_distserve_bracketed"] = summary["bracketed_distserve"]
     summary.update({
         "a2a_share_lightest": float(lightest["a2a_share"]),
