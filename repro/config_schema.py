@@ -67,14 +67,20 @@ class Value:
         return " or ".join(parts)
 
     def _range(self) -> str:
+        low, high = _show(self.low), _show(self.high)
         if self.low is not None and self.high is not None:
-            return f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+            return f"in {'(' if self.low_open else '['}{low}, {high}{')' if self.high_open else ']'}"
         if self.low is not None:
-            return f"{'>' if self.low_open else '>='} {self.low:g}"
-        return f"{'<' if self.high_open else '<='} {self.high:g}"
+            return f"{'>' if self.low_open else '>='} {low}"
+        return f"{'<' if self.high_open else '<='} {high}"
 
     def allows(self, value) -> bool:
         return any(_matches(t, value, self) for t in self.types)
+
+
+def _show(bound) -> str:
+    """A range bound as a user writes it: integers exactly (4294967295, not 4.29497e+09)."""
+    return str(bound) if bound is None or isinstance(bound, int) else f"{bound:g}"
 
 
 def _is_int(value) -> bool:
@@ -166,7 +172,7 @@ def top_keys(paths) -> set[str]:
 
 ROOT = {
     "name": text(),
-    "seed": integer(0),
+    "seed": integer(0, 2**32 - 1),  # numpy, torch and numba all take a 32-bit seed; 10**23 overflowed torch
     "profile_fraction": number(0, 1, low_open=True, high_open=True),
     "validate_fraction": number(0, 1, high_open=True),
     "evaluate_split": text(EVALUATE_SPLITS),
@@ -466,6 +472,18 @@ def check_exec(exec_cfg: dict, parallel) -> None:
 # ---- the whole config -----------------------------------------------------------------------------------------
 
 
+def check_trace_ignores_nothing(config: dict) -> None:
+    """trace= evaluates routing that is already tokenized and cut: a workload setting that shapes requests would
+    be ignored without a word (paper_table2 on trace= gave one result for 256, 512 and 1,024 tokens)."""
+    input_len = (config.get("workload") or {}).get("input_len")
+    if input_len is not None:
+        raise ConfigError(
+            f"workload.input_len={input_len} cannot apply to trace={config['trace']}: a trace's requests are already "
+            "tokenized at their own lengths; drop workload.input_len (workload.input_len=null) or route the workload "
+            "instead of trace=."
+        )
+
+
 def check_config(config: dict) -> None:
     """Raise one ConfigError sentence for the first unknown key or ill-typed / out-of-range value of a resolved
     job config (the dict of OmegaConf.to_container(cfg, resolve=True)); return None when it is sound."""
@@ -477,6 +495,7 @@ def check_config(config: dict) -> None:
             check_workload(group, config[group])
     if config.get("trace"):  # nothing is routed: the model's keys only, without importing its producer (torch)
         check_known_keys("model", config["model"], top_keys(option_keys("model")))
+        check_trace_ignores_nothing(config)
     else:
         check_model(config["model"])
     check_system(config["system"])

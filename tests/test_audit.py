@@ -48,7 +48,11 @@ BAD_VALUES = [
     ("config", ["profile_fraction=abc"], "profile_fraction must be a number in (0, 1), got 'abc'"),
     ("config", ["profile_fraction=1.5"], "profile_fraction must be a number in (0, 1)"),
     ("config", ["validate_fraction=0.8"], "leave no requests to evaluate"),
-    ("config", ["seed=abc"], "seed must be an integer >= 0"),
+    ("config", ["seed=abc"], "seed must be an integer in [0, 4294967295]"),
+    # issue 28: a seed numpy takes but torch cannot (a training job died in `Overflow when unpacking long long`)
+    ("config", ["seed=100000000000000000000000"], "seed must be an integer in [0, 4294967295], got 100000000000000000000000"),
+    # issue 28: a trace's requests are already cut: input_len was ignored without a word
+    ("config", ["trace=/x", "workload.input_len=256"], "workload.input_len=256 cannot apply to trace=/x"),
     ("config", ["history=-1"], "history must be an integer >= 0, got -1."),
     ("config", ["hardware.nodes=abc"], "hardware.nodes must be an integer >= 1, got 'abc'"),
     ("config", ["hardware.gpu.hbm_gbps=-1"], "gpu.hbm_gbps must be a positive number"),
