@@ -44,6 +44,10 @@ VARIANTS = {  # name -> (system, params); coplace_only keeps each decode on its 
     "signature_eldr": ("signature_eldr", {}),
     "signature_match_experts": ("signature", {"match": "experts"}),
     "eldr_vanilla": ("signature_eldr", {"placement": "vanilla", "match": "experts"}),
+    # decode placement for time (issue 27): swaps that shorten the profile's decode step from EP or the co-placement
+    "time": ("signature", {"placement": "time", "match": "experts"}),
+    "signature_time": ("signature", {"placement": "signature_time"}),
+    "signature_time_eldr": ("signature_eldr", {"placement": "signature_time"}),
 }
 COLUMNS = ("decode_lar", "decode_token_imbalance_max_mean", "decode_step_token_imbalance_max_mean",
            "decode_expert_load_imbalance_max_mean", "decode_batch_distinct_experts_max",

@@ -44,7 +44,11 @@ from repro.traces import RoutingTrace
 # token rows per histogram chunk in request_signatures: int64 keys of chunk x L x k stay a few MB
 SIGNATURE_CHUNK = 1 << 14
 
-PLACEMENTS = ("signature", "signature_exact", "vanilla")
+PLACEMENTS = ("signature", "signature_exact", "signature_time", "time", "vanilla")
+# token copies on the busiest rank that cost as much as reading one expert's weights, on the DeepSeek-V2-Lite shape
+# at H200 (conf/hardware/h200.yaml, nccl): 3 x 2048 x 1408 x 2 B / (4.8 TB/s x 0.8) = 4.5 us per expert against
+# 2 x 4096 B / 290 GB/s = 28 ns per copy (dispatch + combine)
+READ_COPIES = 160.0
 RULES = ("capacity", "eldr")
 MATCHES = ("centroid", "experts")
 
@@ -192,6 +196,103 @@ def place_balanced(cluster_act_LDE: np.ndarray, rng: np.random.Generator, load_w
                          beta=1.0, gamma=load_weight, ft_steps=ft_steps)
 
 
+def decode_step_tables(experts_NLk: np.ndarray, offsets: np.ndarray, prefill_len: np.ndarray, rank_R: np.ndarray,
+                       num_experts: int, num_devices: int) -> tuple[np.ndarray, np.ndarray]:
+    """(active float32[L, K, E], sent float32[L, K, D, E]) of the decode steps of a trace whose request r decodes on
+    rank_R[r]: step t holds every request's t-th generated token (a static batch, as the evaluator serves decode);
+    active[l, t, e] = 1 when some token of step t activates expert e at layer l (its weights are read), sent[l, t,
+    d, e] = activations of expert e by step t's tokens living on rank d."""
+    offsets = np.asarray(offsets, dtype=np.int64)
+    lengths = np.diff(offsets)
+    generated = lengths - np.asarray(prefill_len, dtype=np.int64)
+    rows = np.repeat(offsets[:-1] + prefill_len, generated) + (
+        np.arange(generated.sum()) - np.repeat(np.cumsum(generated) - generated, generated))
+    step = np.arange(generated.sum()) - np.repeat(np.cumsum(generated) - generated, generated)
+    rank = np.repeat(np.asarray(rank_R, dtype=np.int64), generated)
+    experts = np.asarray(experts_NLk[rows], dtype=np.int64)  # [n, L, k]
+    _, num_layers, _ = experts.shape
+    num_steps = int(step.max()) + 1 if len(step) else 0
+    keys = (((np.arange(num_layers)[None, :, None] * num_steps + step[:, None, None]) * num_devices
+             + rank[:, None, None]) * num_experts + experts)
+    sent = np.bincount(keys.ravel(), minlength=num_layers * num_steps * num_devices * num_experts)
+    sent = sent.reshape(num_layers, num_steps, num_devices, num_experts).astype(np.float32)
+    return (sent.sum(axis=2) > 0).astype(np.float32), sent
+
+
+def decode_step_cost(expert_device_E: np.ndarray, active_KE: np.ndarray, sent_KDE: np.ndarray,
+                     read_copies: float) -> float:
+    """Surrogate of one layer's decode time summed over steps, in expert-weight reads: per step, the busiest
+    device's distinct active experts (the weights it reads) plus the busiest rank's remote copies (max of sent and
+    received activations) divided by read_copies (the copies that cost as much as reading one expert's weights)."""
+    num_devices = sent_KDE.shape[1]
+    reads, remote = _device_loads(expert_device_E, active_KE, sent_KDE, num_devices)
+    return float(reads.max(axis=1).sum() + remote.max(axis=1).sum() / read_copies)
+
+
+def _device_loads(expert_device_E, active_KE, sent_KDE, num_devices):
+    """(reads float[K, D], remote float[K, D]): active experts each device holds, and max(sent, received) remote
+    activations of each rank, per step."""
+    onehot_ED = np.eye(num_devices, dtype=np.float32)[expert_device_E]
+    reads = active_KE @ onehot_ED
+    on_device_KDD = np.einsum("kse,ed->ksd", sent_KDE, onehot_ED)  # from rank s to device d
+    local = np.einsum("kdd->kd", on_device_KDD)
+    send = on_device_KDD.sum(axis=2) - local
+    recv = on_device_KDD.sum(axis=1) - local
+    return reads, np.maximum(send, recv)
+
+
+def place_for_decode_time(active_LKE: np.ndarray, sent_LKDE: np.ndarray, expert_device_LE: np.ndarray,
+                          read_copies: float, max_swaps: int = 64) -> np.ndarray:
+    """int64[L, E] expert -> device (E/D per device kept) improving `decode_step_cost` from expert_device_LE by
+    best-improvement swaps: each round prices every swap of an expert of a device that is the busiest in some step
+    with an expert of another device (vectorised: a swap changes two devices' columns only), and applies the best
+    one while it lowers the layer's cost (at most max_swaps per layer).
+
+    active_LKE float[L, K, E], sent_LKDE float[L, K, D, E] from `decode_step_tables` (the profile's decode steps
+    with its requests on the ranks the decode rule would give them). Co-activated experts piled on one device make
+    it the busiest in the steps they are active together; the swaps spread them unless locality pays for it."""
+    out = np.array(expert_device_LE, dtype=np.int64, copy=True)
+    num_layers, num_steps, num_devices, num_experts = sent_LKDE.shape
+    chunk = max(1, (1 << 22) // max(1, num_steps * num_devices))  # candidates priced at once
+    for layer in range(num_layers):
+        active, sent, where = active_LKE[layer], sent_LKDE[layer], out[layer]
+        total_KE = sent.sum(axis=1)  # activations of e in step k from all ranks
+        rank_total_KD = sent.sum(axis=2)
+        for _ in range(max_swaps):
+            onehot = np.eye(num_devices, dtype=np.float32)[where]
+            reads = active @ onehot  # [K, D]
+            diag = np.einsum("kde,ed->kd", sent, onehot)  # local activations of each rank
+            colsum = total_KE @ onehot  # activations each device serves
+            remote = np.maximum(rank_total_KD - diag, colsum - diag)
+            best = float(reads.max(axis=1).sum() + remote.max(axis=1).sum() / read_copies)
+            hot = np.unique((reads + remote / read_copies).argmax(axis=1))
+            e_c, f_c = np.nonzero(np.isin(where, hot)[:, None] & (where[:, None] != where[None, :]))
+            if not len(e_c):
+                break
+            costs = np.empty(len(e_c))
+            for lo in range(0, len(e_c), chunk):
+                e, f = e_c[lo : lo + chunk], f_c[lo : lo + chunk]
+                d1, d2 = where[e], where[f]
+                steps = np.arange(num_steps)[None, :]
+                r = np.repeat(reads[None], len(e), axis=0)  # [C, K, D]
+                m = np.repeat(remote[None], len(e), axis=0)
+                move = (active[:, f] - active[:, e]).T  # [C, K]
+                r[np.arange(len(e))[:, None], steps, d1[:, None]] += move
+                r[np.arange(len(e))[:, None], steps, d2[:, None]] -= move
+                for d, gone, come in ((d1, e, f), (d2, f, e)):
+                    new_diag = diag[:, d].T - sent[:, d, gone].T + sent[:, d, come].T  # [C, K]
+                    new_col = colsum[:, d].T - total_KE[:, gone].T + total_KE[:, come].T
+                    new_send = rank_total_KD[:, d].T - new_diag
+                    m[np.arange(len(e))[:, None], steps, d[:, None]] = np.maximum(new_send, new_col - new_diag)
+                costs[lo : lo + chunk] = r.max(axis=2).sum(axis=1) + m.max(axis=2).sum(axis=1) / read_copies
+            pick = int(costs.argmin())
+            if costs[pick] >= best - 1e-6:
+                break
+            e, f = e_c[pick], f_c[pick]
+            where[e], where[f] = where[f], where[e]
+    return out
+
+
 def device_expert_mask(placement: Placement) -> np.ndarray:
     """float64[L*E, D]: 1 where device d holds a replica of expert e of layer l (row l*E + e)."""
     present = placement.replicas() > 0  # [L, E, D]
@@ -258,27 +359,31 @@ class SignatureDecode:
 
     def __init__(self, placement: str = "signature", rule: str = "capacity", match: str = "centroid",
                  capacity_slack: int = 1, eldr_top: int = 2, kmeans_iters: int = 30, cluster_slack: float = 0.0,
-                 load_weight: float = 1.0):
+                 load_weight: float = 1.0, read_copies: float = READ_COPIES, time_swaps: int = 64):
         choices = {"placement": (placement, PLACEMENTS), "rule": (rule, RULES), "match": (match, MATCHES)}
         for key, (value, allowed) in choices.items():
             if value not in allowed:
                 raise ConfigError(f"system.params.{key}={value!r} is not one of {list(allowed)}.")
-        for key, value in (("capacity_slack", capacity_slack), ("eldr_top", eldr_top), ("kmeans_iters", kmeans_iters)):
+        for key, value in (("capacity_slack", capacity_slack), ("eldr_top", eldr_top), ("kmeans_iters", kmeans_iters),
+                           ("time_swaps", time_swaps)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"system.params.{key} must be an integer >= 1, got {value!r}.")
         if not isinstance(cluster_slack, int | float) or isinstance(cluster_slack, bool) or not 0 <= cluster_slack <= 1:
             raise ConfigError(f"system.params.cluster_slack must be a number in [0, 1], got {cluster_slack!r}.")
         if not isinstance(load_weight, int | float) or isinstance(load_weight, bool) or not 0 <= load_weight < np.inf:
             raise ConfigError(f"system.params.load_weight must be a finite number >= 0, got {load_weight!r}.")
-        if placement == "vanilla" and match == "centroid":
+        if not isinstance(read_copies, int | float) or isinstance(read_copies, bool) or not 0 < read_copies < np.inf:
+            raise ConfigError(f"system.params.read_copies must be a finite number > 0, got {read_copies!r}.")
+        if placement in ("vanilla", "time") and match == "centroid":
             raise ConfigError(
-                "placement=vanilla puts no cluster on a device, so match=centroid has no rank to point to; use "
-                "match=experts with placement=vanilla."
+                f"placement={placement} puts no cluster on a device, so match=centroid has no rank to point to; use "
+                f"match=experts with placement={placement}."
             )
         self.placement, self.rule, self.match = placement, rule, match
         self.capacity_slack, self.eldr_top = capacity_slack, eldr_top
         self.kmeans_iters, self.cluster_slack = kmeans_iters, float(cluster_slack)
         self.load_weight = float(load_weight)
+        self.read_copies, self.time_swaps = float(read_copies), time_swaps
 
     def fit(self, profile: RoutingTrace, parallel: ParallelConfig, rng: np.random.Generator) -> SignaturePlan:
         if parallel.attention != "dp":
@@ -303,7 +408,10 @@ class SignatureDecode:
             if np.isfinite(correlation):  # NaN without decode tokens: left out rather than reported
                 info[key] = correlation
         centroids = None
-        if self.placement != "vanilla":  # clusters are needed only to co-place experts with them
+        if self.placement == "time":  # EP's blocks, then swaps that shorten the decode step (no clusters)
+            expert_device = contiguous_placement(profile.num_layers, num_experts, num_devices).expert_device()
+            placement = self._for_decode_time(expert_device, profile, parallel, None, info)
+        elif self.placement != "vanilla":  # clusters are needed only to co-place experts with them
             labels, centroids, iterations = balanced_kmeans(
                 prefill, num_devices, rng, self.kmeans_iters, self.cluster_slack
             )
@@ -312,7 +420,10 @@ class SignatureDecode:
             cluster_act = cluster_act.transpose(1, 0, 2)  # [L, D, E]
             expert_device = (place_by_activations(cluster_act) if self.placement == "signature_exact"
                              else place_balanced(cluster_act, rng, self.load_weight))
-            placement = Placement.from_expert_device(expert_device, num_devices)
+            if self.placement == "signature_time":  # the co-placement, then swaps that shorten the decode step
+                placement = self._for_decode_time(expert_device, profile, parallel, centroids, info)
+            else:
+                placement = Placement.from_expert_device(expert_device, num_devices)
             sizes = np.bincount(labels, minlength=num_devices)
             info.update(kmeans_iterations=iterations, cluster_size_max_mean=float(sizes.max() * num_devices / len(labels)))
         else:
@@ -322,6 +433,31 @@ class SignatureDecode:
                              eldr_top=self.eldr_top, info=info)
 
 
+    def _plan(self, placement: Placement, parallel: ParallelConfig, centroids, info=None) -> SignaturePlan:
+        return SignaturePlan(placement, parallel, centroids=centroids, rule=self.rule, match=self.match,
+                             capacity_slack=self.capacity_slack, eldr_top=self.eldr_top, info=info)
+
+    def _for_decode_time(self, expert_device_LE: np.ndarray, profile: RoutingTrace, parallel: ParallelConfig,
+                         centroids, info: dict) -> Placement:
+        """The placement after `place_for_decode_time` from expert_device_LE, priced on the profile's decode steps
+        with each profile request on the rank this system's decode rule gives it under the starting placement."""
+        start = Placement.from_expert_device(expert_device_LE, parallel.devices)
+        plan = self._plan(start, parallel, centroids)
+        prompt = profile.prompt_mask()
+        offsets = np.concatenate([[0], np.cumsum(profile.prefill_len, dtype=np.int64)])
+        ranks = plan.assign_decode(np.asarray(profile.experts)[prompt], offsets, np.zeros(profile.num_requests))
+        active, sent = decode_step_tables(profile.experts, profile.offsets, profile.prefill_len, ranks,
+                                          profile.meta.num_experts, parallel.devices)
+        before = sum(decode_step_cost(expert_device_LE[layer], active[layer], sent[layer], self.read_copies)
+                     for layer in range(profile.num_layers))
+        expert_device = place_for_decode_time(active, sent, expert_device_LE, self.read_copies, self.time_swaps)
+        after = sum(decode_step_cost(expert_device[layer], active[layer], sent[layer], self.read_copies)
+                    for layer in range(profile.num_layers))
+        info.update(profile_decode_step_cost_start=before, profile_decode_step_cost=after,
+                    time_swapped_experts=int((expert_device != expert_device_LE).sum()))
+        return Placement.from_expert_device(expert_device, parallel.devices)
+
+
 class SignatureELDR(SignatureDecode):
     """The same plan with ELDR's decode rule: least-loaded among the eldr_top best signature matches."""
 
@@ -329,5 +465,6 @@ class SignatureELDR(SignatureDecode):
 
     def __init__(self, placement: str = "signature", rule: str = "eldr", match: str = "centroid",
                  capacity_slack: int = 1, eldr_top: int = 2, kmeans_iters: int = 30, cluster_slack: float = 0.0,
-                 load_weight: float = 1.0):
-        super().__init__(placement, rule, match, capacity_slack, eldr_top, kmeans_iters, cluster_slack, load_weight)
+                 load_weight: float = 1.0, read_copies: float = READ_COPIES, time_swaps: int = 64):
+        super().__init__(placement, rule, match, capacity_slack, eldr_top, kmeans_iters, cluster_slack, load_weight,
+                         read_copies, time_swaps)
