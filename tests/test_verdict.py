@@ -97,7 +97,8 @@ def write_job(root: Path, experiment: str, job: str, system: str, summary: dict,
 
 def serving(shape="deepseek_v2_lite", **extra) -> dict:
     return {"sim_shape": shape, "sim_hardware": "h200", "sim_seeds": 3, "sim_time_basis": "uncalibrated (roofline)",
-            "slo_ttft_s": 0.05, "slo_e2e_s": 2.0, "slo_light_rate_rps": 1.0, **extra}
+            "slo_ttft_s": 0.05, "slo_e2e_s": 2.0, "slo_light_rate_rps": 1.0, "converged_ttft": True,
+            "converged_e2e": True, "converged_distserve": True, "converged_capacity": True, **extra}
 
 
 def plant(root: Path, *, sem_ttft=(13.0, 13.2, 13.1), sem_lar=0.345) -> Path:
@@ -298,6 +299,15 @@ def test_a_throughput_the_sweep_never_capped_is_a_bound_not_a_measurement(tmp_pa
     assert both_open["verdict"] == NOT_TESTABLE and "raise sim.rates" in both_open["why"]
 
 
+def test_a_ratio_from_unconverged_runs_is_not_testable(tmp_path):
+    root = as_paper_model(plant(tmp_path / "runs"))
+    set_summary(root / "serve_dp" / "system=ep", converged_e2e=False)
+    parts = tables(root)[1].set_index(["claim", "part"])
+    row = parts.loc[("R4", "DeepSeek-V2-Lite, E2E SLO, vs ep")]
+    assert row["verdict"] == NOT_TESTABLE and "did not converge" in row["why"] and "ep" in row["why"]
+    assert parts.at[("R4", "DeepSeek-V2-Lite, TTFT SLO, vs ep"), "verdict"] == REPRODUCED  # TTFT runs converged
+
+
 def test_an_imported_trace_counts_as_the_paper_model_only_when_captured_from_it(tmp_path):
     kinds = {}
     for name, source, model in (("captured", "hf_capture", "deepseek-ai/DeepSeek-V2-Lite"),
@@ -367,3 +377,21 @@ def test_the_verdict_under_each_calibration_alternative_says_where_it_flips(tmp_
     assert "the verdict FLIPS between them for R4 DeepSeek-V2-Lite, TTFT SLO, vs ep" in text
     assert (tmp_path / "verdict_calibration.csv").is_file()
     assert calibration_table(read_jobs(as_paper_model(plant(tmp_path / "none")))[0]).empty
+
+
+def test_the_report_lists_every_serving_jobs_convergence():
+    from repro.figures.report import convergence_section
+
+    jobs = pd.DataFrame([
+        {"experiment": "serve_dp", "system": "ep", "sim_runs": 12, "sim_runs_converged": 12, "sim_unconverged_runs": [],
+         "converged_ttft": True, "converged_e2e": True, "converged_distserve": True, "converged_capacity": True},
+        {"experiment": "serve_dp", "system": "semmoe", "sim_runs": 14, "sim_runs_converged": 13,
+         "sim_unconverged_runs": ["plan seed 2 at 2040 req/s (undecided)"], "converged_ttft": False,
+         "converged_e2e": True, "converged_distserve": True, "converged_capacity": True},
+        {"experiment": "paper_dp", "system": "ep", "sim_runs": np.nan},  # no serving simulation: not listed
+    ])
+    lines = convergence_section(jobs)
+    rows = [line for line in lines if line.startswith("| serve_dp")]
+    assert len(rows) == 2 and "12 / 12" in rows[0] and "**no**" not in rows[0]
+    assert "| **no** | yes | yes | yes | 13 / 14 | plan seed 2 at 2040 req/s (undecided) |" in rows[1]
+    assert convergence_section(pd.DataFrame({"experiment": ["x"], "system": ["ep"]})) == []

@@ -337,6 +337,35 @@ def decode_section(runs: pd.DataFrame) -> list[str]:
     return lines
 
 
+def convergence_section(summary: pd.DataFrame) -> list[str]:
+    """Markdown lines: the convergence status of every serving job (repro.sim.metrics.steady_state): per rule,
+    whether the runs deciding it converged on every seed, and the runs that reached sim.max_duration_s unconverged.
+    The verdict judges only converged values."""
+    if "sim_runs" not in summary:
+        return []
+    jobs = summary[summary["sim_runs"].notna()].sort_values(["experiment", "system"])
+    if not len(jobs):
+        return []
+    rules = ("ttft", "e2e", "distserve", "capacity")
+    lines = ["## Serving convergence", "",
+             "Each simulated run doubles its arrivals until its window settles the queue's stability and, when stable, "
+             "the 95 % half-widths of throughput and mean TTFT are within `sim.rel_halfwidth` (2 %), up to "
+             "`sim.max_duration_s`; a rule's value is converged when the runs deciding it (the highest meeting rate "
+             "and the lowest failing one) converged on every seed (the capacity rule asks only the stability "
+             "verdict). The verdict judges only converged values.", "",
+             "| experiment | system | " + " | ".join(rules) + " | runs converged | unconverged runs (first 3) |",
+             "|---" * (len(rules) + 4) + "|"]
+    for job in jobs.itertuples():
+        flags = ["yes" if getattr(job, f"converged_{r}", None) is True else "**no**" for r in rules]
+        runs = getattr(job, "sim_unconverged_runs", None)
+        runs = runs if isinstance(runs, list) else []
+        done = getattr(job, "sim_runs_converged", float("nan"))
+        share = f"{int(done)} / {int(job.sim_runs)}" if pd.notna(done) else "not recorded"
+        lines.append(f"| {job.experiment} | {job.system} | " + " | ".join(flags) + f" | {share} | "
+                     + ("; ".join(runs[:3]) or "-") + " |")
+    return lines + [""]
+
+
 def _config_block(run_dir: str) -> str:
     cfg = json.loads((Path(run_dir) / "metrics.json").read_text())["config"]
     keep = {k: cfg[k] for k in ("model", "workload", "system", "parallel", "seed", "profile_fraction", "validate_fraction")
@@ -404,6 +433,7 @@ def write_report(runs_dir: str | Path, out_dir: str | Path) -> Path:
     lines += table2_section(summary, out_dir)
     lines += replication_section(summary, out_dir)
     lines += breakeven_section(runs_dir, out_dir, summary)
+    lines += convergence_section(summary)
     for experiment, runs in summary.groupby("experiment", sort=True):
         layers = per_layer[per_layer["experiment"] == experiment] if len(per_layer) else per_layer
         lines += experiment_section(experiment, runs, layers, out_dir, partial.get(experiment, ""))

@@ -432,6 +432,13 @@ def _ratio_parts(claim: str, panels: dict[str, dict[str, pd.Series]], paper_rati
                 parts.append(_absent(claim, part, _x(paper), f"no Attention-DP serving run of semmoe and {base} on "
                                      f"the {shape_label} shape"))
                 continue
+            # a value whose deciding runs did not converge is not a measurement (repro.sim.metrics.steady_state)
+            unconverged = [s for s in ("semmoe", base) if jobs[s].get(f"converged_{rule}") is not True]
+            if unconverged:
+                parts.append(_absent(claim, part, _x(paper), f"{' and '.join(unconverged)}'s {rule.upper()} SLO "
+                                     "runs did not converge (or predate convergence checks) within sim.max_duration_s; "
+                                     "raise it and rerun (the report lists the unconverged runs)"))
+                continue
             r = throughput_ratio(jobs["semmoe"], jobs[base], rule)
             # a system meeting the SLO at the highest swept rate on some seed has a lower bound, not a crossing
             open_ended = [s for s in ("semmoe", base) if jobs[s].get(f"bracketed_{rule}") is False]
