@@ -229,3 +229,61 @@ def test_a_spoiled_trace_is_one_sentence(tmp_path, case, spoil, message):
     with pytest.raises(TraceError) as error:
         read_trace(trace_dir)
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def run_cli(module: str, *args, cwd: Path, timeout: int = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, WANDB_MODE="disabled", REPRO_CACHE=str(cwd / "cache"))
+    return subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def assert_clean_refusal(res: subprocess.CompletedProcess, fragment: str) -> None:
+    """A nonzero exit, one `error:` sentence holding `fragment`, no traceback."""
+    assert res.returncode != 0, res.stdout[-1000:]
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and fragment in errors[0], res.stderr[-2000:]
+    assert "Traceback" not in res.stderr
+
+
+@pytest.fixture
+def counted(tmp_path):
+    """A plain trace, its one partial count table, and the part of another capture of the same requests and tokens
+    (same meta.json, requests.json and offsets, other experts)."""
+    import shutil
+
+    import numpy as np
+
+    trace = synthetic_trace_dir(tmp_path / "trace")
+    other = tmp_path / "other_capture"
+    shutil.copytree(trace, other)
+    np.save(other / "experts.npy", ((np.load(trace / "experts.npy") + 1) % 16).astype(np.int16))
+    for source, part in ((trace, "p0.npz"), (other, "foreign.npz")):
+        res = run_cli("repro.affinity.partial", "count", "--trace", source, "--shard", 0, "--out", tmp_path / part, cwd=tmp_path)
+        assert res.returncode == 0, res.stderr
+    return tmp_path, trace
+
+
+def test_partial_merge_never_replaces_an_existing_file(counted):
+    tmp_path, trace = counted
+    csv = tmp_path / "routing.csv"
+    csv.write_text("request,position,layer,expert\n")
+    for out, extra, fragment in ((csv, [], "must end in .npz"), (csv, ["--overwrite"], "must end in .npz"),
+                                 (tmp_path / "p0.npz", ["--overwrite"], "is one of the partial tables"),
+                                 (tmp_path / "foreign.npz", [], "exists; pass --overwrite")):
+        before = out.read_bytes()
+        res = run_cli("repro.affinity.partial", "merge", "--trace", trace, "--out", out, *extra, tmp_path / "p0.npz",
+                      cwd=tmp_path)
+        assert_clean_refusal(res, fragment)
+        assert out.read_bytes() == before
+
+
+def test_partial_merge_refuses_a_part_of_another_capture_and_a_truncated_part(counted):
+    tmp_path, trace = counted
+    res = run_cli("repro.affinity.partial", "merge", "--trace", trace, "--out", tmp_path / "m.npz", tmp_path / "foreign.npz",
+                  cwd=tmp_path)
+    assert_clean_refusal(res, "counted on another trace")
+    truncated = tmp_path / "truncated.npz"
+    truncated.write_bytes((tmp_path / "p0.npz").read_bytes()[:300])
+    res = run_cli("repro.affinity.partial", "merge", "--trace", trace, "--out", tmp_path / "m.npz", truncated, cwd=tmp_path)
+    assert_clean_refusal(res, "is not a count table")
+    assert not (tmp_path / "m.npz").exists()

@@ -1,7 +1,7 @@
 """Partial count tables: profile each shard of a sharded trace in its own job, then merge the tables exactly.
 
     python -m repro.affinity.partial count --trace T --shard I --out parts/I.npz [--prompt-only]
-    python -m repro.affinity.partial merge --trace T --out merged.npz parts/*.npz
+    python -m repro.affinity.partial merge --trace T --out merged.npz [--overwrite] parts/*.npz
 
 `count` reads shard I of the sharded trace T (repro.traces.shards; a plain trace is one shard, I = 0) in chunks
 and writes its sparse token -> expert counts; `merge` checks that the partials are one per shard of T (each
@@ -11,7 +11,7 @@ loaded with allow_pickle=False and written atomically (a refused merge writes no
 count jobs are independent: a SLURM job array (one task per shard), or a Hydra multirun over the shard index.
 
 A table (partial or merged) is an .npz of plain arrays:
-    identity <U64 (scalar)  sha256 of T's shard list (meta.json, requests.json, offsets.npy of each shard)
+    identity <U64 (scalar)  sha256 of T's shards (meta.json, requests.json, offsets.npy, sampled routing)
     shards int64[P]         the shard indices it covers (one for a partial, all for a merged table)
     num_shards int64, num_layers int64, num_experts int64, prompt_only bool
     token_vocab int32[t]    sorted token ids seen; occurrences int64[t] tokens per id
@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import sys
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -46,17 +47,40 @@ def shard_dirs(trace_path: str | Path) -> list[Path]:
     return manifest_shards(trace_path) if is_sharded(trace_path) else [Path(trace_path)]
 
 
+IDENTITY_FILES = ("meta.json", "requests.json", "offsets.npy")
+ROUTING_FILES = ("experts.npy", "weights.npy")  # sampled: another capture of the same requests differs there
+ROUTING_SAMPLES, SAMPLE_BYTES = 256, 4096
+
+
 def trace_identity(trace_path: str | Path) -> str:
-    """sha256 (hex) of each shard's meta.json, requests.json and offsets.npy, in shard order: the same for every
-    copy of one sharded trace, different for another capture; cheap (no routing array is read)."""
+    """sha256 (hex), in shard order, of each shard's meta.json, requests.json and offsets.npy, and of the size and
+    256 evenly spaced 4 KiB blocks of its experts.npy (and weights.npy): the same for every copy of one sharded
+    trace, different for another capture, even of the same requests and tokens; cheap (at most 1 MiB of routing
+    read per shard)."""
     h = hashlib.sha256()
     for directory in shard_dirs(trace_path):
-        for name in ("meta.json", "requests.json", "offsets.npy"):
+        for name in IDENTITY_FILES + ROUTING_FILES:
             try:
-                h.update((directory / name).read_bytes())
+                if name in IDENTITY_FILES:
+                    h.update((directory / name).read_bytes())
+                elif (directory / name).exists():
+                    h.update(sampled_bytes(directory / name))
             except OSError as e:
                 raise TraceError(f"cannot read {directory / name} ({e.strerror}); is {trace_path} a complete trace?") from e
     return h.hexdigest()
+
+
+def sampled_bytes(path: Path) -> bytes:
+    """The file's size and ROUTING_SAMPLES evenly spaced blocks of SAMPLE_BYTES (the whole file when smaller)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        if size <= ROUTING_SAMPLES * SAMPLE_BYTES:
+            return str(size).encode() + f.read()
+        blocks = [str(size).encode()]
+        for start in np.linspace(0, size - SAMPLE_BYTES, ROUTING_SAMPLES).astype(np.int64).tolist():
+            f.seek(start)
+            blocks.append(f.read(SAMPLE_BYTES))
+    return b"".join(blocks)
 
 
 def sum_sparse(keys: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -117,7 +141,7 @@ def load_table(path: str | Path) -> dict[str, np.ndarray]:
     try:
         with np.load(path, allow_pickle=False) as data:
             table = {name: data[name] for name in FIELDS}
-    except (OSError, ValueError, KeyError, EOFError) as e:
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:  # truncated: BadZipFile
         raise TraceError(
             f"{path} is not a count table written by repro.affinity.partial ({e}); re-run its count job."
         ) from e
@@ -170,6 +194,18 @@ def dense_counts(table: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     return table["token_vocab"], counts.astype(np.float32)
 
 
+def check_out(out: str | Path, inputs: list, overwrite: bool) -> None:
+    """Refuse an --out that would destroy data: not an .npz, one of the inputs, or (without --overwrite) an existing
+    file; an existing input CSV was once silently replaced by the merged table."""
+    out = Path(out)
+    if out.suffix != ".npz":
+        raise TraceError(f"--out {out} must end in .npz (a count table); choose another name.")
+    if any(out.resolve() == Path(p).resolve() for p in inputs):
+        raise TraceError(f"--out {out} is one of the partial tables being merged; write the merged table elsewhere.")
+    if out.exists() and not overwrite:
+        raise TraceError(f"--out {out} exists; pass --overwrite to replace it, or choose a new file.")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m repro.affinity.partial", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -181,15 +217,21 @@ def main(argv: list[str] | None = None) -> int:
     merge = sub.add_parser("merge", help="sum one partial table per shard into one table")
     merge.add_argument("--trace", required=True)
     merge.add_argument("--out", required=True)
+    merge.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     merge.add_argument("partials", nargs="+")
     args = parser.parse_args(argv)
     try:
         if args.command == "count":
+            check_out(args.out, [], overwrite=True)  # a count job re-run replaces its own part
             out = count_shard(args.trace, args.shard, args.out, args.prompt_only)
         else:
+            check_out(args.out, args.partials, args.overwrite)
             out = save_table(merge_tables(args.trace, args.partials), args.out)
     except ReproError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # an unwritable --out folder, a full disk
+        print(f"error: cannot write {args.out} ({e.strerror or e}); choose a writable place.", file=sys.stderr)
         return 1
     print(out)
     return 0
