@@ -287,3 +287,14 @@ def test_partial_merge_refuses_a_part_of_another_capture_and_a_truncated_part(co
     res = run_cli("repro.affinity.partial", "merge", "--trace", trace, "--out", tmp_path / "m.npz", truncated, cwd=tmp_path)
     assert_clean_refusal(res, "is not a count table")
     assert not (tmp_path / "m.npz").exists()
+
+
+def test_shards_combine_keeps_an_existing_manifest(tmp_path):
+    a, b = synthetic_trace_dir(tmp_path / "a"), synthetic_trace_dir(tmp_path / "b")
+    assert run_cli("repro.traces.shards", "combine", tmp_path / "day", a, cwd=tmp_path).returncode == 0
+    before = (tmp_path / "day" / "shards.json").read_bytes()
+    res = run_cli("repro.traces.shards", "combine", tmp_path / "day", b, cwd=tmp_path)
+    assert_clean_refusal(res, "exists; pass --overwrite")
+    assert (tmp_path / "day" / "shards.json").read_bytes() == before
+    assert run_cli("repro.traces.shards", "combine", tmp_path / "day", b, "--overwrite", cwd=tmp_path).returncode == 0
+    assert (tmp_path / "day" / "shards.json").read_bytes() != before

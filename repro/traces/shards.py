@@ -10,7 +10,7 @@ num_experts, top_k, layer_ids, dense_layers, vocab_size and tokenizer, all or no
 request id appears in two shards. The meta is shard 0's, its dataset the shards' distinct datasets joined by
 "+" (as concat_traces does); so trace_digest of a sharded trace equals that of its concatenation.
 
-    python -m repro.traces.shards combine OUT SHARD [SHARD ...]
+    python -m repro.traces.shards combine OUT SHARD [SHARD ...] [--overwrite]
 
 writes OUT/shards.json listing the shard directories by relative path (nothing is copied or linked); the shards
 are read and checked first, and nothing is written when one is refused.
@@ -36,17 +36,20 @@ from repro.traces.format import combine_shards, read_sharded_trace, read_trace  
 from repro.traces.manifest import MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, is_sharded, manifest_shards  # noqa: F401
 
 
-def write_manifest(out: str | os.PathLike, shard_dirs: list) -> Path:
+def write_manifest(out: str | os.PathLike, shard_dirs: list, overwrite: bool = False) -> Path:
     """Check the shards combine (reading each), then write out/shards.json listing them by relative path.
 
-    Nothing is copied or linked. `out` may be absent or an empty folder or hold only a previous shards.json;
-    anything else there is refused, and nothing is written when a shard is refused.
+    Nothing is copied or linked. `out` may be absent or an empty folder, or hold only a previous shards.json when
+    `overwrite` (--overwrite) says to replace it; anything else there is refused, and nothing is written when a
+    shard is refused.
     """
     out = Path(out)
     if not shard_dirs:
         raise TraceError("combine needs at least one shard directory.")
     if out.exists() and (not out.is_dir() or any(p.name != MANIFEST for p in out.iterdir())):
         raise TraceError(f"{out} exists and holds more than a {MANIFEST}; choose a new or empty folder for the manifest.")
+    if (out / MANIFEST).exists() and not overwrite:
+        raise TraceError(f"{out / MANIFEST} exists; pass --overwrite to replace it, or choose a new folder.")
     for shard_dir in shard_dirs:
         if is_sharded(shard_dir):
             raise TraceError(f"shard {shard_dir} is itself sharded; pass its shard directories instead.")
@@ -64,11 +67,15 @@ def main(argv: list[str] | None = None) -> int:
     combine = sub.add_parser("combine", help="write OUT/shards.json over existing trace directories (no copies)")
     combine.add_argument("out")
     combine.add_argument("shards", nargs="+")
+    combine.add_argument("--overwrite", action="store_true", help="replace an existing OUT/shards.json")
     args = parser.parse_args(argv)
     try:
-        out = write_manifest(args.out, args.shards)
+        out = write_manifest(args.out, args.shards, args.overwrite)
     except ReproError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # an unwritable OUT
+        print(f"error: cannot write {Path(args.out) / MANIFEST} ({e.strerror or e}); choose a writable folder.", file=sys.stderr)
         return 1
     print(f"{out / MANIFEST}: {len(args.shards)} shards")
     return 0
