@@ -298,3 +298,53 @@ def test_shards_combine_keeps_an_existing_manifest(tmp_path):
     assert (tmp_path / "day" / "shards.json").read_bytes() == before
     assert run_cli("repro.traces.shards", "combine", tmp_path / "day", b, "--overwrite", cwd=tmp_path).returncode == 0
     assert (tmp_path / "day" / "shards.json").read_bytes() != before
+
+
+def test_router_answers_malformed_clients_400_with_one_log_line(caplog):
+    """A client-set rank outside the plan, an undecodable gzip body, Content-Length: -5 and a 200 KB header each get
+    400 and one log line, no traceback; nothing reaches the upstream."""
+    import logging
+
+    from test_engines_capture import serve_in_thread
+    from test_engines_router import _raw_exchange, call, fake_upstream, semmoe_plan
+
+    from repro.engines import router as router_mod
+    from repro.engines.router import SemanticRouter, build_app
+    from repro.workloads import load_tokenizer
+
+    log: list = []
+    upstream_url, stop_upstream = serve_in_thread(fake_upstream(log))
+    router = SemanticRouter(semmoe_plan(), load_tokenizer("mixtral"))
+    url, stop_router = serve_in_thread(build_app(router, [upstream_url]), **router_mod.server_options(5))
+    try:
+        caplog.set_level(logging.INFO, logger="aiohttp.server")
+        for rank in ("99", "abc", "-1"):
+            status, _, raw = call(url, "/v1/completions", {"prompt": "hi"}, headers={"X-Data-Parallel-Rank": rank})
+            assert status == 400 and b"is not a DP rank of this plan (0..3)" in raw
+        assert call(url, "/v1/completions", {"prompt": "hi"}, headers={"X-Data-Parallel-Rank": "3"})[0] == 200
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+        for request in (head + b"Content-Encoding: gzip\r\nContent-Length: 10\r\n\r\n0123456789",
+                        head + b"Content-Length: -5\r\n\r\n",
+                        head + b"X-Big: " + b"a" * 200_000 + b"\r\nContent-Length: 2\r\n\r\n{}"):
+            assert _raw_exchange(url, [request], wait=0.2).split(b"\r\n")[0].endswith(b"400 Bad Request")
+        assert len(log) == 1  # only the valid rank-3 request went upstream
+        records = [r for r in caplog.records if r.name == "aiohttp.server"]
+        assert records and all(r.exc_info is None and r.getMessage().startswith("router: refused") for r in records)
+    finally:
+        stop_router()
+        stop_upstream()
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--upstream", "not-a-url"], "--upstream 'not-a-url' is not an http(s) URL with a host"),
+    (["--upstream", "http://127.0.0.1:9", "--max-body-mb", "nan"], "must be finite numbers > 0"),
+])
+def test_router_refuses_a_bad_command_line_at_start(tmp_path, capsys, args, fragment):
+    from test_engines_router import NUM_EXPERTS, semmoe_plan, write_job
+
+    from repro.engines import router as router_mod
+
+    job = write_job(tmp_path / "job", semmoe_plan(), model={"name": "toy", "num_experts": NUM_EXPERTS})
+    assert router_mod.main(["--plan", str(job), "--tokenizer", "mixtral", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and fragment in err[0]

@@ -58,6 +58,9 @@ import argparse
 import asyncio
 import gc
 import json
+import logging
+import math
+import re
 import sys
 import threading
 import time
@@ -246,6 +249,54 @@ def _error_response(status: int, kind: str, message: str):
     return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
 
 
+class ClientRefusal(Exception):
+    """A request the router answers itself with 400 and one sentence (never forwarded)."""
+
+
+def client_rank(values: list[str], header: str, num_ranks: int) -> None:
+    """Check a client-set rank header against the plan: the upstream would otherwise get rank 99 of 4, or 'abc'."""
+    for value in values:
+        if not re.fullmatch(r"[0-9]{1,9}", value.strip()) or int(value) >= num_ranks:
+            raise ClientRefusal(f"{header}: {value!r} is not a DP rank of this plan (0..{num_ranks - 1}); send a rank "
+                                "in that range, or no header to let the router choose.")
+
+
+def check_upstreams(upstreams: Sequence[str]) -> None:
+    """Each upstream an http(s) URL with a host, refused at start rather than answered 502 on every request."""
+    from yarl import URL
+
+    for text in upstreams:
+        try:
+            url = URL(text)
+        except (ValueError, TypeError):
+            url = None
+        if url is None or url.scheme not in ("http", "https") or not url.host:
+            raise ConfigError(f"--upstream {text!r} is not an http(s) URL with a host; give e.g. http://127.0.0.1:30000.")
+
+
+class OneLineClientErrors(logging.Filter):
+    """aiohttp logs a malformed client request (bad Content-Length, a 200 KB header, an undecodable body) with a
+    traceback on stderr though it answered 400; such a record becomes one line naming the client's error."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from aiohttp.http_exceptions import HttpProcessingError
+        from aiohttp.web_protocol import RequestPayloadError
+
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, HttpProcessingError | RequestPayloadError):
+            reason = " ".join(str(getattr(error, "message", "") or error).split())[:200]
+            record.msg, record.args, record.exc_info = (
+                f"router: refused a malformed client request ({type(error).__name__}: {reason})", (), None)
+        return True
+
+
+def quiet_client_errors() -> None:
+    """Install OneLineClientErrors on aiohttp's server logger (once)."""
+    logger = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, OneLineClientErrors) for f in logger.filters):
+        logger.addFilter(OneLineClientErrors())
+
+
 def server_options(client_timeout: float = CLIENT_TIMEOUT_S) -> dict:
     """aiohttp server (AppRunner / run_app) options of the router: a connection that has not sent a complete
     request within client_timeout seconds is closed (slow or idle clients do not hold connections), and after an
@@ -265,9 +316,12 @@ def build_app(
     """
     import aiohttp
     from aiohttp import web
+    from aiohttp.web_protocol import RequestPayloadError
 
     if engine not in ENGINES:
         raise ConfigError(f"engine must be one of {ENGINES}, got {engine!r}.")
+    check_upstreams(upstreams)
+    quiet_client_errors()
     upstreams = [u.rstrip("/") for u in upstreams]
     if len(upstreams) not in (1, router.num_ranks):
         raise ConfigError(
@@ -291,6 +345,7 @@ def build_app(
         if request.method != "POST" or request.path not in ROUTED_PATHS:
             return None
         if header in request.headers:  # a CIMultiDict: any spelling
+            client_rank(request.headers.getall(header), header, router.num_ranks)
             metrics.unscored_client_rank.inc()
             return None
         try:
@@ -325,7 +380,14 @@ def build_app(
             response = _error_response(408, "request_timeout", f"the request body did not arrive within {client_timeout:g} s.")
             response.force_close()  # the rest of the body may still come: this connection cannot carry another request
             return response
-        rank = await decide(request, raw)
+        except RequestPayloadError as e:  # e.g. a Content-Encoding: gzip body that is not gzip
+            response = _error_response(400, "bad_request_body", f"the request body could not be decoded ({' '.join(str(e.__cause__ or e).split())}).")
+            response.force_close()
+            return response
+        try:
+            rank = await decide(request, raw)
+        except ClientRefusal as e:
+            return _error_response(400, "bad_request", str(e))
         # a list, not a dict: a header the client sent twice goes upstream twice
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP]
         base = upstreams[0]
@@ -453,8 +515,9 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
-        if min(args.connect_timeout, args.timeout, args.client_timeout, args.max_body_mb) <= 0:
-            raise ConfigError("--connect-timeout, --timeout, --client-timeout and --max-body-mb must be > 0.")
+        limits = (args.connect_timeout, args.timeout, args.client_timeout, args.max_body_mb)
+        if not all(math.isfinite(x) and x > 0 for x in limits):  # nan passed a `<= 0` test
+            raise ConfigError("--connect-timeout, --timeout, --client-timeout and --max-body-mb must be finite numbers > 0.")
         router, tokenizer = make_router(args)
         app = build_app(router, args.upstream, args.engine, connect_timeout=args.connect_timeout, timeout=args.timeout,
                         max_body_bytes=int(args.max_body_mb * 2**20), client_timeout=args.client_timeout)
