@@ -18,8 +18,9 @@ the layer's, as in the cost model):
 Each collective starts after an untimed barrier (CommRecord(barrier=True)); a compute phase takes the slowest
 rank's time, a collective call the fastest rank's (the last to arrive, so no wait for a late peer is in it:
 `reduce_ranks`), the median over REPEATS after one warm-up.
-The prediction: repro.sim.costs with the hardware profile bench.cpu_check measured for that rank count
-(conf/hardware/cpu_<host>_<N>ranks.yaml + measured/), from the same batches' exact traffic
+The prediction: repro.sim.costs with a hardware profile of bench.cpu_check's microbenchmarks for that rank count,
+taken again right before the executions (the machine's load drifts by the minute; the committed
+conf/hardware/cpu_<host>_<N>ranks.yaml is priced too, `with_committed_profile`), from the same batches' exact traffic
 (repro.sim.traffic.batch_traffic on the plan's placement): gate = CostModel's GEMM term at the rank's tokens,
 experts = CostModel.experts (the measured per-slot table), dispatch and combine = costs.phase_seconds. The
 profile was calibrated on the microbenchmarks only, never on these timings. Two dispatch predictions are kept:
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -217,16 +219,46 @@ def predict(hw, shape, placement, rows_D: list[np.ndarray], experts_NLk: np.ndar
 # ---- driver ------------------------------------------------------------------------------------------------------
 
 
-def _hardware(host: str, ranks: int):
+def committed_hardware(host: str, ranks: int):
+    """The committed profile bench.cpu_check wrote for this host and rank count (None when there is none)."""
     import yaml
 
     from bench.cpu_check import HARDWARE_DIR, profile_name
     from repro.sim.hardware import load_hardware
 
     path = HARDWARE_DIR / f"{profile_name(host, ranks)}.yaml"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing; run `python -m bench.cpu_check` on this machine first.")
-    return load_hardware(yaml.safe_load(path.read_text())), path.name
+    return load_hardware(yaml.safe_load(path.read_text())) if path.is_file() else None
+
+
+def fresh_hardware(host: str, ranks: int, quick: bool, directory: Path):
+    """Calibrate again now (bench.cpu_check's microbenchmarks, same code) into `directory` and load that profile:
+    on a shared machine whose load drifts by the minute, the executor is priced with the calibration taken just
+    before it, under the same load. Returns (Hardware, the calibration notes)."""
+    import yaml
+
+    from bench.cpu_check import (
+        EXPERT_ROWS,
+        PEER_BYTES,
+        calibrate,
+        calibration_document,
+        fit_a2a,
+        profile_document,
+        profile_name,
+        write_profile,
+    )
+    from repro.sim.hardware import load_hardware
+
+    rows, peers, repeats = ((1, 16, 64, 256, 1024), (8, 1024, 16384, 262144), 9) if quick else \
+        (EXPERT_ROWS, PEER_BYTES, 25)
+    load_before = os.getloadavg()
+    m = calibrate(ranks, repeats, rows, peers)
+    fit = fit_a2a(m["a2a"])
+    name = profile_name(host, ranks)
+    load = {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]}
+    calibration = calibration_document(name, ranks, m, fit, load)
+    (directory / "measured").mkdir(parents=True, exist_ok=True)
+    paths = write_profile(directory, directory / "measured", profile_document(name, ranks, m, fit), calibration)
+    return load_hardware(yaml.safe_load(paths[0].read_text()), directory / "measured"), calibration["notes"]
 
 
 def run(quick: bool) -> dict:
@@ -249,9 +281,12 @@ def run(quick: bool) -> dict:
     host = host_name()
     shape = exec_shape(EXEC_SHAPE, layers)
     cells, orders, profiles = [], [], {}
+    calibration_dir = Path(tempfile.mkdtemp(prefix="bench_cost_model_hw_"))
     for ranks in (2, 4):
-        hw, profile_file = _hardware(host, ranks)
-        profiles[ranks] = profile_file
+        hw, notes = fresh_hardware(host, ranks, quick, calibration_dir)
+        committed = committed_hardware(host, ranks)
+        profiles[f"{ranks} ranks"] = {"fresh_calibration": notes,
+                                      "committed_profile": committed.name if committed else None}
         parallel = ParallelConfig.from_config(dict(config["parallel"], devices=ranks, attention="dp"))
         plans = {}
         for system in SYSTEMS:
@@ -279,6 +314,7 @@ def run(quick: bool) -> dict:
         totals = {}
         for c, (kind, size, system, plan, rows_D) in enumerate(keys):
             pred = predict(hw, shape, plan.placement, rows_D, experts_NLk)
+            pred_committed = predict(committed, shape, plan.placement, rows_D, experts_NLk) if committed else None
             measured = np.median(times[c], axis=1)  # [L, 4]
             for layer in range(layers):
                 cell = {"ranks": ranks, "phase_kind": kind, "size": size, "system": system, "layer": layer,
@@ -286,6 +322,8 @@ def run(quick: bool) -> dict:
                 for p, phase in enumerate(PHASES):
                     cell[f"{phase}_measured_s"] = float(measured[layer, p])
                     cell[f"{phase}_predicted_s"] = float(pred[phase][layer])
+                    if pred_committed is not None:
+                        cell[f"{phase}_committed_s"] = float(pred_committed[phase][layer])
                 cell["dispatch_sim_predicted_s"] = float(pred["dispatch_sim"][layer])
                 cells.append(cell)
             per_repeat = times[c].sum(axis=(0, 2))  # [R] MoE time summed over layers and phases
@@ -303,8 +341,12 @@ def run(quick: bool) -> dict:
                                "ep_predicted_s": ep_p, "semmoe_predicted_s": sem_p, "noise_s": noise,
                                "resolved": bool(resolved),
                                "agrees": bool(np.sign(measured_diff) == np.sign(predicted_diff)) if resolved else None})
-        profiles[f"exec_wall_s_{ranks}"] = round(wall, 1)
+        profiles[f"{ranks} ranks"]["exec_wall_s"] = round(wall, 1)
+    shutil.rmtree(calibration_dir, ignore_errors=True)
     summary = summarise(cells, orders)
+    if all("gating_committed_s" in c for c in cells):
+        summary["with_committed_profile"] = {
+            phase: summarise_phase(cells, f"{phase}_committed_s", f"{phase}_measured_s") for phase in PHASES}
     return {
         "what": "repro.exec MoE layers on gloo vs repro.sim.costs with the bench.cpu_check profile (see docstring)",
         "routing": f"synthetic Mixtral (8 experts top-2, {layers} layers), MMLU evaluate split, {requests} requests",
@@ -314,23 +356,29 @@ def run(quick: bool) -> dict:
     }
 
 
+def summarise_phase(cells: list[dict], predicted_key: str, measured_key: str) -> dict:
+    """{group: {median_abs_error, max_abs_error, median_signed_error, cells}} over all cells and per rank count x
+    batch kind; relative error = predicted / measured - 1."""
+    groups = {"all": cells}
+    for ranks in sorted({c["ranks"] for c in cells}):
+        for kind in ("prefill", "decode"):
+            groups[f"{ranks} ranks {kind}"] = [c for c in cells if c["ranks"] == ranks and c["phase_kind"] == kind]
+    out = {}
+    for name, group in groups.items():
+        errors = np.array([c[predicted_key] / c[measured_key] - 1 for c in group if c[measured_key] > 0])
+        if len(errors):
+            out[name] = {"median_abs_error": round(float(np.median(np.abs(errors))), 3),
+                         "max_abs_error": round(float(np.max(np.abs(errors))), 3),
+                         "median_signed_error": round(float(np.median(errors)), 3), "cells": len(errors)}
+    return out
+
+
 def summarise(cells: list[dict], orders: list[dict]) -> dict:
-    """Per phase (and per rank count x batch kind) the median and max |relative error|, and the order check."""
+    """Per phase the errors (`summarise_phase`) and whether the median meets TARGET, and the order check."""
     out = {}
     for phase in (*PHASES, "dispatch_sim"):
-        measured_key = "dispatch_measured_s" if phase == "dispatch_sim" else f"{phase}_measured_s"
-        groups = {"all": cells}
-        for ranks in sorted({c["ranks"] for c in cells}):
-            for kind in ("prefill", "decode"):
-                groups[f"{ranks} ranks {kind}"] = [c for c in cells if c["ranks"] == ranks and c["phase_kind"] == kind]
-        out[phase] = {}
-        for name, group in groups.items():
-            errors = np.array([(c[f"{phase}_predicted_s"] - c[measured_key]) / c[measured_key] for c in group
-                               if c[measured_key] > 0])
-            if len(errors):
-                out[phase][name] = {"median_abs_error": round(float(np.median(np.abs(errors))), 3),
-                                    "max_abs_error": round(float(np.max(np.abs(errors))), 3),
-                                    "median_signed_error": round(float(np.median(errors)), 3), "cells": len(errors)}
+        measured = "dispatch" if phase == "dispatch_sim" else phase
+        out[phase] = summarise_phase(cells, f"{phase}_predicted_s", f"{measured}_measured_s")
         out[phase]["meets_target"] = out[phase]["all"]["median_abs_error"] <= TARGET
     resolved = [o for o in orders if o["resolved"]]
     out["order"] = {"comparisons": len(orders), "resolved": len(resolved),

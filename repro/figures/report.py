@@ -25,6 +25,7 @@ from repro.figures.paper import paper_section  # noqa: E402
 from repro.figures.render import FRACTIONS, markdown_table, metric_axis, save_png  # noqa: E402
 from repro.figures.replication import replication_section  # noqa: E402
 from repro.figures.table2 import table2_section  # noqa: E402
+from repro.figures.trust import trust_section  # noqa: E402
 from repro.figures.verdict import verdict_section  # noqa: E402
 
 # Hydra override keys (last dotted part) that a figure's panels and colours already tell apart; the others name a
@@ -433,6 +434,7 @@ def write_report(runs_dir: str | Path, out_dir: str | Path) -> Path:
     lines += table2_section(summary, out_dir)
     lines += replication_section(summary, out_dir)
     lines += breakeven_section(runs_dir, out_dir, summary)
+    lines += trust_section(runs_dir)
     lines += convergence_section(summary)
     for experiment, runs in summary.groupby("experiment", sort=True):
         layers = per_layer[per_layer["experiment"] == experiment] if len(per_layer) else per_layer
