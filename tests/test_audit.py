@@ -348,3 +348,32 @@ def test_router_refuses_a_bad_command_line_at_start(tmp_path, capsys, args, frag
     assert router_mod.main(["--plan", str(job), "--tokenizer", "mixtral", *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and fragment in err[0]
+
+
+def test_figures_and_diff_skip_a_metrics_json_holding_nan_and_refuse_a_file_as_out(tmp_path, capsys):
+    from test_figures_robust import write_job
+
+    from repro.figures.__main__ import main as figures_main
+    from repro.figures.diff import main as diff_main
+
+    write_job(tmp_path / "a", "paper_dp", "ep", lar=0.5)
+    write_job(tmp_path / "b", "paper_dp", "ep", lar=0.6)
+    for side in ("a", "b"):
+        job = write_job(tmp_path / side, "paper_dp", "semmoe", lar=0.7)
+        if side == "b":  # a hand-edited file: json reads NaN, the suite never writes it
+            (job / "metrics.json").write_text((job / "metrics.json").read_text().replace("0.7", "NaN"))
+    assert diff_main([str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    printed = capsys.readouterr().out
+    assert "holds NaN, which the suite never writes" in printed and "removed" not in printed
+    assert figures_main(["--runs", str(tmp_path / "b"), "--out", str(tmp_path / "fig")]) == 0
+    assert "holds NaN" in (tmp_path / "fig" / "REPORT.md").read_text()
+    capsys.readouterr()
+    a_file = tmp_path / "a_file"
+    a_file.write_text("keep me")
+    for call in (lambda: figures_main(["--runs", str(tmp_path / "a"), "--out", str(a_file)]),
+                 lambda: diff_main([str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(a_file)]),
+                 lambda: figures_main(["--runs", str(tmp_path / "a"), "--out", str(a_file / "sub")])):
+        assert call() == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and "\n" not in err and "a_file" in err
+        assert a_file.read_text() == "keep me"

@@ -5,6 +5,7 @@ import argparse
 import sys
 
 from repro.errors import ReproError
+from repro.figures.jobs import check_out_dir
 from repro.figures.report import write_report
 from repro.tracking import log_report_figures
 
@@ -16,6 +17,7 @@ def main(argv=None) -> int:
     parser.add_argument("--html", action="store_true", help="also write REPORT.html beside REPORT.md")
     args = parser.parse_args(argv)
     try:
+        check_out_dir(args.out)
         report = write_report(args.runs, args.out)
         print(report)
         log_report_figures(args.out, args.runs)  # the report's PNGs to a W&B run of job_type "report"

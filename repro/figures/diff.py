@@ -41,7 +41,7 @@ import pandas as pd  # noqa: E402
 from repro.atomic import atomic_write_text  # noqa: E402
 from repro.errors import ReproError  # noqa: E402
 from repro.figures.html import write_html  # noqa: E402
-from repro.figures.jobs import SkippedJob, log, read_jobs  # noqa: E402
+from repro.figures.jobs import SkippedJob, check_out_dir, log, read_jobs  # noqa: E402
 from repro.figures.paper import rate_grid  # noqa: E402
 from repro.figures.render import markdown_table, save_png  # noqa: E402
 
@@ -340,6 +340,8 @@ def main(argv=None) -> int:
                              f"{list(KEY)}; keep at least one to match jobs on.")
         key = [c for c in KEY if c not in ignore]
         check_threshold(args.threshold)
+        if args.out:
+            check_out_dir(args.out)
         (summary_a, skipped_a), (summary_b, skipped_b) = read_results(args.runs_a), read_results(args.runs_b)
         diff = diff_runs(summary_a, summary_b, args.threshold, tuple(key), args.allow_different_traces)
         labels = label_columns(summary_a, summary_b, tuple(key))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,9 +54,27 @@ def find_job_files(runs_dir: str | Path, name: str = "metrics.json") -> list[Pat
     return found
 
 
+def _refuse_non_finite(constant: str):
+    """json's hook for NaN / Infinity: the suite writes strict JSON, so such a file was edited or written by another
+    tool, and its NaN would read as a missing metric (figures.diff said "removed") or break a figure."""
+    raise ValueError(f"metrics.json holds {constant}, which the suite never writes (strict JSON); rerun the job")
+
+
+def check_out_dir(out: str | Path, flag: str = "--out") -> Path:
+    """`out` as a folder to write into (absent, or a folder); one sentence when it is a file or sits where nothing
+    can be created, before anything is read or written (nothing is created here: a later refusal leaves no folder)."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ReproError(f"{flag} {out} is a file, not a folder; give a folder to write into.")
+    existing = next(p for p in (out.absolute(), *out.absolute().parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise ReproError(f"cannot write into {flag} {out}: {existing} is not a writable folder; choose another place.")
+    return out
+
+
 def _job_row(metrics: Path) -> dict:
     """One summary row from a metrics.json; raises ValueError / KeyError / TypeError / OSError on a corrupt file."""
-    data = json.loads(metrics.read_text(encoding="utf-8"))
+    data = json.loads(metrics.read_text(encoding="utf-8"), parse_constant=_refuse_non_finite)
     if not isinstance(data, dict) or not isinstance(data.get("summary"), dict) or not isinstance(data.get("config"), dict):
         raise ValueError("it is not a JSON object with a 'summary' and a 'config' object")
     cfg = data["config"]
