@@ -377,3 +377,16 @@ def test_figures_and_diff_skip_a_metrics_json_holding_nan_and_refuse_a_file_as_o
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: ") and "\n" not in err and "a_file" in err
         assert a_file.read_text() == "keep me"
+
+
+def test_engine_export_to_an_unwritable_place_is_one_sentence(tmp_path, capsys):
+    from test_engines_sglang import toy_job
+
+    from repro.engines import sglang
+
+    job, _ = toy_job(tmp_path)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    assert sglang.main(["export", str(job), "--out", str(blocker / "location.json")]) == 2  # root ignores chmod
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: cannot write --out") and "\n" not in err

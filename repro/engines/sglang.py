@@ -133,7 +133,10 @@ def export_location(saved: SavedPlan, out: str | Path) -> np.ndarray:
     rows = location_rows(saved)
     check_location({LOCATION_KEY: rows.tolist()}, saved.layout, saved.placement.num_devices,
                    saved.placement.num_slots - saved.placement.num_experts)
-    atomic_write_text(out, json.dumps({LOCATION_KEY: rows.tolist()}, separators=(",", ":")))
+    try:
+        atomic_write_text(out, json.dumps({LOCATION_KEY: rows.tolist()}, separators=(",", ":")))
+    except OSError as e:  # a missing or read-only folder, a full disk
+        raise ConfigError(f"cannot write --out {out} ({e.strerror or e}); choose a writable place.") from e
     return rows
 
 

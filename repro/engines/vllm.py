@@ -94,7 +94,10 @@ def export_placement(saved: SavedPlan, out: str | Path) -> dict:
         "ep_size": saved.placement.num_devices, "physical_to_logical_map": rows.tolist(),
     }
     check_placement(document)
-    atomic_write_text(Path(out), json.dumps(document, separators=(",", ":")))
+    try:
+        atomic_write_text(Path(out), json.dumps(document, separators=(",", ":")))
+    except OSError as e:  # a missing or read-only folder, a full disk
+        raise ConfigError(f"cannot write --out {out} ({e.strerror or e}); choose a writable place.") from e
     return document
 
 
