@@ -390,3 +390,20 @@ def test_engine_export_to_an_unwritable_place_is_one_sentence(tmp_path, capsys):
     assert sglang.main(["export", str(job), "--out", str(blocker / "location.json")]) == 2  # root ignores chmod
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: cannot write --out") and "\n" not in err
+
+
+@pytest.mark.parametrize("depth", [10_000, 100_000])
+def test_import_refuses_a_deeply_nested_jsonl_row_quickly(tmp_path, depth):
+    """pyarrow's JSON parser segfaulted at 50,000-100,000 levels and ran > 400 s at 10,000: refused before it."""
+    import time
+
+    rows = [json.dumps({"request_id": "r0", "position": 0, "layer": 0, "token": 5, "experts": [1, 2],
+                        "note": "[[[[ {{ brackets in a string do not count"})]
+    rows.append('{"request_id": "r1", "position": 0, "layer": 0, "token": 5, "experts": ' + "[" * depth + "]" * depth + "}")
+    table = tmp_path / "routing.jsonl"
+    table.write_text("\n".join(rows) + "\n")
+    started = time.perf_counter()
+    res = run_cli("repro.traces.import", table, "--out", tmp_path / "trace", cwd=tmp_path)
+    assert_clean_refusal(res, "nests a value more than 32 levels deep (line 2)")
+    assert time.perf_counter() - started < 60 and not (tmp_path / "trace").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["routing.jsonl"]

@@ -214,6 +214,34 @@ def _block_bytes(path: Path, rows: int) -> int:
     return int(min(max(rows * per_line, 1 << 16), (1 << 31) - 1))
 
 
+MAX_JSON_DEPTH = 32  # a routing row is flat (experts maybe a list of lists): depth 3
+DEPTH_SCAN_BYTES = 64 << 20
+
+
+def check_json_depth(path: Path, limit: int = MAX_JSON_DEPTH) -> None:
+    """Refuse a JSON Lines file nested deeper than `limit` ([ and { outside strings), in one streaming numpy pass.
+
+    pyarrow's JSON reader recurses per level: a value nested 50,000 deep crashed the process (segfault) and
+    10,000 deep ran for minutes. A quote after a backslash does not toggle the in-string state."""
+    depth, in_string, lines = 0, False, 0
+    with open(path, "rb") as f:
+        while chunk := f.read(DEPTH_SCAN_BYTES):
+            b = np.frombuffer(chunk, dtype=np.uint8)
+            quote = b == ord('"')
+            quote[1:] &= b[:-1] != ord("\\")
+            inside = (np.cumsum(quote) % 2 == 1) ^ in_string  # inside a string (an opening quote counts as inside)
+            opens = (b == ord("[")) | (b == ord("{"))
+            closes = (b == ord("]")) | (b == ord("}"))
+            level = depth + np.cumsum(np.where(inside, 0, opens.astype(np.int64) - closes))
+            if level.max() > limit:
+                line = lines + chunk.count(b"\n", 0, int(np.argmax(level > limit))) + 1
+                raise TraceError(
+                    f"{path} nests a value more than {limit} levels deep (line {line}); "
+                    "a routing table's rows are flat: fix the file or export it again."
+                )
+            depth, in_string, lines = int(level[-1]), bool(inside[-1]), lines + chunk.count(b"\n")
+
+
 def _columns_of(path: Path, fmt: str) -> list[str]:
     if not path.is_file():
         raise TraceError(f"{path} does not exist; pass the CSV, JSONL or Parquet file to import.")
@@ -227,6 +255,7 @@ def _columns_of(path: Path, fmt: str) -> list[str]:
             return list(pa_parquet.ParquetFile(path).schema_arrow.names)
         import pyarrow.json as pa_json
 
+        check_json_depth(path)  # before pyarrow's parser, which recursion crashes or stalls on deep nesting
         return list(pa_json.open_json(path, read_options=pa_json.ReadOptions(block_size=_block_bytes(path, 1000))).schema.names)
     except (pa.ArrowInvalid, pa.ArrowTypeError, OSError) as e:
         raise _unreadable(path, fmt, e) from e
