@@ -5,7 +5,7 @@ PIP := $(VENV)/bin/pip
 # torch 2.13.0 CPU build when no NVIDIA GPU is visible; with a GPU, the user's CUDA torch is kept
 HAVE_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: setup test test-sweeps reproduce experiments tune reproduce-beyond figures bench gpu-check gpu-test gpu-all gpu-all-dry serve-sglang serve-vllm bench-serving setup-engines-cpu lint clean wandb-sync
+.PHONY: setup test test-sweeps reproduce experiments tune reproduce-beyond figures bench cpu-check cost-model gpu-check gpu-test gpu-all gpu-all-dry serve-sglang serve-vllm bench-serving setup-engines-cpu lint clean wandb-sync
 
 setup:
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -77,6 +77,16 @@ figures:
 
 bench:
 	$(PY) -m bench --out bench/results
+
+# the cost model checked against this machine (docs/cost_model.md): CPU calibration -> conf/hardware/cpu_<host>_<N>ranks
+# (+ measured/), the gloo executor per phase vs the cost model -> bench/results/cost_model.json, the published table
+# and the error bands over the break-even map -> runs/cost_model_trust/trust.json (the report's trust section)
+cpu-check:
+	$(PY) -m bench.cpu_check
+
+cost-model:
+	$(PY) -m bench --out bench/results --only cost_model
+	$(PY) -m repro.sim.trust --out runs/cost_model_trust
 
 # one CUDA GPU: bf16/fp16 correctness of every Triton kernel, kernel timings vs a bf16 cuBLAS per-expert loop (and
 # vLLM's fused_experts when importable), never needed by tests or CI; calibration: conf/hardware/measured/<gpu>.yaml

@@ -14,7 +14,8 @@ slowest rank's median is kept, as a layer waits for its slowest rank):
 - per-call costs: the kernel floor = the smallest modelled kernel call, the gate (router GEMM + top-k softmax)
   at one token (on a GPU gpu_check takes one grouped-GEMM row; here the torch local step has many small ops and its
   one-row time, in notes, is carried by the expert table's first row);
-- the gloo all-to-all curve: all_to_all_single of 8 B .. 1 MiB per peer after a barrier, per call the fastest
+Every timed call starts cold (`cold_start`: caches flushed, then a barrier), as phases of an EP layer do.
+- the gloo all-to-all curve: all_to_all_single of 8 B .. 1 MiB per peer, per call the fastest
   rank's time (the last to arrive: no wait for a late peer), median over calls: [busiest rank's remote bytes, s].
 Writes, per N (atomically):
 - conf/hardware/cpu_<host>_<N>ranks.yaml: a hardware profile (the keys of conf/hardware/h200.yaml; the "gpu"
@@ -79,6 +80,22 @@ def median_s(fn, repeats: int, warmup: int = 2, before=None) -> float:
     return float(np.median(times))
 
 
+FLUSH_BYTES = 32 * 2**20  # more than this host's last-level cache
+
+
+def cold_start(flush: torch.Tensor):
+    """What runs (untimed) before each timed call: evict the caches by writing FLUSH_BYTES, then a barrier of all
+    ranks. In an EP layer every phase starts after a collective and after other work has run through the caches,
+    so a phase's small ops run cold; back-to-back calls of the same small op on hot caches cost several times less
+    (the first comparison with the executor showed every small phase under-predicted without this)."""
+    import torch.distributed as dist
+
+    def before():
+        flush.add_(1.0)
+        dist.barrier()
+    return before
+
+
 def local_expert_step(x_RH: torch.Tensor, slots_Rk: torch.Tensor, weights_Rk: torch.Tensor, w13_S2IH: torch.Tensor,
                       w2_SHI: torch.Tensor) -> torch.Tensor:
     """What a rank runs between dispatch and combine in repro.exec.moe.ep_moe_forward (torch kernels): permute
@@ -104,16 +121,14 @@ def local_step_inputs(rows: int, slots: int, hidden: int, inter: int, top_k: int
 
 
 def _compute_part(world: int, repeats: int, rows_list) -> dict:
-    """Every call runs right after a barrier of all ranks, as each phase of an EP layer follows a collective: a
-    small op issued after a wait costs several times its back-to-back time here (measured: the gate at 16 tokens
-    25 us back to back, ~100 us after a barrier or a 2 ms sleep), and that is the cost a layer pays."""
+    """Every call starts cold (`cold_start`: caches flushed, then a barrier of all ranks), as each phase of an EP
+    layer follows a collective and other work: a small op issued after a wait costs several times its back-to-back
+    time here (measured: the gate at 16 tokens 25 us back to back, ~100 us after a barrier or a 2 ms sleep)."""
     import functools
-
-    import torch.distributed as dist
 
     from repro.kernels.gating import topk_softmax
 
-    timed = functools.partial(median_s, before=dist.barrier)
+    timed = functools.partial(median_s, before=cold_start(torch.zeros(FLUSH_BYTES // 4)))
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(512, 512, generator=g), torch.randn(512, 512, generator=g)
     gemm_s = timed(lambda: a @ b, repeats)
@@ -138,7 +153,7 @@ def _a2a_part(world: int, repeats: int, peer_bytes) -> list[list]:
     """[[busiest rank's remote bytes, [seconds of each call]], ...] of this rank."""
     import torch.distributed as dist
 
-    rows = []
+    rows, before = [], cold_start(torch.zeros(FLUSH_BYTES // 4))
     for size in peer_bytes:
         send = torch.full((world * size,), dist.get_rank() % 251, dtype=torch.uint8)
         recv = torch.empty_like(send)
@@ -146,7 +161,7 @@ def _a2a_part(world: int, repeats: int, peer_bytes) -> list[list]:
             dist.all_to_all_single(recv, send)
         seconds = []
         for _ in range(repeats):
-            dist.barrier()  # every rank starts together: the time is the collective's, not the skew
+            before()  # cold caches, and every rank starts together: the time is the collective's, not the skew
             start = time.perf_counter()
             dist.all_to_all_single(recv, send)
             seconds.append(time.perf_counter() - start)
