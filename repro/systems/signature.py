@@ -335,19 +335,28 @@ class SignaturePlan(Plan):
         """
         num_experts = self.placement.num_experts
         counts = segment_counts(prompt_experts, prompt_offsets[:-1], prompt_offsets[1:], num_experts)
-        score = self.similarity(normalise_signature(counts))
-        ranks = np.empty(len(score), dtype=np.int64)
-        count = self._decode_count
-        top = min(self.eldr_top, self.parallel.devices)
-        for r, row in enumerate(score):  # one request at a time: each decision sees the counts so far
-            if self.rule == "capacity":
-                rank = int(np.argmax(np.where(count < count.min() + self.capacity_slack, row, -np.inf)))
+        return self.decide(normalise_signature(counts))
+
+    def decide(self, signatures_RF: np.ndarray) -> np.ndarray:
+        """int64[R] decode rank of each request from its prefill signature float[R, F] (what an engine accumulates
+        from the router outputs during prefill), streaming: the decision alone, without the histogram."""
+        score = self.similarity(np.asarray(signatures_RF, dtype=np.float64))
+        # each request's ranks from best to worst match (stable: the lower rank on a tie), as plain lists: the
+        # streaming loop below is then a few Python operations per request
+        preferences = np.argsort(-score, axis=1, kind="stable").tolist()
+        count = self._decode_count.tolist()
+        top, slack, capacity = min(self.eldr_top, self.parallel.devices), self.capacity_slack, self.rule == "capacity"
+        ranks = []
+        for prefs in preferences:  # one request at a time: each decision sees the counts so far
+            if capacity:  # the best match among ranks below min + capacity_slack decode requests
+                floor = min(count) + slack
+                rank = next(d for d in prefs if count[d] < floor)
             else:  # ELDR: least loaded among the `top` best matches, the better match on a tie
-                best = np.argsort(-row, kind="stable")[:top]
-                rank = int(best[np.argmin(count[best])])
-            ranks[r] = rank
+                rank = min(prefs[:top], key=count.__getitem__)
+            ranks.append(rank)
             count[rank] += 1
-        return ranks
+        self._decode_count[:] = count
+        return np.array(ranks, dtype=np.int64)
 
 
 class SignatureDecode:
