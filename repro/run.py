@@ -4,7 +4,8 @@
     python -m repro.run -m system=ep parallel.devices=2,4,8 parallel.attention=dp,tp
 
 Each job writes into its output dir (runs/<name>/<overrides>/): metrics.json (summary + resolved config; written
-last, so its presence means the job finished), per_layer.csv, traffic.npy, expert_load.npy, token_load.npy,
+last, so its presence means the job finished; the same bytes in every run of one config), timings.json (wall-clock
+seconds of this run), per_layer.csv, traffic.npy, expert_load.npy, token_load.npy,
 activation_map.npz, request_activations.npz (the paper's Fig. 6 a-c), affinity_stats.csv (the paper's Table 1 on
 the profile split), plan/ and config.yaml. They are written into a staging folder (.staging-*) and then moved
 into place, metrics.json last (after the old one is removed): a kill leaves the previous complete job or an
@@ -64,7 +65,7 @@ JOB_OUTPUTS = (
     "plan", "per_layer.csv", "traffic.npy", "expert_load.npy", "token_load.npy", "activation_map.npz",
     "request_activations.npz", "affinity_stats.csv", "config.yaml", "sim_per_rate.csv", "sim_per_layer.csv", "sim_probes.csv",
     "sim_requests.parquet",
-    "exec_per_layer.csv", "exec_per_rank.csv",
+    "exec_per_layer.csv", "exec_per_rank.csv", "timings.json",
 )
 # Staging folders start with "." (figures' rglob("metrics.json") finds none there: metrics.json is never staged)
 # and name their host and process, so a rerun can remove those its killed predecessors left behind.
@@ -118,9 +119,29 @@ def non_finite(value, path: str = "") -> tuple[str, float] | None:
     return next((found for key, item in items if (found := non_finite(item, key)) is not None), None)
 
 
+# wall-clock measurements of this run: they differ between two runs of one config, so they go to timings.json and
+# metrics.json holds what two runs reproduce byte for byte (`cmp a/metrics.json b/metrics.json` compares two runs)
+TIMING_KEYS = frozenset({"fit_seconds", "eval_seconds", "sim_wall_s", "sim_cpu_s", "sim_requests_per_wall_s",
+                         "sim_events_per_wall_s"})
+
+
+def is_timing(key: str) -> bool:
+    """True for a wall-clock key: TIMING_KEYS, repro.exec's measured seconds (exec_*seconds*) and the plan's solver
+    and fit times (plan_*_seconds; a system's modelled times are named *_s or *_est, never plan_*_seconds)."""
+    return (key in TIMING_KEYS or (key.startswith("exec_") and "seconds" in key)
+            or (key.startswith("plan_") and key.endswith("_seconds")))
+
+
+def split_timings(summary: dict) -> tuple[dict, dict]:
+    """(the summary without wall-clock keys, those keys), each in the summary's order."""
+    return ({k: v for k, v in summary.items() if not is_timing(k)}, {k: v for k, v in summary.items() if is_timing(k)})
+
+
 def metrics_text(summary: dict, config: dict) -> str:
-    """metrics.json's text: strict JSON (no NaN / Infinity, which strict readers reject), or one ReproError."""
-    payload = {"summary": summary, "config": config}
+    """metrics.json's text: strict JSON (no NaN / Infinity, which strict readers reject), or one ReproError.
+    Wall-clock keys are left out (split_timings; publish_job writes them to timings.json), so the text is the same
+    in every run of one config."""
+    payload = {"summary": split_timings(summary)[0], "config": config}
     found = non_finite(payload)
     if found is not None:
         raise ReproError(
@@ -138,6 +159,7 @@ def publish_job(staging: Path, out_dir: Path, summary: dict, config: dict) -> No
     os.replace and plan/ by an atomic folder swap; metrics.json is written (atomically) only once everything else is there.
     """
     text = metrics_text(summary, config)  # a non-finite metric fails here, with the old job still whole
+    timings = {k: v if not isinstance(v, float) or np.isfinite(v) else None for k, v in split_timings(summary)[1].items()}
     (out_dir / "metrics.json").unlink(missing_ok=True)
     staged = sorted(path.name for path in staging.iterdir())
     for name in sorted(set(JOB_OUTPUTS) - set(staged)):
@@ -152,6 +174,8 @@ def publish_job(staging: Path, out_dir: Path, summary: dict, config: dict) -> No
             atomic_dir(target, lambda tmp, source=source: os.replace(source, tmp), replace=True)
         else:
             os.replace(source, target)
+    if timings:
+        atomic_write(out_dir / "timings.json", lambda p: p.write_text(json.dumps(timings, indent=1) + "\n"))
     atomic_write(out_dir / "metrics.json", lambda p: p.write_text(text))
 
 

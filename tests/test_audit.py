@@ -407,3 +407,28 @@ def test_import_refuses_a_deeply_nested_jsonl_row_quickly(tmp_path, depth):
     assert_clean_refusal(res, "nests a value more than 32 levels deep (line 2)")
     assert time.perf_counter() - started < 60 and not (tmp_path / "trace").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["routing.jsonl"]
+
+
+def test_two_runs_of_one_config_write_byte_identical_metrics(tmp_path):
+    """Wall-clock seconds go to timings.json, so `cmp a/metrics.json b/metrics.json` compares two runs."""
+    trace = synthetic_trace_dir(tmp_path / "trace")
+    for run in ("a", "b"):
+        res = run_module("repro.run", f"trace={trace}", "system=ep", "parallel.devices=2",
+                         f"hydra.run.dir={tmp_path / run}", cwd=tmp_path)
+        assert res.returncode == 0, res.stderr[-2000:]
+    assert (tmp_path / "a" / "metrics.json").read_bytes() == (tmp_path / "b" / "metrics.json").read_bytes()
+    timings = json.loads((tmp_path / "a" / "timings.json").read_text())
+    assert {"fit_seconds", "eval_seconds"} <= set(timings)
+
+
+def test_wall_clock_keys_are_timings_and_modelled_times_stay_in_the_summary():
+    from repro.run import split_timings
+
+    summary = {"lar": 0.5, "fit_seconds": 1.0, "sim_wall_s": 2.0, "sim_events_per_wall_s": 3.0, "sim_cpu_s": 1.0,
+               "exec_dispatch_seconds": 0.1, "exec_launch_wall_seconds": 4.0, "plan_solver_seconds": 0.2,
+               "a2a_seconds_est": 0.3, "time_estimate_dispatch_s": 0.1, "decode_moe_seconds_per_step": 0.01,
+               "ttft_p99_s_lightest": 0.5}
+    kept, timings = split_timings(summary)
+    assert sorted(kept) == ["a2a_seconds_est", "decode_moe_seconds_per_step", "lar", "time_estimate_dispatch_s",
+                            "ttft_p99_s_lightest"]
+    assert set(timings) == set(summary) - set(kept)

@@ -72,6 +72,16 @@ def check_out_dir(out: str | Path, flag: str = "--out") -> Path:
     return out
 
 
+def _timings(path: Path) -> dict:
+    """A job's wall-clock seconds (repro.run writes them beside metrics.json, which stays the same across runs);
+    {} when absent or unreadable: they are measurements of the run, not results."""
+    try:
+        timings = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return timings if isinstance(timings, dict) else {}
+
+
 def _job_row(metrics: Path) -> dict:
     """One summary row from a metrics.json; raises ValueError / KeyError / TypeError / OSError on a corrupt file."""
     data = json.loads(metrics.read_text(encoding="utf-8"), parse_constant=_refuse_non_finite)
@@ -79,6 +89,7 @@ def _job_row(metrics: Path) -> dict:
         raise ValueError("it is not a JSON object with a 'summary' and a 'config' object")
     cfg = data["config"]
     row = dict(data["summary"])
+    row.update(_timings(metrics.parent / "timings.json"))
     row.update(
         experiment=cfg.get("name", "adhoc"),
         run_dir=str(metrics.parent),
