@@ -11,6 +11,10 @@ both succeeded, else the first failure's (130 after Ctrl-C).
 
 Why not a shell `&`: a background list of a non-interactive shell ignores SIGINT, and nothing stops its children
 when the other stream fails, so a failed or interrupted `make reproduce` would keep running the other stream.
+
+Each stream runs under a guard (`--guard PID`, this module again, leading the stream's process group): when this
+process dies without stopping them (SIGKILL of its process group, e.g. `kill -9 -- -PGID` of `make`), the guard
+sees its parent gone and stops its stream's group the same way, so no stream runs on as an orphan.
 """
 
 from __future__ import annotations
@@ -42,6 +46,26 @@ def stop(process: subprocess.Popen) -> None:
         pass
 
 
+def guard(parent: int, command: str) -> int:
+    """Run `command` (a shell line) in this process group; stop the group when `parent` is gone (reparented)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the group's SIGTERM is for the stream: wait for it, then exit
+    child = subprocess.Popen(command, shell=True, preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
+    while child.poll() is None:
+        if os.getppid() != parent:  # side_by_side died without stopping us
+            os.killpg(0, signal.SIGTERM)
+            try:
+                child.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(0, signal.SIGKILL)
+            break
+        time.sleep(POLL_S)
+    return _exit_status(child.wait())
+
+
+def _guarded(command: str) -> list[str]:
+    return [sys.executable, "-m", "repro.side_by_side", "--guard", str(os.getpid()), "--command", command]
+
+
 def _exit_status(returncode: int) -> int:
     return returncode if returncode >= 0 else 128 - returncode  # killed by signal N: 128 + N, as a shell says
 
@@ -58,9 +82,9 @@ def run(background: str, foreground: str, log: Path) -> int:
     failed, status = None, 0
     with open(log, "w") as out:
         streams = {
-            "background": subprocess.Popen(background, shell=True, stdout=out, stderr=subprocess.STDOUT, env=env,
+            "background": subprocess.Popen(_guarded(background), stdout=out, stderr=subprocess.STDOUT, env=env,
                                            start_new_session=True),
-            "foreground": subprocess.Popen(foreground, shell=True, env=env, start_new_session=True),
+            "foreground": subprocess.Popen(_guarded(foreground), env=env, start_new_session=True),
         }
         try:
             while failed is None and any(p.poll() is None for p in streams.values()):
@@ -82,10 +106,16 @@ def run(background: str, foreground: str, log: Path) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m repro.side_by_side", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--background", required=True, help="shell command line run with its output in --log")
-    parser.add_argument("--foreground", required=True, help="shell command line run with its output here")
-    parser.add_argument("--log", required=True, type=Path, help="file the background command's output goes to")
+    parser.add_argument("--background", help="shell command line run with its output in --log")
+    parser.add_argument("--foreground", help="shell command line run with its output here")
+    parser.add_argument("--log", type=Path, help="file the background command's output goes to")
+    parser.add_argument("--guard", type=int, help=argparse.SUPPRESS)  # internal: a stream's guard (module docstring)
+    parser.add_argument("--command", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.guard is not None:
+        return guard(args.guard, args.command)
+    if not (args.background and args.foreground and args.log):
+        parser.error("--background, --foreground and --log are required")
     print(f"running `{args.background}` beside `{args.foreground}`; its output: {args.log}", flush=True)
     return run(args.background, args.foreground, args.log)
 

@@ -432,3 +432,27 @@ def test_wall_clock_keys_are_timings_and_modelled_times_stay_in_the_summary():
     assert sorted(kept) == ["a2a_seconds_est", "decode_moe_seconds_per_step", "lar", "time_estimate_dispatch_s",
                             "ttft_p99_s_lightest"]
     assert set(timings) == set(summary) - set(kept)
+
+
+def test_sigkill_of_side_by_sides_process_group_leaves_no_stream_running(tmp_path):
+    """`kill -9 -- -PGID` of make reproduce's group: each stream's guard sees its parent gone and stops its stream."""
+    import signal
+    import time
+
+    from test_side_by_side import alive
+
+    pids = {name: tmp_path / f"{name}.pid" for name in ("bg", "fg")}
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "repro.side_by_side", "--log", str(tmp_path / "bg.log"),
+         "--background", f"sleep 60 & echo $! > {pids['bg']}; wait", "--foreground", f"sleep 60 & echo $! > {pids['fg']}; wait"],
+        cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.perf_counter() + 20
+    while not all(p.exists() and p.read_text().strip() for p in pids.values()) and time.perf_counter() < deadline:
+        time.sleep(0.05)
+    sleepers = [int(p.read_text()) for p in pids.values()]
+    os.killpg(driver.pid, signal.SIGKILL)
+    driver.wait()
+    deadline = time.perf_counter() + 10
+    while any(alive(pid) for pid in sleepers) and time.perf_counter() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(pid) for pid in sleepers)
