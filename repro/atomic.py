@@ -3,7 +3,9 @@
 Every write goes to a temporary sibling that is renamed into place. A temporary left behind by an exception is
 removed by the writer; one left behind by SIGTERM is removed by a SIGTERM handler that this module installs
 (once, from the main thread, the first time a write starts) and that then ends the process the way SIGTERM
-would have (or hands the signal to the handler that was there before).
+would have (or hands the signal to the handler that was there before). A temporary's name holds the writer's host
+and pid (`.<name>.<host>-<pid>-<random>`), so one left by a SIGKILLed writer is removed by the next write of the
+same path on that host once its process is gone.
 """
 
 from __future__ import annotations
@@ -11,9 +13,11 @@ from __future__ import annotations
 import atexit
 import ctypes
 import errno
+import glob
 import os
 import shutil
 import signal
+import socket
 import tempfile
 import threading
 from collections.abc import Callable
@@ -25,13 +29,43 @@ _sigterm_installed = False
 _atexit_registered = False
 
 
+def _temp_prefix(path: Path, kind: str = "") -> str:
+    """Prefix of a temporary sibling of `path` naming this host and process (see remove_dead_temps)."""
+    return f".{path.name}.{kind}{socket.gethostname()}-{os.getpid()}-"
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def remove_dead_temps(path: Path) -> None:
+    """Remove temporary siblings of `path` left by killed writers of this host (their process is gone); those of
+    live processes or other hosts (a shared file system) are left alone."""
+    path, host = Path(path), socket.gethostname()
+    for sibling in path.parent.glob(f".{glob.escape(path.name)}.*"):
+        rest = sibling.name[len(path.name) + 2:].removeprefix("old.")
+        parts = rest.rsplit("-", 2)  # host-pid-random (tempfile's random part has no "-")
+        if len(parts) == 3 and parts[0] == host and parts[1].isdigit() and not _process_alive(int(parts[1])):
+            if sibling.is_dir() and not sibling.is_symlink():
+                shutil.rmtree(sibling, ignore_errors=True)
+            else:
+                sibling.unlink(missing_ok=True)
+
+
 def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
     """Call write(tmp_path) on a temporary sibling of `path`, then rename it onto `path` with the permissions a
     plain open() would give it (mkstemp's temporary file is owner-only)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     _install_sigterm_cleanup()
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    remove_dead_temps(path)
+    fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(path), dir=path.parent)
     _live_temps[tmp] = os.getpid()
     os.close(fd)
     try:
@@ -72,7 +106,8 @@ def atomic_dir(path: Path, write_into_dir: Callable[[Path], object], *, replace:
     if not replace and _non_empty_dir(path):
         return False
     _install_sigterm_cleanup()
-    tmp = tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent)
+    remove_dead_temps(path)
+    tmp = tempfile.mkdtemp(prefix=_temp_prefix(path), dir=path.parent)
     _live_temps[tmp] = os.getpid()
     try:
         write_into_dir(Path(tmp))
@@ -103,7 +138,7 @@ def _publish_dir(tmp: str, path: Path, replace: bool) -> bool:
 def _rename_aside_then_in(tmp: str, path: Path) -> bool:
     """Replace without an atomic swap: move the old directory aside, rename ours in (path is briefly absent).
     False when another writer got in between (the caller tries again)."""
-    aside = tempfile.mkdtemp(prefix=f".{path.name}.old.", dir=path.parent)
+    aside = tempfile.mkdtemp(prefix=_temp_prefix(path, "old."), dir=path.parent)
     _live_temps[aside] = os.getpid()
     try:
         try:

@@ -456,3 +456,29 @@ def test_sigkill_of_side_by_sides_process_group_leaves_no_stream_running(tmp_pat
     while any(alive(pid) for pid in sleepers) and time.perf_counter() < deadline:
         time.sleep(0.05)
     assert not any(alive(pid) for pid in sleepers)
+
+
+def test_a_killed_writers_hidden_temporary_is_removed_by_the_next_import(tmp_path):
+    """SIGKILL mid-write leaves `.trace.<host>-<pid>-*` beside --out; the next import of that path removes it."""
+    import signal
+    import time
+
+    out = tmp_path / "trace"
+    writer = subprocess.Popen([sys.executable, "-c", (
+        "import time, pathlib, sys\nfrom repro.atomic import atomic_dir\n"
+        "def fill(tmp):\n    (tmp / 'experts.npy').write_bytes(b'x' * 1000)\n    print('writing', flush=True)\n"
+        "    time.sleep(60)\n"
+        f"atomic_dir(pathlib.Path({str(out)!r}), fill)\n")], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    assert writer.stdout.readline().strip() == "writing"
+    writer.send_signal(signal.SIGKILL)
+    writer.wait()
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(".trace.")]
+    assert len(leftovers) == 1
+    rows = [json.dumps({"request_id": f"r{r}", "position": i, "layer": layer, "token_id": 3 + i, "experts": [layer, 2 + i]})
+            for r in range(2) for i in range(3) for layer in range(2)]
+    (tmp_path / "routing.jsonl").write_text("\n".join(rows) + "\n")
+    started = time.perf_counter()
+    res = run_cli("repro.traces.import", tmp_path / "routing.jsonl", "--out", out, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert time.perf_counter() - started < 60
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["routing.jsonl", "trace"]
