@@ -510,12 +510,28 @@ def _json_default(x):
     raise TypeError(f"not JSON serialisable: {type(x)}")
 
 
+HYDRA_ONLY = {".hydra", "run.log"}  # what Hydra itself puts in a job folder before the job runs
+
+
+def remove_failed_job_dir(out_dir: Path) -> None:
+    """Remove the folder of a job that failed before writing anything: only Hydra's .hydra/ and an empty run.log
+    are in it (a failed job left such folders behind). A folder with results or a non-empty log is kept."""
+    try:
+        entries = {p.name for p in out_dir.iterdir()}
+        if entries <= HYDRA_ONLY and (not (out_dir / "run.log").exists() or (out_dir / "run.log").stat().st_size == 0):
+            shutil.rmtree(out_dir, ignore_errors=True)
+    except OSError:
+        pass  # nothing to tidy, or not ours to tidy
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
+    out_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
-        run_job(cfg, Path(HydraConfig.get().runtime.output_dir))
+        run_job(cfg, out_dir)
     except ReproError as e:
         print(f"error: {e}", file=sys.stderr)
+        remove_failed_job_dir(out_dir)
         raise SystemExit(2) from None
 
 

@@ -482,3 +482,10 @@ def test_a_killed_writers_hidden_temporary_is_removed_by_the_next_import(tmp_pat
     assert res.returncode == 0, res.stderr[-2000:]
     assert time.perf_counter() - started < 60
     assert sorted(p.name for p in tmp_path.iterdir()) == ["routing.jsonl", "trace"]
+
+
+def test_a_job_that_fails_before_writing_leaves_no_folder(tmp_path):
+    res = run_module("repro.run", f"trace={tmp_path / 'missing'}", f"hydra.run.dir={tmp_path / 'runs' / 'job'}",
+                     cwd=tmp_path)
+    assert_one_error_line(res, "is not a trace directory")
+    assert not (tmp_path / "runs" / "job").exists()
