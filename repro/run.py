@@ -137,6 +137,18 @@ def split_timings(summary: dict) -> tuple[dict, dict]:
     return ({k: v for k, v in summary.items() if not is_timing(k)}, {k: v for k, v in summary.items() if is_timing(k)})
 
 
+def undefined_ratios_as_null(summary: dict) -> dict:
+    """max/median ratios are infinite when the median is 0 (a valid but degenerate trace: all tokens on fewer experts
+    than half the devices hold): null with a warning, not a refusal that blamed the input."""
+    undefined = [k for k, v in summary.items() if "_max_median" in k and isinstance(v, float) and np.isinf(v)]
+    if not undefined:
+        return summary
+    note = (f"{', '.join(undefined)} undefined (the median load is 0: fewer than half the devices receive any "
+            "expert work); written as null, see the max/mean ratios")
+    log.warning(note)
+    return {**summary, **dict.fromkeys(undefined), "warnings": [*summary.get("warnings", []), note]}
+
+
 def metrics_text(summary: dict, config: dict) -> str:
     """metrics.json's text: strict JSON (no NaN / Infinity, which strict readers reject), or one ReproError.
     Wall-clock keys are left out (split_timings; publish_job writes them to timings.json), so the text is the same
@@ -420,6 +432,7 @@ def tracked_job(config: dict, out_dir: Path, tracking: JobRun) -> dict | None:
     routing_warnings = dict.fromkeys(profile.meta.extra.get("warnings", []) + evaluation.meta.extra.get("warnings", []))
     if routing_warnings:
         summary["warnings"] = summary.get("warnings", []) + list(routing_warnings)
+    summary = undefined_ratios_as_null(summary)
     with staging_dir(out_dir) as staging:  # every output is written here, then published into out_dir at once
         if config.get("exec"):  # run the plan on real ranks; writes exec_per_layer.csv / exec_per_rank.csv
             from repro.exec.trace_mode import run_exec_job

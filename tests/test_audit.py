@@ -489,3 +489,23 @@ def test_a_job_that_fails_before_writing_leaves_no_folder(tmp_path):
                      cwd=tmp_path)
     assert_one_error_line(res, "is not a trace directory")
     assert not (tmp_path / "runs" / "job").exists()
+
+
+def test_a_degenerate_but_valid_trace_runs_with_its_undefined_ratio_null(tmp_path):
+    """All tokens on 4 of 16 experts at EP 8: max/median expert load is undefined (median 0); it was refused with a
+    message that blamed the input."""
+    import numpy as np
+
+    from repro.traces import TraceMeta, make_trace, write_trace
+
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(5, 40, 60)
+    tokens = rng.integers(0, 50, int(lengths.sum()))
+    experts = np.stack([tokens % 4, (tokens + 1) % 4], axis=1)[:, None, :].repeat(2, axis=1)
+    meta = TraceMeta(model="imported", num_experts=16, top_k=2, layer_ids=(3, 4), vocab_size=50, dataset="x")
+    trace = write_trace(make_trace(meta, np.concatenate([[0], np.cumsum(lengths)]), tokens, experts), tmp_path / "t")
+    res = run_module("repro.run", f"trace={trace}", "parallel.devices=8", f"hydra.run.dir={tmp_path / 'job'}", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    summary = json.loads((tmp_path / "job" / "metrics.json").read_text())["summary"]
+    assert summary["expert_load_imbalance_max_median"] is None and summary["expert_load_imbalance_max_mean"] > 1
+    assert any("undefined (the median load is 0" in w for w in summary["warnings"])
