@@ -36,13 +36,14 @@ SOURCES = {  # name -> config overrides
 }
 VARIANTS = {  # name -> (system, params); coplace_only keeps each decode on its prefill rank (round-robin)
     "ep": ("ep", {}),
+    "default": ("signature", {}),  # system=signature as configured (placement=signature_time since issue 27)
     "signature_vanilla": ("signature", {"placement": "vanilla", "match": "experts"}),
-    "coplace_only": ("signature", {}),
-    "signature": ("signature", {}),
+    "coplace_only": ("signature", {"placement": "signature"}),
+    "signature": ("signature", {"placement": "signature"}),
     "signature_exact": ("signature", {"placement": "signature_exact"}),
-    "signature_slack8": ("signature", {"capacity_slack": 8}),
-    "signature_eldr": ("signature_eldr", {}),
-    "signature_match_experts": ("signature", {"match": "experts"}),
+    "signature_slack8": ("signature", {"placement": "signature", "capacity_slack": 8}),
+    "signature_eldr": ("signature_eldr", {"placement": "signature"}),
+    "signature_match_experts": ("signature", {"placement": "signature", "match": "experts"}),
     "eldr_vanilla": ("signature_eldr", {"placement": "vanilla", "match": "experts"}),
     # decode placement for time (issue 27): swaps that shorten the profile's decode step from EP or the co-placement
     "time": ("signature", {"placement": "time", "match": "experts"}),

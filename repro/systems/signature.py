@@ -14,7 +14,13 @@ Offline, on the profile split (`SignatureDecode.fit`):
 3. placement="signature": per layer, each device gets E/D experts, those the decode tokens of its cluster activate
    most, traded against expert load (`place_balanced`: Sem-MoE's greedy placement with its load term, weight
    load_weight); "signature_exact" maximises the local decode activations alone (`place_by_activations`, a linear
-   assignment), which can pile hot experts on one device; "vanilla" keeps EP's blocks.
+   assignment), which can pile hot experts on one device; "vanilla" keeps EP's blocks;
+   placement="signature_time" (the default, chosen on the validate split by the decode time per step, issue 27)
+   starts from "signature" and swaps experts between devices while that shortens the profile's decode steps
+   (`place_for_decode_time`: per step, the busiest device's expert weights read plus the busiest rank's remote
+   copies / read_copies, with each profile request on the rank the decode rule gives it): co-activated experts a
+   co-placement piles on one device are spread unless their locality pays for it; "time" does the same from EP's
+   blocks.
 Online (`SignaturePlan`): prefill runs round-robin (`Plan.assign_requests`); after its prefill each request's
 decode rank is chosen from its own prompt routing only (`assign_decode`), one request at a time:
 - rule="capacity": the best-matching rank among those with fewer than min + capacity_slack decode requests
@@ -366,7 +372,7 @@ class SignatureDecode:
     name = "signature"
     kind = "system"
 
-    def __init__(self, placement: str = "signature", rule: str = "capacity", match: str = "centroid",
+    def __init__(self, placement: str = "signature_time", rule: str = "capacity", match: str = "centroid",
                  capacity_slack: int = 1, eldr_top: int = 2, kmeans_iters: int = 30, cluster_slack: float = 0.0,
                  load_weight: float = 1.0, read_copies: float = READ_COPIES, time_swaps: int = 64):
         choices = {"placement": (placement, PLACEMENTS), "rule": (rule, RULES), "match": (match, MATCHES)}
@@ -472,7 +478,7 @@ class SignatureELDR(SignatureDecode):
 
     name = "signature_eldr"
 
-    def __init__(self, placement: str = "signature", rule: str = "eldr", match: str = "centroid",
+    def __init__(self, placement: str = "signature_time", rule: str = "eldr", match: str = "centroid",
                  capacity_slack: int = 1, eldr_top: int = 2, kmeans_iters: int = 30, cluster_slack: float = 0.0,
                  load_weight: float = 1.0, read_copies: float = READ_COPIES, time_swaps: int = 64):
         super().__init__(placement, rule, match, capacity_slack, eldr_top, kmeans_iters, cluster_slack, load_weight,
