@@ -1,7 +1,10 @@
 """Issue 18's bad-input audit of the config / CLI boundary, kept as a test: each bad value gets one ConfigError
 sentence that names the key (checked on the composed config, as the app composes it), refused before anything
 runs; a few cases end to end through `python -m repro.run` / `repro.tune` (exit 2, one `error:` line, nothing
-written).
+written). The last section holds issue 28's cases (a 299-case audit's remaining ones): spoiled traces, sweeps over
+systems with a system-specific key, partial merge and shards combine outputs, the router's malformed clients, NaN
+in metrics.json, unwritable or file --out, deep JSONL, orphaned streams, leftovers of killed or failed jobs, a
+degenerate trace, and byte-identical metrics.json across two runs.
 
 The audit's other rows live beside the code they test:
 - data loss: importer --out, concurrent trace writers and readers, SIGTERM temp files, bad weights and meta.json
