@@ -95,3 +95,34 @@ def test_the_report_puts_decode_time_beside_vanilla_ep():
     assert "1 of 3 jobs: routing without generated tokens" in text
     row = next(line for line in text.splitlines() if "| signature" in line)
     assert "0.5" in row.split("|")[-2]  # decode_time_vs_ep of signature = 1 ms / 2 ms
+
+
+@pytest.fixture
+def fake_wandb(monkeypatch):
+    import sys
+
+    from test_tracking import FakeWandb
+
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.setenv("WANDB_MODE", "offline")  # conftest disables W&B for every other test
+    return fake
+
+
+def test_the_decode_metrics_reach_metrics_json_and_wandb(tmp_path, fake_wandb):
+    import json
+
+    from omegaconf import OmegaConf
+
+    from repro.run import run_job
+
+    trace = generated_trace_dir(tmp_path / "trace", True)
+    config = compose("logger=wandb", "name=trk", f"trace={trace}", "parallel.tokens_per_step=64", "parallel.devices=4",
+                     "parallel.attention=dp", "system=signature")
+    out = tmp_path / "runs" / "trk" / "job"
+    summary = run_job(OmegaConf.create(config), out)
+    written = json.loads((out / "metrics.json").read_text())["summary"]
+    for key in ("decode_lar", "decode_step_token_imbalance_max_mean", "decode_device_distinct_experts_max",
+                "decode_moe_seconds_per_step", "prefill_lar"):
+        assert written[key] == summary[key] == fake_wandb.run.summary[key]
+    assert written["decode_phase"] == "measured"
