@@ -331,6 +331,13 @@ def test_router_answers_malformed_clients_400_with_one_log_line(caplog):
                         head + b"X-Big: " + b"a" * 200_000 + b"\r\nContent-Length: 2\r\n\r\n{}"):
             assert _raw_exchange(url, [request], wait=0.2).split(b"\r\n")[0].endswith(b"400 Bad Request")
         assert len(log) == 1  # only the valid rank-3 request went upstream
+        # a valid gzip body goes upstream decoded, without its Content-Encoding (it went labelled gzip: 500)
+        import gzip
+
+        body = gzip.compress(json.dumps({"prompt": "hello", "id": "g"}).encode())
+        reply = _raw_exchange(url, [head + b"Content-Type: application/json\r\nContent-Encoding: gzip\r\n"
+                                    + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body], wait=0.2)
+        assert reply.split(b"\r\n")[0].endswith(b"200 OK") and log[-1] == "g"
         records = [r for r in caplog.records if r.name == "aiohttp.server"]
         assert records and all(r.exc_info is None and r.getMessage().startswith("router: refused") for r in records)
     finally:

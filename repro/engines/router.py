@@ -388,8 +388,9 @@ def build_app(
             rank = await decide(request, raw)
         except ClientRefusal as e:
             return _error_response(400, "bad_request", str(e))
-        # a list, not a dict: a header the client sent twice goes upstream twice
-        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP]
+        # a list, not a dict: a header the client sent twice goes upstream twice. aiohttp hands over the body
+        # decoded, so its Content-Encoding stays behind (a gzip body went upstream plain but labelled gzip: 500)
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP | {"content-encoding"}]
         base = upstreams[0]
         if rank is not None and len(upstreams) == 1:
             headers.append((header, str(rank)))
