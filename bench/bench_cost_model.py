@@ -29,6 +29,9 @@ curve), `dispatch_sim` is the simulator's own term (one call of the hidden state
 estimates use. Reports per phase the median and max |relative error|, and for each (ranks, batch) whether the
 model orders ep vs semmoe (MoE-layer time, summed over layers) as the measurement does where the measured
 difference exceeds twice its run-to-run noise (the standard deviation of the difference over repeats).
+`best_of_repeats`: the same errors with both sides summarised by their fastest call (calibration: the fastest
+call per rank; executor: the fastest repeat), i.e. the undisturbed cost, which a machine shared with other work
+distorts least.
 """
 
 from __future__ import annotations
@@ -230,20 +233,23 @@ def committed_hardware(host: str, ranks: int):
     return load_hardware(yaml.safe_load(path.read_text())) if path.is_file() else None
 
 
-def fresh_hardware(host: str, ranks: int, quick: bool, directory: Path):
-    """Calibrate again now (bench.cpu_check's microbenchmarks, same code) into `directory` and load that profile:
+def fresh_hardware(host: str, ranks: int, quick: bool, directory: Path) -> dict:
+    """Calibrate again now (bench.cpu_check's microbenchmarks, same code) into `directory` and load the profiles:
     on a shared machine whose load drifts by the minute, the executor is priced with the calibration taken just
-    before it, under the same load. Returns (Hardware, the calibration notes)."""
+    before it, under the same load. Returns {stat: (Hardware, calibration notes)} for "median" and "min" (one
+    measurement, summarised both ways)."""
     import yaml
 
     from bench.cpu_check import (
         EXPERT_ROWS,
         PEER_BYTES,
-        calibrate,
+        STATS,
         calibration_document,
         fit_a2a,
+        measure,
         profile_document,
         profile_name,
+        slowest,
         write_profile,
     )
     from repro.sim.hardware import load_hardware
@@ -251,14 +257,20 @@ def fresh_hardware(host: str, ranks: int, quick: bool, directory: Path):
     rows, peers, repeats = ((1, 16, 64, 256, 1024), (8, 1024, 16384, 262144), 9) if quick else \
         (EXPERT_ROWS, PEER_BYTES, 25)
     load_before = os.getloadavg()
-    m = calibrate(ranks, repeats, rows, peers)
-    fit = fit_a2a(m["a2a"])
-    name = profile_name(host, ranks)
+    results = measure(ranks, repeats, rows, peers)
     load = {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]}
-    calibration = calibration_document(name, ranks, m, fit, load)
-    (directory / "measured").mkdir(parents=True, exist_ok=True)
-    paths = write_profile(directory, directory / "measured", profile_document(name, ranks, m, fit), calibration)
-    return load_hardware(yaml.safe_load(paths[0].read_text()), directory / "measured"), calibration["notes"]
+    out = {}
+    for stat in STATS:
+        m = slowest(results, stat)
+        fit = fit_a2a(m["a2a"])
+        name = profile_name(host, ranks)
+        calibration = calibration_document(name, ranks, m, fit, load)
+        (directory / stat / "measured").mkdir(parents=True, exist_ok=True)
+        paths = write_profile(directory / stat, directory / stat / "measured", profile_document(name, ranks, m, fit),
+                              calibration)
+        out[stat] = (load_hardware(yaml.safe_load(paths[0].read_text()), directory / stat / "measured"),
+                     calibration["notes"])
+    return out
 
 
 def run(quick: bool) -> dict:
@@ -283,9 +295,10 @@ def run(quick: bool) -> dict:
     cells, orders, profiles = [], [], {}
     calibration_dir = Path(tempfile.mkdtemp(prefix="bench_cost_model_hw_"))
     for ranks in (2, 4):
-        hw, notes = fresh_hardware(host, ranks, quick, calibration_dir)
+        fresh = fresh_hardware(host, ranks, quick, calibration_dir / str(ranks))
+        (hw, notes), (hw_min, notes_min) = fresh["median"], fresh["min"]
         committed = committed_hardware(host, ranks)
-        profiles[f"{ranks} ranks"] = {"fresh_calibration": notes,
+        profiles[f"{ranks} ranks"] = {"fresh_calibration": notes, "fresh_calibration_min": notes_min,
                                       "committed_profile": committed.name if committed else None}
         parallel = ParallelConfig.from_config(dict(config["parallel"], devices=ranks, attention="dp"))
         plans = {}
@@ -311,10 +324,12 @@ def run(quick: bool) -> dict:
                          repeats=repeats, seed=config["seed"])
         wall = time.perf_counter() - started
         times = reduce_ranks(np.asarray([r["times"] for r in results]))  # [C, L, R, 4]
+        best = np.min(times, axis=2)  # [C, L, 4] best of the repeats: the undisturbed cost
         totals = {}
         for c, (kind, size, system, plan, rows_D) in enumerate(keys):
             pred = predict(hw, shape, plan.placement, rows_D, experts_NLk)
             pred_committed = predict(committed, shape, plan.placement, rows_D, experts_NLk) if committed else None
+            pred_min = predict(hw_min, shape, plan.placement, rows_D, experts_NLk)
             measured = np.median(times[c], axis=1)  # [L, 4]
             for layer in range(layers):
                 cell = {"ranks": ranks, "phase_kind": kind, "size": size, "system": system, "layer": layer,
@@ -322,6 +337,8 @@ def run(quick: bool) -> dict:
                 for p, phase in enumerate(PHASES):
                     cell[f"{phase}_measured_s"] = float(measured[layer, p])
                     cell[f"{phase}_predicted_s"] = float(pred[phase][layer])
+                    cell[f"{phase}_measured_min_s"] = float(best[c, layer, p])
+                    cell[f"{phase}_predicted_min_s"] = float(pred_min[phase][layer])
                     if pred_committed is not None:
                         cell[f"{phase}_committed_s"] = float(pred_committed[phase][layer])
                 cell["dispatch_sim_predicted_s"] = float(pred["dispatch_sim"][layer])
@@ -344,6 +361,8 @@ def run(quick: bool) -> dict:
         profiles[f"{ranks} ranks"]["exec_wall_s"] = round(wall, 1)
     shutil.rmtree(calibration_dir, ignore_errors=True)
     summary = summarise(cells, orders)
+    summary["best_of_repeats"] = {  # both sides summarised by their fastest call: the machine's load mostly removed
+        phase: summarise_phase(cells, f"{phase}_predicted_min_s", f"{phase}_measured_min_s") for phase in PHASES}
     if all("gating_committed_s" in c for c in cells):
         summary["with_committed_profile"] = {
             phase: summarise_phase(cells, f"{phase}_committed_s", f"{phase}_measured_s") for phase in PHASES}

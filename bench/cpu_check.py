@@ -66,8 +66,11 @@ def profile_name(host: str, ranks: int) -> str:
     return f"cpu_{host}_{ranks}ranks"
 
 
-def median_s(fn, repeats: int, warmup: int = 2, before=None) -> float:
-    """Median seconds of fn(); `before` (untimed) runs ahead of every call, e.g. a barrier."""
+STATS = {"median": np.median, "min": np.min}  # how a quantity's calls are summarised (see `slowest`)
+
+
+def call_times(fn, repeats: int, warmup: int = 2, before=None) -> list[float]:
+    """Seconds of each of `repeats` calls of fn(); `before` (untimed) runs ahead of every call, e.g. a barrier."""
     for _ in range(warmup):
         fn()
     times = []
@@ -77,7 +80,7 @@ def median_s(fn, repeats: int, warmup: int = 2, before=None) -> float:
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return float(np.median(times))
+    return times
 
 
 FLUSH_BYTES = 32 * 2**20  # more than this host's last-level cache
@@ -128,7 +131,7 @@ def _compute_part(world: int, repeats: int, rows_list) -> dict:
 
     from repro.kernels.gating import topk_softmax
 
-    timed = functools.partial(median_s, before=cold_start(torch.zeros(FLUSH_BYTES // 4)))
+    timed = functools.partial(call_times, before=cold_start(torch.zeros(FLUSH_BYTES // 4)))
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(512, 512, generator=g), torch.randn(512, 512, generator=g)
     gemm_s = timed(lambda: a @ b, repeats)
@@ -140,11 +143,11 @@ def _compute_part(world: int, repeats: int, rows_list) -> dict:
     table = []
     for n in rows_list:
         step = functools.partial(local_expert_step, *local_step_inputs(n, slots, h, inter, k, g))
-        table.append([n, timed(step, repeats if n <= 256 else max(3, repeats // 3)) / slots])
+        table.append([n, [t / slots for t in timed(step, repeats if n <= 256 else max(3, repeats // 3))]])
     floor_s = timed(functools.partial(local_expert_step, *local_step_inputs(1, 1, 64, 64, k, g)), repeats)
     router, token = torch.randn(experts, h, generator=g), torch.randn(1, h, generator=g)
     gate_s = timed(lambda: topk_softmax(token @ router.T, k, True, backend="torch"), repeats)
-    return {"gemm_flops": 2 * 512**3 / gemm_s, "copy_bytes_per_s": 2 * src.numel() * 4 / copy_s,
+    return {"gemm_flops": [2 * 512**3 / t for t in gemm_s], "copy_bytes_per_s": [2 * src.numel() * 4 / t for t in copy_s],
             "expert_gemm": table, "kernel_floor_s": floor_s, "gate_1_token_s": gate_s,
             "threads": torch.get_num_threads()}
 
@@ -180,22 +183,26 @@ def calibration_worker(rank: int, world: int, *, repeats: int, rows_list: list[i
     return out
 
 
-def slowest(results: list[dict]) -> dict:
-    """Per compute quantity the slowest rank (least FLOP/s and bandwidth, most seconds); all-to-all see below."""
-    table = np.max([np.asarray(r["expert_gemm"])[:, 1] for r in results], axis=0)
-    # per call the fastest rank (the last to arrive after the barrier: the transfer without the wait for a late
-    # peer, as bench.bench_cost_model reduces the executor's calls), then the median over calls
+def slowest(results: list[dict], stat: str = "median") -> dict:
+    """One number per quantity from every rank's calls: per rank the `stat` of its calls ("median", or "min": the
+    undisturbed cost on a busy machine), then the slowest rank (least FLOP/s and bandwidth, most seconds). The
+    all-to-all: per call the fastest rank (the last to arrive after the barrier: the transfer without the wait for
+    a late peer, as bench.bench_cost_model reduces the executor's calls), then the `stat` over calls."""
+    f = STATS[stat]
+    table = np.max([[f(row[1]) for row in r["expert_gemm"]] for r in results], axis=0)
     calls = np.asarray([[row[1] for row in r["a2a"]] for r in results])  # [D, sizes, repeats]
-    a2a = np.median(calls.min(axis=0), axis=1)
+    a2a = f(calls.min(axis=0), axis=1)
     first = results[0]
     return {
-        "gemm_flops": min(r["gemm_flops"] for r in results),
-        "copy_bytes_per_s": min(r["copy_bytes_per_s"] for r in results),
-        "expert_gemm": [[int(n), float(s)] for (n, _), s in zip(first["expert_gemm"], table, strict=True)],
-        "kernel_floor_s": max(r["kernel_floor_s"] for r in results),
-        "gate_1_token_s": max(r["gate_1_token_s"] for r in results),
+        "gemm_flops": float(min(f(r["gemm_flops"]) if stat == "median" else max(r["gemm_flops"]) for r in results)),
+        "copy_bytes_per_s": float(min(f(r["copy_bytes_per_s"]) if stat == "median" else max(r["copy_bytes_per_s"])
+                                      for r in results)),
+        "expert_gemm": [[int(row[0]), float(s)] for row, s in zip(first["expert_gemm"], table, strict=True)],
+        "kernel_floor_s": max(float(f(r["kernel_floor_s"])) for r in results),
+        "gate_1_token_s": max(float(f(r["gate_1_token_s"])) for r in results),
         "a2a": [[int(row[0]), float(s)] for row, s in zip(first["a2a"], a2a, strict=True)],
         "threads": first["threads"],
+        "stat": stat,
     }
 
 
@@ -243,6 +250,8 @@ def calibration_document(name: str, ranks: int, m: dict, fit: dict, load: dict) 
                       f"({os.cpu_count()} cpus, {m['threads']} torch thread(s) per rank)",
             "torch": str(torch.__version__),
             "load_before_after": load,
+            "statistic": (f"{m.get('stat', 'median')} of each rank's calls, then the slowest rank (all-to-all: per "
+                          "call the fastest rank)"),
             "gemm_gflops_fp32": round(m["gemm_flops"] / 1e9, 2),
             "copy_gbps": round(m["copy_bytes_per_s"] / 1e9, 2),
             "expert_gemm": (f"per slot: one rank's permute + torch grouped GEMM + unpermute over E / {ranks} slots "
@@ -282,12 +291,16 @@ def write_profile(hardware_dir: Path, measured_dir: Path, profile: dict, calibra
     return [base, measured]
 
 
-def calibrate(ranks: int, repeats: int, rows_list, peer_bytes) -> dict:
+def measure(ranks: int, repeats: int, rows_list, peer_bytes) -> list[dict]:
+    """Every rank's call times (`calibration_worker`) of one launch of `ranks` gloo processes."""
     from repro.exec.launch import launch
 
-    results = launch(calibration_worker, ranks, backend="gloo", timeout_s=600, repeats=repeats,
-                     rows_list=list(rows_list), peer_bytes=list(peer_bytes))
-    return slowest(results)
+    return launch(calibration_worker, ranks, backend="gloo", timeout_s=600, repeats=repeats,
+                  rows_list=list(rows_list), peer_bytes=list(peer_bytes))
+
+
+def calibrate(ranks: int, repeats: int, rows_list, peer_bytes, stat: str = "median") -> dict:
+    return slowest(measure(ranks, repeats, rows_list, peer_bytes), stat)
 
 
 def main(argv: list[str] | None = None) -> int:
