@@ -126,3 +126,23 @@ def test_the_decode_metrics_reach_metrics_json_and_wandb(tmp_path, fake_wandb):
                 "decode_moe_seconds_per_step", "prefill_lar"):
         assert written[key] == summary[key] == fake_wandb.run.summary[key]
     assert written["decode_phase"] == "measured"
+
+
+def test_decode_counts_do_not_depend_on_the_step_block(monkeypatch):
+    """Distinct experts are counted a block of steps at a time: blocks of 1 and 7 steps give the 64-step numbers."""
+    import repro.eval.decode_phase as decode_phase
+
+    rng = np.random.default_rng(4)
+    lengths = rng.integers(20, 150, 12)
+    n = int(lengths.sum())
+    experts = np.argsort(rng.random((n, 2, 8)), axis=2)[:, :, :2]
+    meta = TraceMeta(model="r", num_experts=8, top_k=2, layer_ids=(0, 1), vocab_size=8, dataset="r")
+    trace = make_trace(meta, np.concatenate([[0], np.cumsum(lengths)]), np.zeros(n, dtype=np.int64), experts,
+                       prefill_len=np.full(12, 10))
+    plan = make_system("ep").fit(trace, ParallelConfig(devices=4, attention="dp", tokens_per_step=8),
+                                 np.random.default_rng(0))
+    whole = decode_phase_metrics(plan, trace)
+    assert whole["decode_steps"] > 64
+    for block in (1, 7):
+        monkeypatch.setattr(decode_phase, "STEPS_PER_BLOCK", block)
+        assert decode_phase_metrics(plan, trace) == whole

@@ -112,15 +112,7 @@ def decode_phase_metrics(plan: Plan, trace: RoutingTrace, *, time_model: TimeMod
     tokens_KLD = np.bincount(((step_n[:, None] * num_layers + layer_L) * devices + home_nL).ravel(),
                              minlength=num_steps * num_layers * devices).reshape(num_steps, num_layers, devices)
     per_rank_LD = tokens_KLD.sum(axis=0)
-    batch = distinct_per_group(step_n[:, None] * devices + home_nL, experts_nLk, num_steps * devices, num_experts)
-    batch = batch.reshape(num_steps, devices, num_layers)  # [K, D, L]
-    # a device serves an expert of layer l in a step when any activation of that step lands there
-    dest_nLk = dispatch_LDE[layer_L[None, :, None], home_nL[:, :, None], experts_nLk]
-    layer_nLk = np.broadcast_to(layer_L[None, :, None], experts_nLk.shape)
-    keys = np.unique((((step_n[:, None, None] * devices + dest_nLk) * num_layers + layer_nLk) * num_experts
-                      + experts_nLk).ravel())
-    served = np.bincount(keys // num_experts, minlength=num_steps * devices * num_layers).reshape(
-        num_steps, devices, num_layers)
+    batch, served = _distinct_experts(step_n, home_nL, experts_nLk, dispatch_LDE, num_steps, num_experts)
     step_max_mean = tokens_KLD.max(axis=2) / tokens_KLD.mean(axis=2)
     out = {
         "decode_lar": float(counts.local_activations.sum() / counts.total_activations.sum()),
@@ -144,6 +136,34 @@ def decode_phase_metrics(plan: Plan, trace: RoutingTrace, *, time_model: TimeMod
         for part in PARTS:
             out[f"decode_moe_{part}_seconds_per_step"] = float(seconds[part].sum() / num_steps)
     return out
+
+
+def _distinct_experts(step_n, home_nL, experts_nLk, dispatch_LDE, num_steps: int, num_experts: int):
+    """(batch, served) int64[K, D, L]: distinct experts among each rank's decode batch per step and layer, and
+    distinct experts each device serves (activations of that step landing there), counted STEPS_PER_BLOCK steps at
+    a time so the keys stay small."""
+    num_layers, devices, _ = dispatch_LDE.shape
+    layer_L = np.arange(num_layers)
+    batch = np.zeros((num_steps, devices, num_layers), dtype=np.int64)
+    served = np.zeros_like(batch)
+    order = np.argsort(step_n, kind="stable")
+    bounds = np.searchsorted(step_n[order], np.arange(0, num_steps + STEPS_PER_BLOCK, STEPS_PER_BLOCK))
+    for first, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=False)):
+        if lo >= hi:
+            continue
+        rows, base = order[lo:hi], first * STEPS_PER_BLOCK
+        step, home, experts = step_n[rows] - base, home_nL[rows], experts_nLk[rows]
+        num_k = int(step.max()) + 1
+        groups = num_k * devices
+        batch[base : base + num_k] = distinct_per_group(step[:, None] * devices + home, experts, groups,
+                                                        num_experts).reshape(num_k, devices, num_layers)
+        # a device serves an expert of layer l in a step when any activation of that step lands there
+        dest = dispatch_LDE[layer_L[None, :, None], home[:, :, None], experts]  # [n, L, k]
+        keys = np.unique((((step[:, None, None] * devices + dest) * num_layers + layer_L[None, :, None])
+                          * num_experts + experts).ravel())
+        served[base : base + num_k] = np.bincount(keys // num_experts, minlength=groups * num_layers).reshape(
+            num_k, devices, num_layers)
+    return batch, served
 
 
 def decode_summary(plan: Plan, trace: RoutingTrace, *, time_model: TimeModel | None = None,
