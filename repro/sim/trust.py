@@ -79,6 +79,7 @@ def exec_errors(path: Path) -> dict | None:
         return None
     summary = results["summary"]
     out = {phase: summary[phase]["all"] for phase in ("gating", "dispatch", "experts", "combine", "dispatch_sim")}
+    out["best_of_repeats"] = {p: v["all"] for p, v in (summary.get("best_of_repeats") or {}).items()}
     out["order"] = summary.get("order")
     out["load"] = results.get("load_before_after")
     out["started_utc"] = record.get("started_utc")
