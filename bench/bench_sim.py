@@ -59,7 +59,7 @@ def job_config(system: str, quick: bool, cache_dir: str) -> dict:
     # the sweep only, one seed, a fixed request count per rate: every rate below saturation, so each rule passes on
     # the whole grid and bisection adds no run; the SLO from the system's own lightest rate (no reference runs)
     sim.update(seeds=1, min_requests=100 if quick else 1000, duration_s=1.0, warmup_s=0.0, cooldown_s=0.0,
-               drain_s=1000.0)
+               drain_s=1000.0, max_duration_s=1.0)  # fixed runs: the simulator's speed, not its convergence
     sim["slo"]["reference"] = "self"
     return config
 
@@ -96,7 +96,7 @@ def saturated(config: dict, plan, evaluation, quick: bool) -> dict:
     requests = 200 if quick else 3000
     # one run of `requests` arrivals (drawn with replacement from the evaluate split), all served to the end
     sim = dict(config["sim"], rates=[SATURATED_RATE], min_requests=requests, duration_s=requests / SATURATED_RATE,
-               warmup_s=0.0, cooldown_s=0.0, drain_s=1000.0, slo=dict(config["sim"]["slo"], ttft_s=1.0, tpot_s=1.0, e2e_s=1.0))
+               warmup_s=0.0, cooldown_s=0.0, drain_s=1000.0, max_duration_s=requests / SATURATED_RATE, slo=dict(config["sim"]["slo"], ttft_s=1.0, tpot_s=1.0, e2e_s=1.0))
     cpu, wall = time.process_time(), time.perf_counter()
     result = simulate(dict(config, sim=sim), plan, evaluation, config["hardware"], sim["shape"],
                       np.random.default_rng(config["seed"]))

@@ -205,6 +205,7 @@ WORKLOAD = {  # load_workload's arguments
     "path": text(null=True),
     "label_field": text(null=True),
     "input_len": integer(1, null=True),
+    "input_len_lognormal": Value(("list", "null")),  # [median, p99] tokens: heavy-tailed packed lengths
 }
 HARDWARE = {  # the top-level numbers; the simulator's (read by the time estimate too) are load_hardware's
     "name": text(),
@@ -475,13 +476,14 @@ def check_exec(exec_cfg: dict, parallel) -> None:
 def check_trace_ignores_nothing(config: dict) -> None:
     """trace= evaluates routing that is already tokenized and cut: a workload setting that shapes requests would
     be ignored without a word (paper_table2 on trace= gave one result for 256, 512 and 1,024 tokens)."""
-    input_len = (config.get("workload") or {}).get("input_len")
-    if input_len is not None:
-        raise ConfigError(
-            f"workload.input_len={input_len} cannot apply to trace={config['trace']}: a trace's requests are already "
-            "tokenized at their own lengths; drop workload.input_len (workload.input_len=null) or route the workload "
-            "instead of trace=."
-        )
+    for key in ("input_len", "input_len_lognormal"):
+        value = (config.get("workload") or {}).get(key)
+        if value is not None:
+            raise ConfigError(
+                f"workload.{key}={value} cannot apply to trace={config['trace']}: a trace's requests are already "
+                f"tokenized at their own lengths; drop workload.{key} (workload.{key}=null) or route the workload "
+                "instead of trace=."
+            )
 
 
 def check_config(config: dict) -> None:

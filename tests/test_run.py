@@ -138,11 +138,12 @@ def test_every_experiment_sweep_runs(tmp_path, cache, experiment):
     # the small trace's 16 experts x 2 layers are mapped onto the simulated model shape (stated in the results)
     # and each rate serves ~20 requests over 1 s (warm-up and cool-down shortened to fit): the sweep, not the numbers
     serve = ["sim.routing_map=trace", "sim.min_requests=20", "sim.rates=[1,4]", "sim.duration_s=1", "sim.warmup_s=0.2",
-             "sim.cooldown_s=0.1", "sim.drain_s=1", "sim.seeds=2"]
+             "sim.cooldown_s=0.1", "sim.drain_s=1", "sim.seeds=2", "sim.max_duration_s=1"]
     # the multi-node sweeps' EP 32 (4 x 8) needs more than the trace's 16 experts: run their EP 16 (2 x 8) only
     nodes = ["parallel.devices=16"] if experiment.startswith("multinode") else []
     # a trace's requests keep their own lengths: paper_table2's input_len sweep applies to routed workloads only
     nodes += ["workload.input_len=null"] if experiment == "paper_table2" else []
+    nodes += ["workload.input_len_lognormal=null"] if experiment == "serve_dp_heavy" else []
     res = subprocess.run(
         [sys.executable, "-m", "repro.run", "-m", f"experiment={experiment}", "logger=none", f"trace={trace}",
          "parallel.tokens_per_step=256", f"hydra.sweep.dir={tmp_path / 'runs'}",

@@ -39,7 +39,7 @@ def sim_config(**overrides) -> dict:
     """conf/sim/default.yaml with overrides; one seed and a window from 0 unless the test says otherwise."""
     sim = load_yaml("sim", "default.yaml")
     sim.pop("defaults")
-    sim.update(seeds=1, warmup_s=0.0, cooldown_s=0.0, duration_s=1.0, min_requests=20)
+    sim.update(seeds=1, warmup_s=0.0, cooldown_s=0.0, duration_s=1.0, min_requests=20, max_duration_s=1.0)
     slo = dict(sim["slo"], **overrides.pop("slo", {}))
     return {"sim": dict(sim, slo=slo, **overrides), "history": 2}
 
@@ -381,7 +381,8 @@ def test_every_hardware_profile_loads_and_keeps_the_run_keys():
     for path in sorted((ROOT / "conf" / "hardware").glob("*.yaml")):
         profile = load_yaml("hardware", path.name)
         hw = load_hardware(profile)
-        assert hw.name == path.stem and hw.num_devices >= 8
+        # bench.cpu_check's measured CPU profiles describe the N gloo ranks they were measured with (2, 4)
+        assert hw.name == path.stem and (hw.num_devices >= 8 or path.stem.startswith("cpu_"))
 
 
 def test_sim_group_composes_with_hydra():

@@ -16,7 +16,13 @@ from repro.parallel import ParallelConfig
 from repro.sim import simulate
 from repro.sim.costs import COMPONENTS
 from repro.sim.engine import Engine, EngineConfig, Requests, RunResult
-from repro.sim.metrics import bisect_rate, rate_row, ratio_interval, request_latencies, run_until_converged, steady_state
+from repro.sim.metrics import (
+    bisect_rate,
+    rate_row,
+    ratio_interval,
+    request_latencies,
+    run_until_converged,
+)
 from repro.sim.simulate import _pool, check_sim_config, draw_requests, rate_ladder
 from repro.systems.base import Placement, Plan
 from repro.systems.ep import contiguous_placement
@@ -135,7 +141,7 @@ def test_a_run_lengthens_until_it_converges_and_says_when_it_did_not():
     keeps converged False (its throughput is still reported)."""
     light, extensions = run_until_converged(lambda n: planted_row("deterministic", 0.5, n, 1), 500, 256_000)
     assert light["converged"] and light["stability"] == "stable" and extensions >= 1
-    assert light["throughput_halfwidth_rps"] <= 0.02 * light["throughput_batch_rps"]
+    assert light["e2e_halfwidth_s"] <= 0.02 * light["e2e_batch_mean_s"]
     assert light["ttft_halfwidth_s"] <= 0.02 * light["ttft_batch_mean_s"]
     calls = []
 
@@ -300,6 +306,36 @@ def test_results_state_the_method(small):
         assert column in rows, column
     assert {"dispatch_prefill_s", "combine_decode_s", "seed"} <= set(result.per_layer)
     assert set(result.tables) == {"sim_per_rate", "sim_per_layer", "sim_probes"}
+
+
+def test_seeds_in_parallel_processes_give_the_serial_numbers(small):
+    """sim.workers forks one process per seed; each seed's work is independent of the others, so the tables and
+    every summary value but the timings are the serial run's, bit for bit."""
+    serial, forked = run_small(small, max_duration_s=4.0), run_small(small, max_duration_s=4.0, workers=2)
+    for name in ("per_rate", "per_layer", "probes", "requests"):
+        pd.testing.assert_frame_equal(getattr(serial, name), getattr(forked, name), check_exact=True)
+    timings = {"sim_wall_s", "sim_cpu_s", "sim_requests_per_wall_s", "sim_events_per_wall_s", "sim_workers"}
+    assert {k: v for k, v in serial.summary.items() if k not in timings} == \
+        {k: v for k, v in forked.summary.items() if k not in timings}
+    assert serial.summary["sim_extensions"] > 0  # the runs did lengthen: the loop ran in the workers too
+
+
+def test_a_run_capped_before_it_converges_is_labelled_so(small):
+    """With no room to lengthen (max_duration_s = duration_s), the 2 s runs' latencies keep wide intervals: the
+    summary counts and names those runs, and a rule whose deciding runs did not settle it says so, per seed."""
+    result = run_small(small)
+    s, probes = result.summary, result.probes
+    assert s["sim_runs_converged"] < s["sim_runs"] == len(probes) and s["sim_extensions"] == 0
+    assert len(s["sim_unconverged_runs"]) == s["sim_runs"] - s["sim_runs_converged"]
+    assert {"converged", "stability", "settled_ttft", "ttft_halfwidth_s", "extensions"} <= set(probes)
+    for rule in ("ttft", "e2e", "distserve", "capacity"):
+        per_seed = s[f"converged_{rule}_per_seed"]
+        assert len(per_seed) == 2 and s[f"converged_{rule}"] == all(per_seed)
+        assert all(per_seed) or any("did not settle" in w for w in s["warnings"])
+    # a p99 rule has no batch-means interval here: it settles only on converged runs, which a 2 s cap never gives
+    p99 = run_small(small, slo={"statistic": "p99"}).summary
+    assert not p99["converged_ttft"] and not p99["sim_converged"]
+    assert any("the paper's TTFT rule" in w and "did not settle" in w for w in p99["warnings"])
 
 
 def test_every_system_gets_vanilla_eps_slo(small):

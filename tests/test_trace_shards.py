@@ -106,7 +106,7 @@ def test_every_reader_accepts_a_sharded_trace(sharded):
     assert summaries[0] == summaries[1]
     conf = OmegaConf.to_container(OmegaConf.load(ROOT / "conf/sim/default.yaml"), resolve=True)
     conf.pop("defaults")
-    conf.update(seeds=1, warmup_s=0.0, cooldown_s=0.0, duration_s=1.0, min_requests=10, rates=[5.0], output_len=[2, 4],
+    conf.update(seeds=1, warmup_s=0.0, cooldown_s=0.0, duration_s=1.0, max_duration_s=1.0, min_requests=10, rates=[5.0], output_len=[2, 4],
                 routing_map="trace")
     hardware = OmegaConf.to_container(OmegaConf.load(ROOT / "conf/hardware/h200.yaml"), resolve=True)
     shape = OmegaConf.to_container(OmegaConf.load(ROOT / "conf/sim/shape/deepseek_v2_lite.yaml"), resolve=True)

@@ -164,6 +164,26 @@ def test_mmlu_truncation_and_min_length(mmlu_all):
     assert min(r.prompt_len for r in long_only.requests) >= 300
 
 
+def test_heavy_tailed_lengths_packed_from_real_prompts(mmlu_all):
+    """input_len_lognormal [26, 1486]: lengths with the median and p99 asked (lognormal, within sampling noise),
+    each request the head of consecutive real questions; seeded; refused with input_len or a bad pair."""
+    heavy = load_workload("mmlu", input_len_lognormal=[26, 1486], max_prompt_len=4096, num_requests=3000, seed=1)
+    lengths = np.array([r.prompt_len for r in heavy.requests])
+    assert len(lengths) == 3000 and abs(np.median(lengths) - 26) <= 2
+    assert 1486 * 0.8 <= np.percentile(lengths, 99) <= 1486 * 1.25 and lengths.max() <= 4096
+    full = {r.id: r.token_ids for r in mmlu_all.requests}
+    first = heavy.requests[0]
+    head = full[first.id.split("+")[0]]
+    assert np.array_equal(first.token_ids[: min(len(head), first.prompt_len)], head[: first.prompt_len])
+    again = load_workload("mmlu", input_len_lognormal=[26, 1486], max_prompt_len=4096, num_requests=3000, seed=1)
+    assert [r.id for r in again.requests] == [r.id for r in heavy.requests]
+    for bad in ([26], [30, 20], ["a", 5]):
+        with pytest.raises(ConfigError, match="input_len_lognormal must be"):
+            load_workload("mmlu", input_len_lognormal=bad)
+    with pytest.raises(ConfigError, match="input_len_lognormal must be"):
+        load_workload("mmlu", input_len_lognormal=[26, 1486], input_len=64)
+
+
 def test_mmlu_answer_labels_and_bad_split(monkeypatch):
     answers = load_workload("mmlu", split="dev", label_field="answer")
     assert len(answers) == 57 * 5 and set(answers.labels) == set("ABCD")

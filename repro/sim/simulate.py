@@ -62,11 +62,14 @@ from repro.sim.metrics import (
     LATENCIES,
     STATISTICS,
     attainment,
+    batch_of_arrival,
     bisect_rate,
+    decided,
     layer_rows,
     rate_row,
     request_latencies,
     run_until_converged,
+    share_interval,
     statistic,
     window_requests,
 )
@@ -334,10 +337,14 @@ class _Runner:
         self.cache: dict[float, dict] = {}
         self.latency: dict[float, dict] = {}  # window requests' latencies (reference runs keep them for the SLO)
         self.layers: dict[float, list[dict]] = {}
+        self.batch: dict[float, np.ndarray] = {}  # window requests' batch of arrival
         self.log: list[dict] = []
         self.slo: dict | None = None
 
     def measure(self, rate: float, role: str) -> dict:
+        """The row of one rate. A grid or reference run lengthens until its estimates converge; a bisection probe
+        only until the decisions it is asked for are settled (every rule's comparison with its SLO, the queue's
+        stability: a sequential test), or until either happens at sim.max_duration_s."""
         rate = float(rate)
         if rate in self.cache:
             return self.cache[rate]
@@ -348,25 +355,37 @@ class _Runner:
 
         def run_n(requests: int) -> dict:
             last["run"], row, last["window"] = self._run(rate, requests)
+            last["latency"], last["batch"] = self._window_latency(last["run"], last["window"])
             return row
 
-        row, extensions = run_until_converged(run_n, n, n if given else requests_at(rate, sim, sim["max_duration_s"]))
-        run, window = last["run"], last["window"]
+        def enough(row: dict) -> bool:
+            if self.slo is None or role != "bisect":
+                return row["converged"]
+            self._flag(row, last["latency"], last["batch"])
+            return row["converged"] or all(row[f"settled_{rule}"] for rule in RULES)
+
+        cap = n if given else requests_at(rate, sim, sim["max_duration_s"])
+        row, extensions = run_until_converged(run_n, n, cap, enough)
+        run = last["run"]
         n = len(run.arrival)
-        req = pool.requests
-        inside = window_requests(run.arrival, window)
-        latency = {k: v[inside] for k, v in request_latencies(run, req.output_len[:n]).items()}
-        prompt = req.prompt_len[:n]
+        prompt = pool.requests.prompt_len[:n]
         row.update(seed=self.seed, plan=self.plan, role=role, distinct_prompts=int(len(np.unique(pool.picked[:n]))),
                    extensions=extensions, arrivals_span_s=float(run.arrival.max()),
                    prompt_tokens_mean=float(prompt.mean()), prompt_tokens_p99=float(np.percentile(prompt, 99)))
-        self.latency[rate] = latency
+        self.latency[rate], self.batch[rate] = last["latency"], last["batch"]
         if self.slo is not None:
-            self._flag(row, latency)
+            self._flag(row, last["latency"], last["batch"])
         self.cache[rate] = row
         self.layers[rate] = layer_rows(rate, run, self.layer_ids)
         self.log.append(row)
         return row
+
+    def _window_latency(self, run, window) -> tuple[dict, np.ndarray]:
+        """({"ttft", "tpot", "e2e"}: float64[W] latencies of the window's W requests, int64[W] their batches)."""
+        inside = window_requests(run.arrival, window)
+        latency = request_latencies(run, self.pool.requests.output_len[:len(run.arrival)])
+        batch = batch_of_arrival(run.arrival, window, self.sim["batches"])[inside]
+        return {k: v[inside] for k, v in latency.items()}, np.maximum(batch, 0)
 
     def _run(self, rate: float, n: int):
         sim, req = self.sim, self.pool.requests
@@ -384,20 +403,34 @@ class _Runner:
                        sim["rel_halfwidth"])
         return run, row, window
 
-    def _flag(self, row: dict, latency: dict) -> None:
+    def _flag(self, row: dict, latency: dict, batch: np.ndarray) -> None:
+        """Each rule's verdict at this rate (meets_*) and whether the window settles it (settled_*: the interval
+        of the compared estimate lies on one side of the SLO or is within rel_halfwidth; a statistic other than
+        the mean, which has no batch-means interval here, needs the run converged)."""
         slo, sim = self.slo, self.sim
-        stat = sim["slo"]["statistic"]
-        steady = (row["stable"] and row["unfinished"] == 0) or not sim["slo"]["require_stable"]
+        stat, tol = sim["slo"]["statistic"], sim["rel_halfwidth"]
+        need_stable = sim["slo"]["require_stable"]
+        steady = (row["stable"] and row["unfinished"] == 0) or not need_stable
+        failed_by_queue = need_stable and row["stability"] == "unstable" and row["stability_settled"]
         row["attainment"] = attainment(latency, slo["ttft"], slo["tpot"])
         for name in ("ttft", "e2e"):
             row[f"meets_{name}_slo"] = bool(steady and row[f"{name}_{stat}_s"] <= slo[name])
+            compared = (decided(row[f"{name}_batch_mean_s"], row[f"{name}_halfwidth_s"], slo[name], tol)
+                        if stat == "mean" else row["converged"])
+            row[f"settled_{name}"] = bool(failed_by_queue or (row["stability_settled"] and compared))
         row["meets_distserve_slo"] = bool(steady and row["attainment"] >= sim["slo"]["attainment"])
+        ok = (latency["ttft"] <= slo["ttft"]) & (np.isnan(latency["tpot"]) | (latency["tpot"] <= slo["tpot"]))
+        share, half = share_interval(ok, batch, sim["batches"])
+        row["attainment_halfwidth"] = half
+        row["settled_distserve"] = bool(failed_by_queue or (
+            row["stability_settled"] and decided(share, half, sim["slo"]["attainment"], tol)))
         row["meets_capacity"] = bool(row["stable"] and row["unfinished"] == 0)
+        row["settled_capacity"] = bool(row["stability_settled"])
 
     def set_slo(self, slo: dict) -> None:
         self.slo = slo
         for rate, row in self.cache.items():
-            self._flag(row, self.latency[rate])
+            self._flag(row, self.latency[rate], self.batch[rate])
 
 
 def _same_plan(plan: Plan, other: Plan) -> bool:
@@ -422,9 +455,12 @@ class _Setup:
     grid: np.ndarray
 
 
-def _runners(setup: _Setup, seed: int, seed_rng: np.random.Generator) -> tuple[_Runner, _Runner]:
-    """(the plan's runner, the SLO reference's runner: the same one when the reference is the plan) of one seed."""
-    pool = _pool(setup.trace, setup.sim, setup.size, seed_rng, setup.arrival_times)
+def _runners(setup: _Setup, seed: int, seed_seq: np.random.SeedSequence) -> tuple[_Runner, _Runner]:
+    """(the plan's runner, the SLO reference's runner: the same one when the reference is the plan) of one seed.
+    The seed's requests come from a fresh copy of its SeedSequence (spawning advances a sequence: both phases, in
+    this process or a forked one, must draw the very same pool)."""
+    fresh = np.random.SeedSequence(seed_seq.entropy, spawn_key=seed_seq.spawn_key, pool_size=seed_seq.pool_size)
+    pool = _pool(setup.trace, setup.sim, setup.size, np.random.default_rng(fresh), setup.arrival_times)
     layer_ids = setup.trace.meta.layer_ids
     engine = Engine(setup.plan, pool.requests, setup.cost, dispatch_slots(setup.plan.placement), setup.engine_config)
     runner = _Runner(engine, pool, setup.sim, layer_ids, seed, "plan")
@@ -435,16 +471,23 @@ def _runners(setup: _Setup, seed: int, seed_rng: np.random.Generator) -> tuple[_
     return runner, _Runner(ref_engine, pool, setup.sim, layer_ids, seed, "reference")
 
 
-def _seed_work(setup: _Setup, seed: int, seed_rng: np.random.Generator, slo: dict | None) -> dict:
+def _seed_work(setup: _Setup, seed: int, seed_seq: np.random.SeedSequence, slo: dict | None,
+               light: dict | None = None) -> dict:
     """One seed, independent of every other seed (so seeds may run in parallel processes, with the same numbers).
-    slo None: the SLO reference's light-load run only. Else: seed 0 runs the rate grid (the per-rate table), then
+    slo None: the SLO reference's light-load run only (`light`, its result, is reused when the reference is the
+    plan). Else: seed 0 runs the rate grid (the per-rate table), then
     every seed bisects each rule along the grid to its crossing; midpoints lie on one lattice grid[0] x
     (1 + rel_tol)^k, so the rules probe the same rates and share runs."""
-    runner, reference = _runners(setup, seed, seed_rng)
+    runner, reference = _runners(setup, seed, seed_seq)
     if slo is None:
         reference.measure(setup.light_rate, "reference")
-        return {"row": reference.cache[setup.light_rate], "latency": reference.latency[setup.light_rate],
-                "layers": reference.layers[setup.light_rate], "log": reference.log}
+        rate = setup.light_rate
+        return {"row": reference.cache[rate], "latency": reference.latency[rate], "batch": reference.batch[rate],
+                "layers": reference.layers[rate], "log": reference.log}
+    if light is not None and reference is runner:
+        rate = setup.light_rate
+        runner.cache[rate], runner.latency[rate], runner.layers[rate] = dict(light["row"]), light["latency"], light["layers"]
+        runner.batch[rate] = light["batch"]
     runner.set_slo(slo)
     tol = setup.sim["slo"]["rel_tol"]
     if seed == 0:
@@ -457,8 +500,7 @@ def _seed_work(setup: _Setup, seed: int, seed_rng: np.random.Generator, slo: dic
                                   lattice=float(setup.grid[0]))
         found[rule]["window_throughput"] = runner.cache[found[rule]["low"]]["throughput_rps"] \
             if found[rule]["low"] > 0 else 0.0
-        found[rule]["converged"] = _bracket_converged(runner, found[rule], float(setup.grid[0]),
-                                                      "stability_settled" if rule == "capacity" else "converged")
+        found[rule]["converged"] = _bracket_converged(runner, found[rule], float(setup.grid[0]), f"settled_{rule}")
     pool = runner.pool
     return {"seed": seed, "cache": runner.cache, "latency": runner.latency, "layers": runner.layers,
             "log": runner.log, "found": found, "distinct": int(len(np.unique(pool.picked))),
@@ -466,9 +508,8 @@ def _seed_work(setup: _Setup, seed: int, seed_rng: np.random.Generator, slo: dic
 
 
 def _bracket_converged(runner: _Runner, found: dict, lowest: float, key: str) -> bool:
-    """Whether the runs deciding a bisected rate converged (`key`: "converged", or "stability_settled" for the
-    capacity rule, which only asks the stability verdict): the highest meeting rate's and the lowest failing one's
-    (the lowest grid rate's when even it fails)."""
+    """Whether the runs deciding a bisected rate settled the rule (`key`: settled_<rule>): the highest meeting
+    rate's and the lowest failing one's (the lowest grid rate's when even it fails)."""
     rates = [found["low"] if found["low"] > 0 else lowest]
     if np.isfinite(found["high"]) and found["high"] != rates[0]:
         rates.append(found["high"])
@@ -478,22 +519,23 @@ def _bracket_converged(runner: _Runner, found: dict, lowest: float, key: str) ->
 _FORKED: _Setup | None = None  # the setup a forked worker inherits
 
 
-def _forked_seed_work(seed: int, seed_rng: np.random.Generator, slo: dict | None) -> dict:
-    return _seed_work(_FORKED, seed, seed_rng, slo)
+def _forked_seed_work(seed: int, seed_seq: np.random.SeedSequence, slo: dict | None, light: dict | None) -> dict:
+    return _seed_work(_FORKED, seed, seed_seq, slo, light)
 
 
-def _each_seed(setup: _Setup, seed_rngs: list, slo: dict | None, workers: int) -> list[dict]:
+def _each_seed(setup: _Setup, seed_seqs: list, slo: dict | None, workers: int, light: list | None = None) -> list[dict]:
     """_seed_work of every seed, in seed order: in this process, or in `workers` forked processes."""
-    if workers <= 1 or len(seed_rngs) <= 1:
-        return [_seed_work(setup, seed, g, slo) for seed, g in enumerate(seed_rngs)]
+    light = light or [None] * len(seed_seqs)
+    if workers <= 1 or len(seed_seqs) <= 1:
+        return [_seed_work(setup, seed, seq, slo, light[seed]) for seed, seq in enumerate(seed_seqs)]
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     global _FORKED
     _FORKED = setup
     try:
-        with ProcessPoolExecutor(min(workers, len(seed_rngs)), mp_context=multiprocessing.get_context("fork")) as pool:
-            return list(pool.map(_forked_seed_work, range(len(seed_rngs)), seed_rngs, [slo] * len(seed_rngs)))
+        with ProcessPoolExecutor(min(workers, len(seed_seqs)), mp_context=multiprocessing.get_context("fork")) as pool:
+            return list(pool.map(_forked_seed_work, range(len(seed_seqs)), seed_seqs, [slo] * len(seed_seqs), light))
     finally:
         _FORKED = None
 
@@ -532,7 +574,7 @@ def simulate(config: dict, plan: Plan, trace: RoutingTrace, hardware: dict, shap
         fitted = VanillaEP().fit(trace, parallel, np.random.default_rng(0))  # contiguous blocks: no randomness used
         reference_plan = plan if _same_plan(plan, fitted) else fitted
     setup = _Setup(plan, reference_plan, trace, sim, size, cost, engine_config, arrival_times, light_rate, grid)
-    seed_rngs = rng.spawn(sim["seeds"])
+    seed_seqs = [g.bit_generator.seed_seq for g in rng.spawn(sim["seeds"])]
     bar = None
     if progress:
         from tqdm import tqdm
@@ -540,7 +582,7 @@ def simulate(config: dict, plan: Plan, trace: RoutingTrace, hardware: dict, shap
         bar = tqdm(desc="simulate seeds", unit="seed", total=2 * sim["seeds"] if derive else sim["seeds"])
 
     # the SLOs, fixed before any bisection: multiplier x the reference's statistic at the light rate, seeds pooled
-    light = _each_seed(setup, seed_rngs, None, sim["workers"]) if derive else []
+    light = _each_seed(setup, seed_seqs, None, sim["workers"]) if derive else []
     if bar is not None:
         bar.update(len(light))
     slo = {}
@@ -550,7 +592,7 @@ def simulate(config: dict, plan: Plan, trace: RoutingTrace, hardware: dict, shap
             continue
         pooled = np.concatenate([seed_light["latency"][name] for seed_light in light])
         slo[name] = float(slo_cfg["multiplier"] * statistic(pooled, stat))
-    seeds = _each_seed(setup, seed_rngs, slo, sim["workers"])
+    seeds = _each_seed(setup, seed_seqs, slo, sim["workers"], light)
     if bar is not None:
         bar.update(len(seeds))
         bar.close()
@@ -685,18 +727,20 @@ def _summary(sim, slo, stat, light_rate, results, per_rate, probes, seeds, trace
         summary[f"bracketed_{rule}"] = bool(all(f["bracketed"] for f in found))
         summary[f"converged_{rule}_per_seed"] = [bool(f["converged"]) for f in found]
         summary[f"converged_{rule}"] = bool(all(f["converged"] for f in found))
-    # nothing downstream may treat a rule's value as converged unless the runs deciding it on every seed were
-    unconverged = probes[~probes["converged"].astype(bool)]
+    # nothing downstream may treat a rule's value as converged unless the runs deciding it settled it on every seed
+    settled = probes[[f"settled_{rule}" for rule in RULES]].fillna(False).astype(bool).all(axis=1) \
+        if f"settled_{RULES[0]}" in probes else False
+    unconverged = probes[~(probes["converged"].astype(bool) | settled)]
     summary["sim_converged"] = bool(all(summary[f"converged_{rule}"] for rule in RULES))
-    summary["sim_runs_converged"] = int(len(probes) - len(unconverged))
+    summary["sim_runs_converged"] = int(len(probes) - len(unconverged))  # estimates converged, or every rule settled
     summary["sim_unconverged_runs"] = [f"{row.plan} seed {row.seed} at {row.rate:.6g} req/s ({row.stability})"
                                        for row in unconverged.itertuples()]
     summary["sim_extensions"] = int(probes["extensions"].sum())
     for rule in RULES:
         if not summary[f"converged_{rule}"]:
             seeds_left = [s for s, ok in enumerate(summary[f"converged_{rule}_per_seed"]) if not ok]
-            warnings.append(f"under {names[rule]} the runs deciding the rate of seed(s) {seeds_left} did not converge "
-                            f"within sim.max_duration_s={sim['max_duration_s']:g} s of arrivals; that value is "
+            warnings.append(f"under {names[rule]} the runs deciding the rate of seed(s) {seeds_left} did not settle "
+                            f"it within sim.max_duration_s={sim['max_duration_s']:g} s of arrivals; that value is "
                             "unconverged (raise max_duration_s).")
     summary["goodput_distserve_bracketed"] = summary["bracketed_distserve"]
     summary.update({

@@ -155,8 +155,9 @@ def poisson_arrivals(num_requests: int, request_rate: float, rng: np.random.Gene
     return np.cumsum(rng.exponential(1.0 / request_rate, size=num_requests))
 
 
-def pack_prompts(prompt_lens: np.ndarray, input_len: int, num_requests: int | None) -> list[tuple[int, int]]:
-    """Greedy packing of prompts, in the given order, into requests of exactly `input_len` tokens.
+def pack_prompts(prompt_lens: np.ndarray, input_len: int | np.ndarray, num_requests: int | None) -> list[tuple[int, int]]:
+    """Greedy packing of prompts, in the given order, into requests of exactly `input_len` tokens (or, with an
+    int[R] array, request r of exactly input_len[r]).
 
     prompt_lens int[N] >= 1: token count of each prompt in packing order. Request r takes prompts
     [start_r, end_r) whole but the last, which is cut so the request holds exactly input_len tokens; the next
@@ -164,13 +165,17 @@ def pack_prompts(prompt_lens: np.ndarray, input_len: int, num_requests: int | No
     or (None) as many as the prompts fill; a trailing group shorter than input_len is dropped.
     Raises WorkloadError when the prompts cannot fill num_requests requests.
     """
-    used = np.minimum(np.asarray(prompt_lens, dtype=np.int64), input_len)  # a prompt is never cut twice
+    targets = np.broadcast_to(np.asarray(input_len, dtype=np.int64), (max(len(prompt_lens), 1),)) \
+        if np.ndim(input_len) == 0 else np.asarray(input_len, dtype=np.int64)
+    used = np.minimum(np.asarray(prompt_lens, dtype=np.int64), targets.max())  # a prompt is never cut twice
     ends_at = np.concatenate([[0], np.cumsum(used)])  # int64[N + 1]: tokens before prompt i
     wanted = len(used) if num_requests is None else num_requests
+    wanted = min(wanted, len(targets))
     groups: list[tuple[int, int]] = []
     start = 0
     while len(groups) < wanted:  # one step per request, not per token
-        end = int(np.searchsorted(ends_at, ends_at[start] + input_len, side="left"))  # first end >= input_len
+        target = int(targets[len(groups)])
+        end = int(np.searchsorted(ends_at, ends_at[start] + target, side="left"))  # first end >= target
         if end > len(used):
             break
         groups.append((start, end))
@@ -231,18 +236,29 @@ def load_workload(name: str, *, tokenizer: str = "mixtral", num_requests: int | 
                   max_prompt_len: int = 1024, min_prompt_len: int = 1, balanced: bool = False,
                   seed: int = 0, output_len: int | tuple[int, int] = 0, request_rate: float = 0.0,
                   source: str = "offline", path: str | None = None, split: str = "test",
-                  label_field: str | None = None, input_len: int | None = None) -> Workload:
+                  label_field: str | None = None, input_len: int | None = None,
+                  input_len_lognormal: list | None = None) -> Workload:
     """Load, tokenize, filter, sample and time one workload (see the module docstring for the steps).
 
     Same arguments and seed give identical requests. Request.token_ids int32[S <= max_prompt_len] are the head
     of the tokenized prompt; Request.text is the whole prompt text. input_len: every request's token_ids are
     int32[input_len], packed from consecutive prompts (module docstring); None: one prompt per request.
+    input_len_lognormal [median, p99]: each request packed the same way to its own length, drawn (seeded) from the
+    lognormal of that median and 99th percentile, cut to max_prompt_len: heavy-tailed chat-like prompt lengths
+    (LMSYS-style traffic: median ~26, p99 ~1,500 tokens) made of real text.
     """
     _check_arguments(name, num_requests, max_prompt_len, min_prompt_len, output_len, request_rate, seed)
     if input_len is not None and (isinstance(input_len, bool) or not isinstance(input_len, numbers.Integral)
                                   or input_len < 1):
         raise ConfigError(f"workload input_len must be null (one prompt per request) or an integer >= 1 (tokens per "
                           f"request), got {input_len!r}.")
+    if input_len_lognormal is not None:
+        ok = (isinstance(input_len_lognormal, list | tuple) and len(input_len_lognormal) == 2
+              and all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in input_len_lognormal)
+              and 1 <= input_len_lognormal[0] < input_len_lognormal[1])
+        if not ok or input_len is not None:
+            raise ConfigError(f"workload input_len_lognormal must be [median, p99] tokens with 1 <= median < p99 (and "
+                              f"input_len null), got {input_len_lognormal!r}.")
     prompts = WORKLOADS[name](source=source, path=path, split=split, label_field=label_field,
                               num_requests=num_requests)
     where = f"workload {name!r}" + (f" ({path})" if path else "")
@@ -251,7 +267,7 @@ def load_workload(name: str, *, tokenizer: str = "mixtral", num_requests: int | 
     tok = load_tokenizer(tokenizer)
     # Only the head survives truncation, so tokenize only a generous head of each text: long ShareGPT pastes
     # (100k+ characters) would cost seconds each, and tiktoken can overflow its stack on them.
-    char_budget = MAX_CHARS_PER_TOKEN * (max_prompt_len if input_len is None else input_len)
+    char_budget = MAX_CHARS_PER_TOKEN * (input_len or max_prompt_len)
     encoded = tok.encode_batch([text[:char_budget] for text in prompts.texts])
     prompt_lens = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
     candidates = np.flatnonzero(prompt_lens >= min_prompt_len)  # int64[N]
@@ -262,7 +278,18 @@ def load_workload(name: str, *, tokenizer: str = "mixtral", num_requests: int | 
 
     sample_rng, output_rng, arrival_rng = np.random.default_rng(seed).spawn(3)
     ids = _unique_ids(prompts.ids)
-    if input_len is None:
+    if input_len is None and input_len_lognormal is not None:
+        order = candidates[sample_indices(label_codes, None, balanced, sample_rng)]  # int64[N'] packing order
+        median, p99 = (float(v) for v in input_len_lognormal)
+        sigma = np.log(p99 / median) / 2.3263478740408408  # the standard normal's 99th percentile
+        normal = sample_rng.spawn(1)[0].standard_normal(len(order))
+        targets = np.clip(np.rint(median * np.exp(sigma * normal)), 1, max_prompt_len).astype(np.int64)
+        groups = pack_prompts(prompt_lens[order], targets, num_requests)
+        members = [order[start:end].tolist() for start, end in groups]
+        token_ids = [np.concatenate([encoded[i][:t] for i in group])[:t].astype(np.int32)
+                     for group, t in zip(members, targets.tolist(), strict=False)]
+        request_ids = [ids[group[0]] + (f"+{len(group) - 1}" if len(group) > 1 else "") for group in members]
+    elif input_len is None:
         chosen = candidates[sample_indices(label_codes, num_requests, balanced, sample_rng)]  # int64[R]
         members = [[i] for i in chosen.tolist()]  # the prompts making each request
         token_ids = [np.asarray(encoded[i][:max_prompt_len], dtype=np.int32) for i in chosen.tolist()]
@@ -286,5 +313,5 @@ def load_workload(name: str, *, tokenizer: str = "mixtral", num_requests: int | 
                   min_prompt_len=min_prompt_len, balanced=balanced, seed=seed,
                   output_len=output_len if isinstance(output_len, numbers.Integral) else [int(v) for v in output_len],
                   request_rate=float(request_rate), source=source, path=path, split=split, label_field=label_field,
-                  input_len=input_len)
+                  input_len=input_len, input_len_lognormal=input_len_lognormal)
     return Workload(name=name, requests=requests, tokenizer=tokenizer, vocab_size=tok.vocab_size, config=config)
