@@ -4,11 +4,11 @@
 
 Hydra's strict mode refuses a typo of an existing key, but `+key=value` adds any key, and values are whatever the
 command line parsed (`parallel.devices=abc` is a string, `4.0` a float). So one declarative table per group below
-says what each key may hold (type and range); a group's keys are the table's plus those its conf/<group>/*.yaml
+says what each key may hold (type and range, in repro.config_values' vocabulary); a group's keys are the table's plus those its conf/<group>/*.yaml
 options define, so a key a yaml adds is known without editing this file, and a key that no option defines is
 refused. Groups that validate themselves keep doing it and are called from here (ParallelConfig, the routing
 producers' check_*_config, repro.sim's check_sim_config and load_hardware, repro.exec's check_exec_config,
-repro.tune_config's check_tune_config); system parameters are checked against the system class's signature
+repro.tune_config's check_tune_config, repro.workloads.config's check_workload); system parameters are checked against the system class's signature
 and annotations. The schema only composes: it sits below the entry points that call it (run, tune, exec) and
 imports none of them (tests/test_layers.py). Every problem is one
 ConfigError sentence naming the key, raised before any routing, training or output.
@@ -21,151 +21,32 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import numbers
 import re
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from functools import cache
-from pathlib import Path
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from repro.config_values import (
+    CONF,
+    FLAG,
+    MAPPING,
+    OPTIONAL_MAPPING,
+    Value,
+    check_table,
+    check_value,
+    integer,
+    number,
+    option_keys,
+    text,
+    top_keys,
+)
 from repro.errors import ConfigError, ReproError, check_known_keys
 from repro.tune_config import check_tune_config
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
 EVALUATE_SPLITS = ("validate", "evaluate")
-
-
-# ---- what one key may hold ---------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Value:
-    """The allowed values of one config key: one of `types` ("int", "number", "str", "bool", "list", "dict",
-    "null"), numbers within [low, high] (open ends where low_open / high_open), strings among `choices` if given."""
-
-    types: tuple[str, ...]
-    low: float | None = None
-    high: float | None = None
-    low_open: bool = False
-    high_open: bool = False
-    choices: tuple = ()
-
-    def describe(self) -> str:
-        words = {"int": "an integer", "number": "a number", "str": "a string", "bool": "true or false",
-                 "list": "a list", "dict": "a mapping", "null": "null"}
-        parts = []
-        for t in self.types:
-            if t == "str" and self.choices:
-                parts.append(f"one of {list(self.choices)}")
-            elif t in ("int", "number") and (self.low is not None or self.high is not None):
-                parts.append(f"{words[t]} {self._range()}")
-            else:
-                parts.append(words[t])
-        return " or ".join(parts)
-
-    def _range(self) -> str:
-        low, high = _show(self.low), _show(self.high)
-        if self.low is not None and self.high is not None:
-            return f"in {'(' if self.low_open else '['}{low}, {high}{')' if self.high_open else ']'}"
-        if self.low is not None:
-            return f"{'>' if self.low_open else '>='} {low}"
-        return f"{'<' if self.high_open else '<='} {high}"
-
-    def allows(self, value) -> bool:
-        return any(_matches(t, value, self) for t in self.types)
-
-
-def _show(bound) -> str:
-    """A range bound as a user writes it: integers exactly (4294967295, not 4.29497e+09)."""
-    return str(bound) if bound is None or isinstance(bound, int) else f"{bound:g}"
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and value == value  # not NaN
-
-
-def _in_range(value, spec: Value) -> bool:
-    if spec.low is not None and (value < spec.low or (spec.low_open and value == spec.low)):
-        return False
-    return spec.high is None or not (value > spec.high or (spec.high_open and value == spec.high))
-
-
-def _matches(kind: str, value, spec: Value) -> bool:
-    if kind == "int":
-        return _is_int(value) and _in_range(value, spec)
-    if kind == "number":
-        return _is_number(value) and abs(value) != float("inf") and _in_range(value, spec)
-    if kind == "str":
-        return isinstance(value, str) and (not spec.choices or value in spec.choices)
-    return {"bool": lambda v: isinstance(v, bool), "list": lambda v: isinstance(v, list | tuple),
-            "dict": lambda v: isinstance(v, dict), "null": lambda v: v is None}[kind](value)
-
-
-def integer(low=None, high=None, null=False) -> Value:
-    return Value(("int",) + (("null",) if null else ()), low, high)
-
-
-def number(low=None, high=None, low_open=False, high_open=False, null=False) -> Value:
-    return Value(("number",) + (("null",) if null else ()), low, high, low_open, high_open)
-
-
-def text(choices=(), null=False) -> Value:
-    return Value(("str",) + (("null",) if null else ()), choices=tuple(choices))
-
-
-FLAG = Value(("bool",))
-MAPPING = Value(("dict",))
-OPTIONAL_MAPPING = Value(("dict", "null"))
-
-
-def check_value(key: str, value, spec: Value) -> None:
-    """Raise ConfigError unless `value` (of config key `key`, dotted) is one that `spec` allows."""
-    if spec.allows(value):
-        return
-    hint = ""
-    if "int" in spec.types and isinstance(value, float) and value.is_integer():
-        hint = f"; write {int(value)} without a decimal point"
-    raise ConfigError(f"{key} must be {spec.describe()}, got {value!r}{hint}.")
-
-
-def check_table(group: str, config: dict, table: dict[str, Value], known=()) -> None:
-    """Every key of config group `group` in `table` or `known`, and every value in `table` of its type and range."""
-    if not isinstance(config, dict):
-        raise ConfigError(f"{group} must be a mapping of keys to values, got {config!r}.")
-    check_known_keys(group, config, set(table) | set(known))
-    for key, spec in table.items():
-        if key in config:
-            check_value(f"{group}.{key}" if group else key, config[key], spec)
-
-
-@cache
-def option_keys(group: str) -> frozenset[str]:
-    """Dotted leaf paths that any conf/<group>/*.yaml option defines (a Hydra defaults list excluded)."""
-    paths: set[str] = set()
-
-    def walk(node, prefix: str) -> None:
-        for key, value in node.items():
-            if key == "defaults" and not prefix:
-                continue
-            path = f"{prefix}{key}"
-            paths.add(path)
-            if isinstance(value, dict):
-                walk(value, path + ".")
-
-    for file in sorted((CONF / group).glob("*.yaml")):
-        walk(OmegaConf.to_container(OmegaConf.load(file), resolve=False) or {}, "")
-    return frozenset(paths)
-
-
-def top_keys(paths) -> set[str]:
-    return {p.split(".")[0] for p in paths}
 
 
 # ---- the tables -----------------------------------------------------------------------------------------------
@@ -191,21 +72,6 @@ PARALLEL = {  # ParallelConfig's fields (tests check they agree); cross-field ru
     "tokens_per_step": integer(1),
     "bytes_per_token": integer(1),
     "devices_per_node": integer(1),
-}
-WORKLOAD = {  # load_workload's arguments
-    "name": text(),
-    "source": text(("offline", "hub")),
-    "split": text(),
-    "num_requests": integer(1, null=True),
-    "balanced": FLAG,
-    "max_prompt_len": integer(1),
-    "min_prompt_len": integer(1),
-    "output_len": Value(("int", "list"), low=0),
-    "request_rate": number(0),
-    "path": text(null=True),
-    "label_field": text(null=True),
-    "input_len": integer(1, null=True),
-    "input_len_lognormal": Value(("list", "null")),  # [median, p99] tokens: heavy-tailed packed lengths
 }
 HARDWARE = {  # the top-level numbers; the simulator's (read by the time estimate too) are load_hardware's
     "name": text(),
@@ -311,22 +177,6 @@ def check_parallel(parallel: dict):
 
     check_table("parallel", parallel, PARALLEL, top_keys(option_keys("parallel")))
     return ParallelConfig.from_config(parallel)
-
-
-def check_workload(group: str, workload: dict) -> None:
-    from repro.workloads import WORKLOADS
-
-    check_table(group, workload, WORKLOAD, top_keys(option_keys("workload")))
-    if workload.get("name") not in WORKLOADS:
-        raise ConfigError(f"{group}.name={workload.get('name')!r} is not a workload; choose one of {sorted(WORKLOADS)}.")
-    out = workload.get("output_len", 0)
-    if isinstance(out, list | tuple) and not (len(out) == 2 and all(_is_int(v) for v in out) and 0 <= out[0] <= out[1]):
-        raise ConfigError(f"{group}.output_len must be an integer >= 0 or a range [lo, hi] with 0 <= lo <= hi, got {out!r}.")
-    if workload.get("min_prompt_len", 1) > workload.get("max_prompt_len", 1024):
-        raise ConfigError(
-            f"{group}.min_prompt_len={workload['min_prompt_len']} exceeds max_prompt_len={workload['max_prompt_len']}; "
-            "lower min_prompt_len or raise max_prompt_len."
-        )
 
 
 def check_model(model: dict) -> None:
@@ -490,6 +340,8 @@ def check_config(config: dict) -> None:
     """Raise one ConfigError sentence for the first unknown key or ill-typed / out-of-range value of a resolved
     job config (the dict of OmegaConf.to_container(cfg, resolve=True)); return None when it is sound."""
     check_root(config)
+    from repro.workloads.config import check_workload  # the workload group's own check (imports its registry)
+
     parallel = check_parallel(config["parallel"])
     check_workload("workload", config["workload"])
     for group in ("eval_workload", "train_workload"):

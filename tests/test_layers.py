@@ -12,7 +12,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS = [
-    ("repro.errors", "repro.atomic", "repro.parallel", "repro.jobdir", "repro.tracking", "repro.tune_config"),
+    ("repro.errors", "repro.atomic", "repro.config_values", "repro.parallel", "repro.jobdir", "repro.tracking",
+     "repro.tune_config"),
     ("repro.traces",),
     ("repro.workloads",),
     ("repro.routing",),

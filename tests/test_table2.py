@@ -7,11 +7,11 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from repro.config_schema import check_workload
 from repro.errors import ConfigError, ReproError, WorkloadError
 from repro.figures.jobs import read_jobs
 from repro.figures.table2 import main, paper_reductions, reductions, table2_frame, table2_section
 from repro.workloads import load_tokenizer, load_workload
+from repro.workloads.config import check_workload
 from repro.workloads.registry import pack_prompts
 
 # ---------------------------------------------------------------- packing prompts into fixed-length inputs
