@@ -3,15 +3,15 @@
     check_config(config)      # the resolved config dict of `python -m repro.run` / `repro.tune` / `repro.exec`
 
 Hydra's strict mode refuses a typo of an existing key, but `+key=value` adds any key, and values are whatever the
-command line parsed (`parallel.devices=abc` is a string, `4.0` a float). So one declarative table per group below
-says what each key may hold (type and range, in repro.config_values' vocabulary); a group's keys are the table's plus those its conf/<group>/*.yaml
-options define, so a key a yaml adds is known without editing this file, and a key that no option defines is
-refused. Groups that validate themselves keep doing it and are called from here (ParallelConfig, the routing
-producers' check_*_config, repro.sim's check_sim_config and load_hardware, repro.exec's check_exec_config,
-repro.tune_config's check_tune_config, repro.workloads.config's check_workload); system parameters are checked against the system class's signature
-and annotations. The schema only composes: it sits below the entry points that call it (run, tune, exec) and
-imports none of them (tests/test_layers.py). Every problem is one
-ConfigError sentence naming the key, raised before any routing, training or output.
+command line parsed (`parallel.devices=abc` is a string, `4.0` a float). So one declarative table per group says
+what each key may hold (type and range, in repro.config_values' vocabulary); a group's keys are the table's plus
+those its conf/<group>/*.yaml options define, so a key a yaml adds is known without editing this file, and a key
+that no option defines is refused. Each group's own check lives with its code and is called from here
+(ParallelConfig, repro.workloads.config's check_workload, the routing producers' check_*_config, repro.sim's
+check_sim_config and load_hardware, repro.exec's check_exec_config, repro.tune_config's check_tune_config);
+system parameters are checked against the system class's signature and annotations. The schema only composes:
+it sits below the entry points that call it (run, tune, exec) and imports none of them (tests/test_layers.py).
+Every problem is one ConfigError sentence naming the key, raised before any routing, training or output.
 
 CheckSweep (a Hydra callback in conf/config.yaml) runs check_config on every job of a multirun before the first
 one starts, so a sweep whose fifth job is invalid fails at once instead of after four finished jobs.
