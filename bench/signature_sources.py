@@ -66,7 +66,8 @@ def job_config(source: str, devices: int, seed: int, split: str) -> dict:
         return OmegaConf.to_container(compose("config", overrides=overrides), resolve=True)
 
 
-def measure(source: str, devices: int, seed: int, split: str, fit_seeds: list[int] | None = None) -> list[dict]:
+def measure(source: str, devices: int, seed: int, split: str, fit_seeds: list[int] | None = None,
+            variants: list[str] | None = None) -> list[dict]:
     """One row per variant and fit seed: decode-phase metrics of the variant on `source` (seed, split) at EP `devices`.
     fit_seeds: seeds of the systems' rng (k-means start, placement swaps); default [seed]. They vary the fit alone
     where a new config seed is costly (the tiny model retrains for every seed)."""
@@ -85,6 +86,8 @@ def measure(source: str, devices: int, seed: int, split: str, fit_seeds: list[in
     rows = []
     for fit_seed in fit_seeds or [seed]:
         for variant, (system, params) in VARIANTS.items():
+            if variants and variant not in variants:
+                continue
             plan = make_system(system, **params).fit(profile, parallel, np.random.default_rng(fit_seed))
             if variant == "coplace_only":
                 plan = Plan(plan.placement, plan.parallel)
@@ -124,10 +127,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--fit-seeds", type=int, nargs="+", help="rng seeds of the fits (default: each config seed)")
     p.add_argument("--split", default="evaluate", choices=["validate", "evaluate"])
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), help="measure only these (default: all)")
     p.add_argument("--out", type=Path, help="JSON file of every row (written atomically)")
     args = p.parse_args(argv)
     rows = [row for source in args.sources for seed in args.seeds
-            for row in measure(source, args.devices, seed, args.split, args.fit_seeds)]
+            for row in measure(source, args.devices, seed, args.split, args.fit_seeds, args.variants)]
     if args.out:
         atomic_write_text(args.out, json.dumps(rows, indent=1))
     print(table(rows))
