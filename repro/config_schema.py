@@ -128,16 +128,6 @@ SIM_SLO = {
     "rel_tol": number(0, 1, low_open=True, high_open=True),
     "require_stable": FLAG,
 }
-REPLAY_MODEL = {  # route_with_replay's keys
-    "name": text(),
-    "kind": text(),
-    "tables": Value(("list", "str")),
-    "tokenizer": text(null=True),
-    "min_count": integer(1),
-    "layer_coupling": number(0),  # upper bound: replay.MAX_COUPLING, checked by the replay producer
-}
-
-
 # ---- groups ---------------------------------------------------------------------------------------------------
 
 
@@ -195,15 +185,13 @@ def check_model(model: dict) -> None:
 
         check_synthetic_config(model)
     elif kind == "hf":
-        from repro.routing.hf_capture import HF_DEFAULTS
+        from repro.routing.hf_capture import check_hf_config
 
-        check_known_keys("model (kind=hf)", model, HF_DEFAULTS)
-        for key in ("batch_tokens",):
-            check_value(f"model.{key}", model.get(key, HF_DEFAULTS[key]), integer(1))
-        check_value("model.max_new_tokens", model.get("max_new_tokens", 0), integer(0))
-        check_value("model.trust_remote_code", model.get("trust_remote_code", False), FLAG)
+        check_hf_config(model)
     elif kind == "replay":
-        check_table("model", model, REPLAY_MODEL)
+        from repro.routing.replay import check_replay_config
+
+        check_replay_config(model)
 
 
 # ---- systems: parameters from the class signature -------------------------------------------------------------

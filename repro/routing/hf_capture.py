@@ -48,6 +48,17 @@ HF_DEFAULTS = {
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 
 
+def check_hf_config(model: dict) -> None:
+    """The hf producer's config check (repro.config_schema composes it): known keys, integer and flag values."""
+    from repro.config_values import FLAG, check_value, integer
+    from repro.errors import check_known_keys
+
+    check_known_keys("model (kind=hf)", model, HF_DEFAULTS)
+    check_value("model.batch_tokens", model.get("batch_tokens", HF_DEFAULTS["batch_tokens"]), integer(1))
+    check_value("model.max_new_tokens", model.get("max_new_tokens", 0), integer(0))
+    check_value("model.trust_remote_code", model.get("trust_remote_code", False), FLAG)
+
+
 def moe_routers(model) -> list[tuple[int, torch.nn.Module]]:
     """(model layer index, router module) of every MoE layer of a `*ForCausalLM`, in layer order.
 

@@ -88,6 +88,17 @@ CHUNK_ELEMENTS = 1 << 22  # tokens x experts handled at once: bounds memory to ~
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
+def check_replay_config(model: dict) -> None:
+    """The replay producer's config check (repro.config_schema composes it): route_with_replay's keys and their
+    types (layer_coupling's upper bound, MAX_COUPLING, is checked when routing)."""
+    from repro.config_values import Value, check_table, integer, number, text
+
+    check_table("model", model, {
+        "name": text(), "kind": text(), "tables": Value(("list", "str")), "tokenizer": text(null=True),
+        "min_count": integer(1), "layer_coupling": number(0),
+    })
+
+
 @dataclass(frozen=True)
 class ReplayTables:
     """Per recorded layer and per token: the probability that each expert is in the token's top-k.
