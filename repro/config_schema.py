@@ -44,6 +44,8 @@ from repro.config_values import (
     top_keys,
 )
 from repro.errors import ConfigError, ReproError, check_known_keys
+from repro.parallel import check_parallel
+from repro.tracking import check_logger
 from repro.tune_config import check_tune_config
 
 EVALUATE_SPLITS = ("validate", "evaluate")
@@ -66,13 +68,6 @@ ROOT = {
 GROUPS = ("model", "workload", "system", "parallel", "hardware", "logger")
 OPTIONAL_GROUPS = ("sim", "exec", "eval_workload", "train_workload", "tune")
 
-PARALLEL = {  # ParallelConfig's fields (tests check they agree); cross-field rules are ParallelConfig's own
-    "devices": integer(1),
-    "attention": text(("dp", "tp")),
-    "tokens_per_step": integer(1),
-    "bytes_per_token": integer(1),
-    "devices_per_node": integer(1),
-}
 HARDWARE = {  # the top-level numbers; the simulator's (read by the time estimate too) are load_hardware's
     "name": text(),
     "nodes": integer(1),
@@ -80,11 +75,6 @@ HARDWARE = {  # the top-level numbers; the simulator's (read by the time estimat
     "gemm_tile_tokens": integer(1),
     "measured": OPTIONAL_MAPPING,
     "alternatives": OPTIONAL_MAPPING,  # validated by load_hardware (calibration_alternatives)
-}
-LOGGER = {
-    "name": text(("none", "wandb")),
-    "project": text(),
-    "mode": text(("offline", "online", "disabled")),
 }
 EXEC = {  # ExecConfig's fields; choices and cross-field rules are check_exec_config's
     "mode": text(),
@@ -160,13 +150,6 @@ def option_keys_of_root() -> frozenset[str]:
         node = OmegaConf.to_container(OmegaConf.load(CONF / file), resolve=False) or {}
         keys |= set(node) - {"defaults", "hydra"}
     return frozenset(keys)
-
-
-def check_parallel(parallel: dict):
-    from repro.parallel import ParallelConfig
-
-    check_table("parallel", parallel, PARALLEL, top_keys(option_keys("parallel")))
-    return ParallelConfig.from_config(parallel)
 
 
 def check_model(model: dict) -> None:
@@ -342,7 +325,7 @@ def check_config(config: dict) -> None:
         check_model(config["model"])
     check_system(config["system"])
     check_hardware(config["hardware"])
-    check_table("logger", config["logger"], LOGGER, top_keys(option_keys("logger")))
+    check_logger(config["logger"])
     if config.get("sim"):
         check_sim(config["sim"])
     if config.get("exec"):

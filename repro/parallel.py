@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
+from repro.config_values import check_table, integer, option_keys, text, top_keys
 from repro.errors import ConfigError, check_known_keys
 
 ATTENTION_MODES = ("dp", "tp")
@@ -90,3 +91,20 @@ class ParallelConfig:
                 f"EP degree parallel.devices={self.devices} does not divide the {slots} expert slots per "
                 f"layer; choose a divisor of {slots}."
             )
+
+
+# the `parallel` config group: ParallelConfig's fields (tests check they agree); cross-field rules are its own
+PARALLEL = {
+    "devices": integer(1),
+    "attention": text(("dp", "tp")),
+    "tokens_per_step": integer(1),
+    "bytes_per_token": integer(1),
+    "devices_per_node": integer(1),
+}
+
+
+def check_parallel(parallel: dict) -> ParallelConfig:
+    """The parallel group's config check (repro.config_schema composes it): keys, types, then ParallelConfig's
+    own cross-field rules; returns the ParallelConfig."""
+    check_table("parallel", parallel, PARALLEL, top_keys(option_keys("parallel")))
+    return ParallelConfig.from_config(parallel)

@@ -36,6 +36,18 @@ from repro.errors import ReproError
 
 log = logging.getLogger("repro.tracking")
 
+# the `logger` config group's keys and values (repro.config_schema composes check_logger)
+LOGGER_NAMES, LOGGER_MODES = ("none", "wandb"), ("offline", "online", "disabled")
+
+
+def check_logger(logger: dict) -> None:
+    """The logger group's config check: known keys (conf/logger/*.yaml), a known logger and W&B mode."""
+    from repro.config_values import check_table, option_keys, text, top_keys
+
+    check_table("logger", logger, {"name": text(LOGGER_NAMES), "project": text(), "mode": text(LOGGER_MODES)},
+                top_keys(option_keys("logger")))
+
+
 DEFAULT_PROJECT = "semmoe-repro"  # conf/logger/wandb.yaml's project, for tools without a Hydra config
 MAX_TAG = 64  # W&B's limit on a tag's length
 MAX_ARTIFACT_NAME = 128  # W&B's limit on an artifact's name

@@ -81,9 +81,9 @@ def test_config_check_tables_name_the_keys_the_code_reads():
     import inspect
     from dataclasses import fields
 
-    from repro.config_schema import EXEC, PARALLEL, SIM, SIM_SLO, systems_taking
+    from repro.config_schema import EXEC, SIM, SIM_SLO, systems_taking
     from repro.exec.trace_mode import ExecConfig
-    from repro.parallel import ParallelConfig
+    from repro.parallel import PARALLEL, ParallelConfig
     from repro.sim.simulate import SIM_KEYS, SLO_KEYS
     from repro.workloads import load_workload
     from repro.workloads.config import WORKLOAD
