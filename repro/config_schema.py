@@ -7,9 +7,11 @@ command line parsed (`parallel.devices=abc` is a string, `4.0` a float). So one 
 what each key may hold (type and range, in repro.config_values' vocabulary); a group's keys are the table's plus
 those its conf/<group>/*.yaml options define, so a key a yaml adds is known without editing this file, and a key
 that no option defines is refused. Each group's own check lives with its code and is called from here
-(ParallelConfig, repro.workloads.config's check_workload, the routing producers' check_*_config, repro.sim's
-check_sim_config and load_hardware, repro.exec's check_exec_config, repro.tune_config's check_tune_config);
-system parameters are checked against the system class's signature and annotations. The schema only composes:
+(repro.parallel's check_parallel, repro.workloads.config's check_workload, the routing producers'
+check_*_config, repro.tracking's check_logger, repro.sim's check_sim_config and load_hardware, repro.exec's
+check_exec_config, repro.tune_config's check_tune_config); the hardware, sim and exec key tables are still here,
+beside the calls to their groups' checks. System parameters are checked against the system class's signature and
+annotations. The schema only composes:
 it sits below the entry points that call it (run, tune, exec) and imports none of them (tests/test_layers.py).
 Every problem is one ConfigError sentence naming the key, raised before any routing, training or output.
 
