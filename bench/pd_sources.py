@@ -11,7 +11,8 @@ profile split; requests of --split arrive as a Poisson stream at --rate per seco
 the prompt-tail proxy (`prompt_tail_as_decode`), marked "proxy".
   one placement   both pools use the prefill plan (vanilla EP), decode rank by that plan (round-robin);
   separate        the decode pool uses the decode plan (system=signature at its default), decode rank by its rule;
-  + rule          the separate placements with round_robin / least_loaded decode ranks instead.
+  + rule          the separate placements with plan_live (signature match under a capacity over the requests
+                  decoding now) / round_robin / least_loaded decode ranks instead.
 TTFT and TPOT are means over the requests; goodput counts requests within TTFT <= 1 s and TPOT <= 50 ms.
 
 Legend: D ranks per pool.
@@ -64,6 +65,7 @@ def measure(source: str, devices: int, seed: int, split: str, rate: float) -> li
     plans = {"ep": make_system("ep").fit(profile, parallel, np.random.default_rng(seed)),
              "signature": make_system("signature").fit(profile, parallel, np.random.default_rng(seed))}
     variants = {"one placement (ep)": ("ep", "plan"), "separate (signature)": ("signature", "plan"),
+                "separate, plan_live": ("signature", "plan_live"),
                 "separate, round_robin": ("signature", "round_robin"),
                 "separate, least_loaded": ("signature", "least_loaded")}
     rows = []

@@ -102,7 +102,7 @@ def test_pools_of_their_own_size_placement_and_backend(setup):
     prefill_plan, prefill_cost = pool(4, "deepep_normal")
     decode_plan, decode_cost = pool(8, "deepep_low_latency", "signature", placement="signature_time")
     arrivals = np.linspace(0, 0.05, trace.num_requests)
-    for rule in ("plan", "round_robin", "least_loaded", "prefill_rank"):
+    for rule in ("plan", "plan_live", "round_robin", "least_loaded", "prefill_rank"):
         result = run_disaggregated(prefill_plan, prefill_cost, CONFIG, decode_plan, decode_cost, CONFIG, requests,
                                    arrivals, KVLink(5e-6, 40e9, 70_000.0), decode_rule=rule)
         metrics = pd_metrics(result, ttft_slo_s=1.0, tpot_slo_s=1.0)
@@ -110,3 +110,20 @@ def test_pools_of_their_own_size_placement_and_backend(setup):
         assert metrics["decode_tpot_mean_s"] > 0 and metrics["prefill_ttft_mean_s"] > 0
         assert result.decode.rank.max() < 8 and result.prefill.rank.max() < 4
         assert metrics["goodput_requests_per_s"] > 0
+
+
+def test_decode_rules_find_perfect_signature_clusters_in_the_decode_pool(setup):
+    """Planted clusters (each request's tokens use its group's experts): fitted on another draw, the signature plan's
+    rules put nearly every decode where its experts are, round-robin does not."""
+    trace, shape, hw, requests, pool = setup
+    profile = planted(windowed_groups(40, 1), seed=1)
+    parallel = ParallelConfig(devices=4, attention="dp", tokens_per_step=64)
+    decode_plan = make_system("signature").fit(profile, parallel, np.random.default_rng(0))
+    prefill_plan, cost = pool(4)
+    arrivals = np.linspace(0, 0.05, trace.num_requests)
+    lar = {}
+    for rule in ("plan", "plan_live", "round_robin"):
+        result = run_disaggregated(prefill_plan, cost, CONFIG, decode_plan, cost, CONFIG, requests, arrivals,
+                                   kv_link(shape, hw, "nvlink"), decode_rule=rule)
+        lar[rule] = pd_metrics(result, 1.0, 1.0)["decode_lar"]
+    assert lar["plan"] > 0.9 and lar["plan_live"] > 0.9 and lar["round_robin"] < 0.5

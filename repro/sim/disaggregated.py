@@ -9,6 +9,9 @@ reading). At the decode pool the decode rank is chosen after prefill by `decode_
   plan          the decode plan's `assign_decode` (signature / ELDR: from the prompt's routing only) when it has
                 one, else its `assign_requests` (round-robin for most systems);
   round_robin   rank r mod D in arrival order at the decode pool;
+  plan_live     a capacity rule over the requests decoding now: the decode plan's best signature match
+                (`similarity`, signature / ELDR plans) among the ranks whose running plus waiting requests are
+                below the least loaded rank's + LIVE_SLACK;
   least_loaded  the rank with the fewest running plus waiting requests;
   prefill_rank  the prefill rank modulo the decode pool's ranks (what a fixed pairing of instances gives).
 The request starts decoding when its whole KV cache fits that rank (first come, first served) and leaves after its
@@ -35,8 +38,11 @@ from repro.sim.shapes import ModelShape
 from repro.sim.traffic import dispatch_slots
 from repro.systems.base import Plan
 
-DECODE_RULES = ("plan", "round_robin", "least_loaded", "prefill_rank")
+DECODE_RULES = ("plan", "plan_live", "round_robin", "least_loaded", "prefill_rank")
 KV_LINKS = ("rdma", "nvlink", "none")
+# plan_live: a rank may take a decode while its running + waiting requests are below the least loaded rank's + this
+# (1 would force strict rotation, which the prefill pool's completion order already scrambles)
+LIVE_SLACK = 2
 
 
 @dataclass(frozen=True)
@@ -89,6 +95,17 @@ class _DecodeRule:
             return (int(engine.rank[r]) if source < 0 else source) % self.devices
         start, length = self.req.stream_start[r], int(self.req.prompt_len[r])
         rows = self.req.stream[start : start + length]  # the prompt's rows: what a router knows after prefill
+        if self.rule == "plan_live":
+            if not hasattr(self.plan, "similarity"):
+                raise ConfigError(f"decode_rule=plan_live needs a plan that scores ranks by signature (system="
+                                  f"signature or signature_eldr), not {type(self.plan).__name__}.")
+            from repro.systems.signature import normalise_signature, segment_counts
+
+            counts = segment_counts(self.req.experts[rows], np.array([0]), np.array([length]),
+                                    self.plan.placement.num_experts)
+            score = self.plan.similarity(normalise_signature(counts))[0]
+            load = engine.running + np.array([len(w) for w in engine.waiting])
+            return int(np.argmax(np.where(load < load.min() + LIVE_SLACK, score, -np.inf)))
         if hasattr(self.plan, "assign_decode"):
             prompt = self.req.experts[rows].view()
             prompt.flags.writeable = False
