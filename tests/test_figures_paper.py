@@ -298,9 +298,11 @@ def test_steady_state_tables_use_each_jobs_bisected_seeds_and_paired_intervals(t
                  slo_e2e_s=5.0, throughput_under_ttft_slo_rps=float(np.mean(ttft)),
                  throughput_under_ttft_slo_rps_per_seed=ttft, throughput_under_e2e_slo_rps=float(np.mean(e2e)),
                  throughput_under_e2e_slo_rps_per_seed=e2e, goodput_distserve_rps=10.0,
-                 goodput_distserve_rps_per_seed=[10.0, 10.0, 10.0])
+                 goodput_distserve_rps_per_seed=[10.0, 10.0, 10.0], converged_ttft=True, converged_e2e=True,
+                 converged_distserve=system == "ep")
     summary, _ = load_runs(root)
     text = "\n".join(paper.tables5_6_throughput_under_slo(summary, tmp_path))
+    assert "| semmoe | 25 | 1.20x [1.20, 1.20] | 32 | 1.05x [" in text and "| 10 (unconverged) |" in text
     assert "— read off the rate grid" not in text and "bisected on 3 paired seeds" in text
     # Sem-MoE's TTFT ratio is 1.20 on every seed: a zero-width interval; E2E ratios 1.10, 1.05, 1.00 -> 1.05x
     assert "| semmoe | 25 | 1.20x [1.20, 1.20] | 32 | 1.05x [" in text

@@ -384,7 +384,9 @@ def _bisected_panel(row: pd.Series, jobs: pd.DataFrame) -> list[str]:
         cells = {"system": system}
         for rule, label in (("ttft", "TTFT SLO"), ("e2e", "E2E SLO"), ("distserve", "DistServe goodput")):
             key = "goodput_distserve_rps" if rule == "distserve" else f"throughput_under_{rule}_slo_rps"
-            cells[f"{label} req/s"] = f"{job[key]:.0f}"
+            # a value whose deciding runs did not settle the rule is marked (repro.sim.metrics.steady_state)
+            unsettled = "" if job.get(f"converged_{rule}") is True else " (unconverged)"
+            cells[f"{label} req/s"] = f"{job[key]:.0f}{unsettled}"
             cells[f"{label} x ep"] = _interval(throughput_ratio(job, jobs.loc["ep"], rule))
         table.append(cells)
     seeds = int(row.get("sim_seeds", 0) or 0)
