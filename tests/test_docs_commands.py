@@ -4,7 +4,8 @@ either run (the cheap ones: --help, Hydra's --cfg, `make -n`), config-checked (e
 (the module's --help lists every --flag the command uses) or marked as too slow or needing what CI lacks, with
 the reason. A new command in the docs fails test_every_documented_command_is_classified until it gets a row
 here, and a row whose command left the docs fails too, so the table and the docs move together. Every
-`python -m <module>` named anywhere in the prose must name an importable module.
+`python -m <module>` named anywhere in the prose must name an importable module, and every --flag of an inline
+`python -m ...` span must still be defined by that module.
 """
 
 import importlib.util
@@ -148,3 +149,22 @@ def test_documented_flags_exist(command):
     assert res.returncode == 0, res.stderr[-2000:]
     for flag in re.findall(r"(?<!\S)(--[\w-]+)", command):
         assert flag in res.stdout, f"{module} {' '.join(subcommand)} --help does not list {flag}"
+
+
+HYDRA_FLAGS = {"--cfg", "--help", "--multirun", "--info", "--resolve", "--package"}
+
+
+def test_every_flag_of_an_inline_command_is_in_its_module():
+    """The `python -m MODULE ... --flag` spans of the prose (not run: they need inputs): every --flag is still
+    defined by the module (its source, or its package's for a package run with -m)."""
+    text = "\n".join(d.read_text(encoding="utf-8") for d in DOCS)
+    stale = []
+    for span in re.findall(r"`(python -m [^`]+)`", text):
+        spec = importlib.util.find_spec(span.split()[2])
+        assert spec is not None, f"no module {span.split()[2]} (in `{span}`)"
+        origin = Path(spec.origin)
+        files = list(origin.parent.rglob("*.py")) if origin.name in ("__init__.py", "__main__.py") else [origin]
+        source = "\n".join(f.read_text(encoding="utf-8") for f in files)
+        flags = [f for f in re.findall(r"(?<![\w-])(--[a-z][\w-]*)", span) if f not in HYDRA_FLAGS]
+        stale += [f"{f} in `{span}`" for f in flags if f not in source]
+    assert stale == []
