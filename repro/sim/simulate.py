@@ -476,8 +476,8 @@ def _seed_work(setup: _Setup, seed: int, seed_seq: np.random.SeedSequence, slo: 
     """One seed, independent of every other seed (so seeds may run in parallel processes, with the same numbers).
     slo None: the SLO reference's light-load run only (`light`, its result, is reused when the reference is the
     plan). Else: seed 0 runs the rate grid (the per-rate table), then
-    every seed bisects each rule along the grid to its crossing; midpoints lie on one lattice grid[0] x
-    (1 + rel_tol)^k, so the rules probe the same rates and share runs."""
+    every seed bisects each rule to its crossing (the first along the grid, the next ones from the crossing found
+    before); midpoints and ladders lie on one lattice grid[0] x (1 + rel_tol)^k, so the rules share runs."""
     runner, reference = _runners(setup, seed, seed_seq)
     if slo is None:
         reference.measure(setup.light_rate, "reference")
@@ -493,11 +493,14 @@ def _seed_work(setup: _Setup, seed: int, seed_seq: np.random.SeedSequence, slo: 
     if seed == 0:
         for rate in setup.grid:
             runner.measure(rate, "grid")
-    found = {}
+    found, lowest, highest = {}, float(setup.grid[0]), float(setup.grid[-1])
     for rule in RULES:
         key = "meets_capacity" if rule == "capacity" else f"meets_{rule}_slo"
-        found[rule] = bisect_rate(lambda r, k=key: runner.measure(r, "bisect")[k], setup.grid, tol,
-                                  lattice=float(setup.grid[0]))
+        # the rules cross near each other: from the last bracketed crossing of this seed, gallop along a ladder of
+        # rel_tol steps (the same lattice, so the rules share runs); the first rule walks the grid
+        near = [f["low"] for f in found.values() if f["bracketed"] and f["low"] > 0]
+        rates, start = (rate_ladder(near[-1], lowest, highest, tol) if near else (setup.grid, 0))
+        found[rule] = bisect_rate(lambda r, k=key: runner.measure(r, "bisect")[k], rates, tol, start, lattice=lowest)
         found[rule]["window_throughput"] = runner.cache[found[rule]["low"]]["throughput_rps"] \
             if found[rule]["low"] > 0 else 0.0
         found[rule]["converged"] = _bracket_converged(runner, found[rule], float(setup.grid[0]), f"settled_{rule}")
