@@ -13,11 +13,13 @@ Hardware: `config["hardware"]` priced as written, or with the calibration altern
 profile's `alternatives:`, repro.sim.hardware); the summary's sim_calibration says which.
 
 Method (conf/sim/default.yaml holds the defaults; every choice is stated in the summary):
-- Seeds. `sim.seeds` seeds are spawned from `rng`; seed s draws its own Poisson arrivals and its own requests, so
-  systems simulated with the same `rng` seed see the same arrivals and requests seed by seed (paired seeds).
-- Requests. At rate r, max(`min_requests`, ceil(r x `duration_s`)) requests arrive; they are drawn from the
-  trace's requests uniformly WITH replacement (one seeded sequence per seed; every rate uses its prefix), so the
-  number of requests scales with the rate; the number of distinct trace requests used is reported. With
+- Seeds. `sim.seeds` seeds are spawned from `rng`; seed s draws its own Poisson arrivals and its own request order,
+  so systems simulated with the same `rng` seed see the same arrivals and requests seed by seed (paired seeds).
+  Seeds are independent of each other: `sim.workers` > 1 simulates them in forked processes, same numbers.
+- Requests. At rate r, max(`min_requests`, ceil(r x `duration_s`)) requests arrive; they are the trace's requests
+  in consecutive random permutations (`draw_requests`: without replacement while they suffice, so a seed changes
+  the order, not the length mix; one seeded sequence per seed, every rate uses its prefix), so the number of
+  requests scales with the rate; each run reports its drawn mix (mean and p99 prompt tokens). With
   `arrival: given`, the trace's first len(arrival_times) requests in order arrive at those times (normalised to
   unit rate, scaled per rate). Prompts are the tokens before prefill_len. Output lengths: the trace's generated
   tokens when it has any ("trace"), else `sim.output_len` (a fixed count, or [lo, hi] drawn uniformly).
@@ -26,7 +28,12 @@ Method (conf/sim/default.yaml holds the defaults; every choice is stated in the 
   same request drawn uniformly: the request's own experts, at the prompt's frequencies, no drift) | auto.
 - Window. Measurement window [`warmup_s`, last arrival - `cooldown_s`]; the run stops `drain_s` after the last
   arrival (requests still unfinished then miss every SLO). Throughput, latencies and queue stability come from
-  the window (repro/sim/metrics.py).
+  the window, cut into `batches` batches (repro/sim/metrics.py steady_state).
+- Convergence. A run doubles its arrivals (the same pattern's longer prefix) until it has converged: its queue
+  decidedly stable or unstable (an unstable verdict confirmed on the run twice as long), and when stable the 95 %
+  half-widths of mean TTFT and E2E within `rel_halfwidth`; a bisection probe stops as soon as every rule's
+  comparison with its SLO is settled. At `max_duration_s` of arrivals it stops anyway, labelled unconverged; a
+  rule's throughput is converged (`converged_<rule>_per_seed`) when the runs deciding it settled it.
 - SLOs, fixed before any bisection and the same for every system compared: `slo.reference: ep` serves vanilla EP's
   plan (repro/systems/ep.py, fitted here on the same trace and parallel config) at `slo.light_rate` (null: the
   lowest grid rate) on every seed, pools the window requests of those runs and takes multiplier x their statistic
@@ -36,9 +43,9 @@ Method (conf/sim/default.yaml holds the defaults; every choice is stated in the 
 - Rules and bisection. A rate meets: `ttft` / `e2e` (the paper's rule) when the window's statistic is within the
   SLO; `distserve` when >= `attainment` of the window's requests meet TTFT and TPOT; `capacity` when the queue is
   stable. With `require_stable` every rule also needs a stable queue and no unfinished window request. Seed 0
-  runs the rate grid (the per-rate table), then `bisect_rate` gallops along the grid to each rule's crossing and bisects
-  it to `slo.rel_tol`; the other seeds gallop along a ladder of `rel_tol` steps from seed 0's rates. Midpoints and ladders
-  lie on one lattice, lowest rate x (1 + rel_tol)^k, and runs are cached per seed, so the rules share runs.
+  runs the rate grid (the per-rate table); every seed then gallops (`bisect_rate`) along the grid to the first
+  rule's crossing and bisects it to `slo.rel_tol`, and each next rule from a ladder of `rel_tol` steps around the
+  crossing found before. Midpoints and ladders lie on one lattice, lowest rate x (1 + rel_tol)^k, and runs are cached per seed, so the rules share runs.
   Throughput under a rule is the highest rate meeting it (with a stable queue its steady-state throughput; the window's measured throughput is reported beside it; DistServe
   goodput is that rate too), per seed and as a mean; ratios between systems come from the per-seed values
   (repro.sim.metrics.ratio_interval).
