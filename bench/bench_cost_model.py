@@ -3,11 +3,13 @@
     python -m bench --only cost_model            # -> bench/results/cost_model.json (+ cost_model.md)
 
 What runs: the MoE layers of repro.exec (`ep_moe_forward`: real all-to-alls over gloo, the torch grouped GEMM)
-on the MMLU evaluate-split tokens routed by the synthetic Mixtral routing model (8 experts, top-2, 2 layers),
+on the MMLU evaluate-split tokens routed by the suite's tiny Mixtral at smoke size (experiment=smoke: trained here
+in seconds; learned routing over 16 experts, top-4, 2 layers),
 in Attention-DP, for the ep and semmoe plans fitted on the profile split, at 2 and 4 ranks, for prefill batches
 (PREFILL_TOKENS tokens of whole prompts per rank) and decode batches (DECODE_REQUESTS requests per rank, one
-token each). The trained tiny Mixtral of `exec_model` is not used: it needs ~10 CPU minutes of training that a
-shared 2-core machine cannot spare here; the MoE layer, the bytes and the phases are the same code.
+token each). The full-size tiny Mixtral of `exec_model` (6 layers) is not used: it needs ~10 CPU minutes of training
+that a shared 2-core machine cannot spare here; the smoke-size one has the same architecture and routing code, and
+the MoE layer, the bytes and the phases are the same code.
 Per (rank count, plan, batch, layer) each rank times four phases, REPEATS times (the slowest rank's time is
 the layer's, as in the cost model):
   gating    router GEMM + top-k softmax of its tokens (routing itself comes from the trace, so the traffic is the
@@ -121,7 +123,11 @@ class _ExpertTimer:
 
 def exec_worker(rank: int, world_size: int, *, cases: list[dict], shape: dict, repeats: int, seed: int) -> dict:
     """Per case, layer and repeat this rank's seconds: {"times": float[C][L][R][6]} (gating, the three dispatch
-    calls counts / hidden states / ids + weights, experts, combine)."""
+    calls counts / hidden states / ids + weights, experts, combine).
+
+    Repeats are interleaved: round r runs every (case, layer) once, in order, and round 0 is a warm-up. Run case
+    by case instead, the first case of each size paid the allocator's first touches of its larger buffers and a
+    burst of the machine's load fell on one case's repeats; interleaved, both spread over every case alike."""
     import torch
     import torch.distributed as dist
 
@@ -131,35 +137,35 @@ def exec_worker(rank: int, world_size: int, *, cases: list[dict], shape: dict, r
 
     hidden, inter, experts, top_k = (shape[f] for f in ("hidden_size", "moe_intermediate_size", "num_experts", "top_k"))
     g = torch.Generator().manual_seed(seed)
-    out = []
+    num_layers = cases[0]["experts"][rank].shape[1]
+    weights = [expert_weights(seed, layer, experts, hidden, inter, torch.float32) for layer in range(num_layers)]
+    routers = [torch.randn(experts, hidden, generator=g) / hidden**0.5 for _ in range(num_layers)]
+    jobs = []  # (case, layer, inputs)
+    for c, case in enumerate(cases):
+        ids_TLk = torch.as_tensor(case["experts"][rank].astype(np.int64))
+        weights_TLk = torch.as_tensor(case["weights"][rank], dtype=torch.float32)
+        x_TH = torch.randn(len(case["rows"][rank]), hidden, generator=g)
+        for layer in range(num_layers):
+            local = build_local_experts(case["physical_to_logical"][layer], rank, world_size, *weights[layer])
+            expert_rank_E = torch.as_tensor(case["dispatch_device"][layer, rank])
+            jobs.append((c, layer, (x_TH, ids_TLk[:, layer].contiguous(), weights_TLk[:, layer].contiguous(),
+                                    expert_rank_E, local)))
+    out = [[[] for _ in range(num_layers)] for _ in cases]
     timer = _ExpertTimer()
     with timer.installed():
-        for case in cases:
-            rows = torch.as_tensor(case["rows"][rank])
-            ids_TLk = torch.as_tensor(case["experts"][rank].astype(np.int64))
-            weights_TLk = torch.as_tensor(case["weights"][rank], dtype=torch.float32)
-            x_TH = torch.randn(len(rows), hidden, generator=g)
-            per_layer = []
-            for layer in range(ids_TLk.shape[1]):
-                w13, w2 = expert_weights(seed, layer, experts, hidden, inter, torch.float32)
-                local = build_local_experts(case["physical_to_logical"][layer], rank, world_size, w13, w2)
-                expert_rank_E = torch.as_tensor(case["dispatch_device"][layer, rank])
-                router_EH = torch.randn(experts, hidden, generator=g) / hidden**0.5
-                reps = []
-                for repeat in range(repeats + 1):  # the first is a warm-up (allocations, lazy imports)
-                    record = CommRecord(barrier=True)
-                    dist.barrier()
-                    start = time.perf_counter()
-                    topk_softmax(x_TH @ router_EH.T, top_k, True, backend="torch")
-                    gating = time.perf_counter() - start
-                    timer.seconds = 0.0
-                    ep_moe_forward(x_TH, ids_TLk[:, layer], weights_TLk[:, layer], expert_rank_E, local, experts,
-                                   layer=layer, record=record, backend="torch")
-                    calls = [record.seconds.get((layer, n), 0.0) for n in ("counts", "dispatch", "dispatch_meta")]
-                    if repeat:
-                        reps.append([gating, *calls, timer.seconds, record.seconds.get((layer, "combine"), 0.0)])
-                per_layer.append(reps)
-            out.append(per_layer)
+        for repeat in range(repeats + 1):  # round 0 is a warm-up (allocations, lazy imports)
+            for c, layer, (x_TH, ids_Tk, weights_Tk, expert_rank_E, local) in jobs:
+                record = CommRecord(barrier=True)
+                dist.barrier()
+                start = time.perf_counter()
+                topk_softmax(x_TH @ routers[layer].T, top_k, True, backend="torch")
+                gating = time.perf_counter() - start
+                timer.seconds = 0.0
+                ep_moe_forward(x_TH, ids_Tk, weights_Tk, expert_rank_E, local, experts, layer=layer, record=record,
+                               backend="torch")
+                calls = [record.seconds.get((layer, n), 0.0) for n in ("counts", "dispatch", "dispatch_meta")]
+                if repeat:
+                    out[c][layer].append([gating, *calls, timer.seconds, record.seconds.get((layer, "combine"), 0.0)])
     return {"times": out}
 
 
@@ -284,9 +290,13 @@ def run(quick: bool) -> dict:
     prefill_sizes, decode_sizes = ((64, 256), (4, 16)) if quick else (PREFILL_TOKENS, DECODE_REQUESTS)
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="bench_cost_model_") as cache:
-        config = compose("experiment=exec", "logger=none", f"model.num_layers={layers}",
-                         f"workload.num_requests={requests}", f"cache_dir={cache}")
+        # the smoke-size tiny Mixtral: trained here in seconds, learned routing (16 experts top-4, 2 layers)
+        config = compose("experiment=smoke", "logger=none", f"workload.num_requests={requests}", f"cache_dir={cache}")
         profile, evaluation = build_traces(config)
+    layers = evaluation.num_layers
+    if (evaluation.meta.num_experts, evaluation.meta.top_k) != (EXEC_SHAPE["num_experts"], EXEC_SHAPE["top_k"]):
+        raise ValueError(f"the routing has {evaluation.meta.num_experts} experts top-{evaluation.meta.top_k} but "
+                         f"bench.cpu_check calibrates EXEC_SHAPE {EXEC_SHAPE}; make them agree.")
     experts_NLk = np.asarray(evaluation.experts, dtype=np.int64)
     weights_NLk = np.asarray(evaluation.weights if evaluation.weights is not None else
                              np.full(experts_NLk.shape, 0.5), dtype=np.float32)
@@ -368,7 +378,8 @@ def run(quick: bool) -> dict:
             phase: summarise_phase(cells, f"{phase}_committed_s", f"{phase}_measured_s") for phase in PHASES}
     return {
         "what": "repro.exec MoE layers on gloo vs repro.sim.costs with the bench.cpu_check profile (see docstring)",
-        "routing": f"synthetic Mixtral (8 experts top-2, {layers} layers), MMLU evaluate split, {requests} requests",
+        "routing": f"tiny Mixtral at smoke size, trained here (16 experts top-4, {layers} layers), MMLU evaluate split, "
+                   f"{requests} requests",
         "shape": EXEC_SHAPE, "repeats": repeats, "profiles": profiles, "target_median_abs_error": TARGET,
         "load_before_after": [[round(x, 2) for x in load_before], [round(x, 2) for x in os.getloadavg()]],
         "summary": summary, "orders": orders, "cells": cells,

@@ -51,8 +51,9 @@ GENERATED_BY = "bench.cpu_check"
 ROOT = Path(__file__).resolve().parents[1]
 HARDWARE_DIR = ROOT / "conf" / "hardware"
 RESULTS = ROOT / "bench" / "results"
-# the expert shape of bench.cost_model_check's executions (small enough for 4 ranks on 2 cores)
-EXEC_SHAPE = {"name": "exec_cpu", "hidden_size": 256, "moe_intermediate_size": 512, "num_experts": 8, "top_k": 2,
+# the expert shape of bench.bench_cost_model's executions (small enough for 4 ranks on 2 cores); experts and top-k
+# those of its routing, the smoke-size tiny Mixtral (16 experts, top-4)
+EXEC_SHAPE = {"name": "exec_cpu", "hidden_size": 256, "moe_intermediate_size": 512, "num_experts": 16, "top_k": 4,
               "dtype_bytes": 4}
 EXPERT_ROWS = (1, 4, 16, 64, 256, 1024, 2048)
 PEER_BYTES = (8, 256, 1024, 4096, 16384, 65536, 262144, 1048576)

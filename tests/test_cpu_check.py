@@ -79,8 +79,9 @@ def test_predict_prices_every_phase_from_the_batch():
     hw = load_hardware(cpu_check.profile_document("t", 2, fake_measurement(2), cpu_check.fit_a2a(fake_measurement(2)["a2a"])))
     shape = cm.exec_shape(cpu_check.EXEC_SHAPE, 1)
     rng = np.random.default_rng(0)
-    experts = np.argsort(-rng.random((40, 8)), axis=1)[:, :2].astype(np.int16)[:, None, :]
-    pred = cm.predict(hw, shape, contiguous_placement(1, 8, 2), [np.arange(20), np.arange(20, 40)], experts)
+    e, k = cpu_check.EXEC_SHAPE["num_experts"], cpu_check.EXEC_SHAPE["top_k"]
+    experts = np.argsort(-rng.random((40, e)), axis=1)[:, :k].astype(np.int16)[:, None, :]
+    pred = cm.predict(hw, shape, contiguous_placement(1, e, 2), [np.arange(20), np.arange(20, 40)], experts)
     assert set(pred) == {"gating", "dispatch", "experts", "combine", "dispatch_sim"}
     assert all(v.shape == (1,) and v[0] > 0 for v in pred.values())
     assert pred["dispatch"][0] > pred["dispatch_sim"][0]  # three calls cost more than one
