@@ -387,12 +387,15 @@ def run(quick: bool) -> dict:
 
 
 def summarise_phase(cells: list[dict], predicted_key: str, measured_key: str) -> dict:
-    """{group: {median_abs_error, max_abs_error, median_signed_error, cells}} over all cells and per rank count x
-    batch kind; relative error = predicted / measured - 1."""
+    """{group: {median_abs_error, max_abs_error, median_signed_error, cells}} over all cells, per rank count x batch
+    kind and per plan x batch kind; relative error = predicted / measured - 1."""
     groups = {"all": cells}
     for ranks in sorted({c["ranks"] for c in cells}):
         for kind in ("prefill", "decode"):
             groups[f"{ranks} ranks {kind}"] = [c for c in cells if c["ranks"] == ranks and c["phase_kind"] == kind]
+    for system in SYSTEMS:  # a plan-dependent miss (e.g. of the busiest rank's load) shows here
+        for kind in ("prefill", "decode"):
+            groups[f"{system} {kind}"] = [c for c in cells if c["system"] == system and c["phase_kind"] == kind]
     out = {}
     for name, group in groups.items():
         errors = np.array([c[predicted_key] / c[measured_key] - 1 for c in group if c[measured_key] > 0])
