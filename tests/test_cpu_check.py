@@ -88,7 +88,7 @@ def test_predict_prices_every_phase_from_the_batch():
 
 
 def test_summarise_reports_errors_and_the_order_check():
-    cells = [{"ranks": 2, "phase_kind": "prefill", **{f"{p}_measured_s": 1.0 for p in cm.PHASES},
+    cells = [{"ranks": 2, "phase_kind": "prefill", "system": "ep", **{f"{p}_measured_s": 1.0 for p in cm.PHASES},
               **{f"{p}_predicted_s": 1.1 for p in cm.PHASES}, "dispatch_sim_predicted_s": 0.5}]
     orders = [{"resolved": True, "agrees": True}, {"resolved": False, "agrees": None}]
     s = cm.summarise(cells, orders)
