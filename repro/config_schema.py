@@ -8,11 +8,11 @@ what each key may hold (type and range, in repro.config_values' vocabulary); a g
 those its conf/<group>/*.yaml options define, so a key a yaml adds is known without editing this file, and a key
 that no option defines is refused. Each group's own check lives with its code and is called from here
 (repro.parallel's check_parallel, repro.workloads.config's check_workload, the routing producers'
-check_*_config, repro.tracking's check_logger, repro.sim's check_sim_config and load_hardware, repro.exec's
-check_exec_config, repro.tune_config's check_tune_config); the hardware, sim and exec key tables are still here,
-beside the calls to their groups' checks. System parameters are checked against the system class's signature and
-annotations. The schema only composes:
-it sits below the entry points that call it (run, tune, exec) and imports none of them (tests/test_layers.py).
+check_*_config, repro.sim.hardware's check_hardware_config, repro.tracking's check_logger, repro.sim's
+check_sim_config, repro.exec's check_exec_config, repro.tune_config's check_tune_config); the sim and exec key
+tables are still here, beside the calls to their groups' checks. System parameters are checked against the
+system class's signature and annotations. The schema only composes: it sits below the entry points that call it
+(run, tune, exec) and imports none of them (tests/test_layers.py).
 Every problem is one ConfigError sentence naming the key, raised before any routing, training or output.
 
 CheckSweep (a Hydra callback in conf/config.yaml) runs check_config on every job of a multirun before the first
@@ -70,14 +70,6 @@ ROOT = {
 GROUPS = ("model", "workload", "system", "parallel", "hardware", "logger")
 OPTIONAL_GROUPS = ("sim", "exec", "eval_workload", "train_workload", "tune")
 
-HARDWARE = {  # the top-level numbers; the simulator's (read by the time estimate too) are load_hardware's
-    "name": text(),
-    "nodes": integer(1),
-    "devices_per_node": integer(1),
-    "gemm_tile_tokens": integer(1),
-    "measured": OPTIONAL_MAPPING,
-    "alternatives": OPTIONAL_MAPPING,  # validated by load_hardware (calibration_alternatives)
-}
 EXEC = {  # ExecConfig's fields; choices and cross-field rules are check_exec_config's
     "mode": text(),
     "world_size": integer(1, null=True),
@@ -258,21 +250,9 @@ def check_system(system: dict) -> None:
 
 
 def check_hardware(hardware: dict) -> None:
-    from repro.sim.hardware import REQUIRED, load_hardware
+    from repro.sim.hardware import check_hardware_config
 
-    check_table("hardware", hardware, HARDWARE, top_keys(option_keys("hardware")) | top_keys(REQUIRED))
-    known = option_keys("hardware") | set(REQUIRED)
-
-    def walk(node: dict, prefix: str) -> None:
-        for key, value in node.items():
-            path = f"{prefix}{key}"
-            if path not in known:
-                raise ConfigError(f"hardware has no key {path!r}; a profile's keys are those of conf/hardware/h200.yaml.")
-            if isinstance(value, dict) and path not in ("measured", "alternatives"):
-                walk(value, path + ".")
-
-    walk(hardware, "")
-    load_hardware(hardware)  # every number the simulator reads positive (or >= 0 where 0 means none)
+    check_hardware_config(hardware)
 
 
 def check_sim(sim: dict) -> None:

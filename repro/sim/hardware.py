@@ -183,6 +183,29 @@ def with_alternative(profile: dict, alternative: str) -> dict:
     return out
 
 
+def check_hardware_config(hardware: dict) -> None:
+    """The hardware group's config check (repro.config_schema composes it): every key one of a profile's
+    (conf/hardware/*.yaml or REQUIRED), the top-level numbers of their type, then load_hardware's own checks (every
+    number the simulator reads positive, or >= 0 where 0 means none)."""
+    from repro.config_values import OPTIONAL_MAPPING, check_table, integer, option_keys, text, top_keys
+
+    table = {"name": text(), "nodes": integer(1), "devices_per_node": integer(1), "gemm_tile_tokens": integer(1),
+             "measured": OPTIONAL_MAPPING, "alternatives": OPTIONAL_MAPPING}  # alternatives: load_hardware checks them
+    check_table("hardware", hardware, table, top_keys(option_keys("hardware")) | top_keys(REQUIRED))
+    known = option_keys("hardware") | set(REQUIRED)
+
+    def walk(node: dict, prefix: str) -> None:
+        for key, value in node.items():
+            path = f"{prefix}{key}"
+            if path not in known:
+                raise ConfigError(f"hardware has no key {path!r}; a profile's keys are those of conf/hardware/h200.yaml.")
+            if isinstance(value, dict) and path not in ("measured", "alternatives"):
+                walk(value, path + ".")
+
+    walk(hardware, "")
+    load_hardware(hardware)
+
+
 def load_hardware(profile: dict, measured_dir: Path | None = None, alternative: str = PUBLISHED) -> Hardware:
     """Validate a hardware profile dict; a missing or non-positive field is one ConfigError naming it.
 
