@@ -519,3 +519,15 @@ def test_a_degenerate_but_valid_trace_runs_with_its_undefined_ratio_null(tmp_pat
     summary = json.loads((tmp_path / "job" / "metrics.json").read_text())["summary"]
     assert summary["expert_load_imbalance_max_median"] is None and summary["expert_load_imbalance_max_mean"] > 1
     assert any("undefined (the median load is 0" in w for w in summary["warnings"])
+
+
+def test_json_depth_counts_brackets_outside_strings_only(tmp_path):
+    from repro.traces.tabular import check_json_depth
+
+    flat = json.dumps({"request_id": "r0", "token": 1, "experts": [[1, 2]], "note": "[" * 100 + '\\" {' * 50})
+    path = tmp_path / "ok.jsonl"
+    path.write_text((flat + "\n") * 3)
+    check_json_depth(path)  # 150 brackets on a line, all inside a string: not nesting
+    path.write_text((flat + "\n") * 2 + '{"a": ' + "[" * 40 + "]" * 40 + "}\n")
+    with pytest.raises(TraceError, match=r"more than 32 levels deep \(line 3\)"):
+        check_json_depth(path)

@@ -215,31 +215,46 @@ def _block_bytes(path: Path, rows: int) -> int:
 
 
 MAX_JSON_DEPTH = 32  # a routing row is flat (experts maybe a list of lists): depth 3
-DEPTH_SCAN_BYTES = 64 << 20
+DEPTH_SCAN_BYTES = 8 << 20  # per numpy pass: a few int32 arrays of this length (~100 MB), whatever the file's size
 
 
 def check_json_depth(path: Path, limit: int = MAX_JSON_DEPTH) -> None:
-    """Refuse a JSON Lines file nested deeper than `limit` ([ and { outside strings), in one streaming numpy pass.
+    """Refuse a JSON Lines file with a value nested deeper than `limit` ([ and { outside strings), streaming.
 
     pyarrow's JSON reader recurses per level: a value nested 50,000 deep crashed the process (segfault) and
-    10,000 deep ran for minutes. A quote after a backslash does not toggle the in-string state."""
-    depth, in_string, lines = 0, False, 0
+    10,000 deep ran for minutes. The file is read in whole lines; a block whose lines open at most `limit`
+    brackets each (strings included: an upper bound) passes at once, any other is scanned exactly."""
+    lines = 0
     with open(path, "rb") as f:
-        while chunk := f.read(DEPTH_SCAN_BYTES):
+        while chunk := f.read(DEPTH_SCAN_BYTES) + f.readline():  # whole lines: every value starts at depth 0
             b = np.frombuffer(chunk, dtype=np.uint8)
-            quote = b == ord('"')
-            quote[1:] &= b[:-1] != ord("\\")
-            inside = (np.cumsum(quote) % 2 == 1) ^ in_string  # inside a string (an opening quote counts as inside)
             opens = (b == ord("[")) | (b == ord("{"))
-            closes = (b == ord("]")) | (b == ord("}"))
-            level = depth + np.cumsum(np.where(inside, 0, opens.astype(np.int64) - closes))
-            if level.max() > limit:
-                line = lines + chunk.count(b"\n", 0, int(np.argmax(level > limit))) + 1
+            if _most_opens_on_a_line(b, opens) > limit and (at := _first_too_deep(b, opens, limit)) >= 0:
+                line = lines + chunk.count(b"\n", 0, at) + 1
                 raise TraceError(
                     f"{path} nests a value more than {limit} levels deep (line {line}); "
                     "a routing table's rows are flat: fix the file or export it again."
                 )
-            depth, in_string, lines = int(level[-1]), bool(inside[-1]), lines + chunk.count(b"\n")
+            lines += chunk.count(b"\n")
+
+
+def _most_opens_on_a_line(b: np.ndarray, opens: np.ndarray) -> int:
+    """The most [ and { any one line of the block holds (bytes b, opens: their positions as a mask)."""
+    where = np.flatnonzero(opens)
+    if not len(where):
+        return 0
+    return int(np.bincount(np.searchsorted(np.flatnonzero(b == ord("\n")), where)).max())
+
+
+def _first_too_deep(b: np.ndarray, opens: np.ndarray, limit: int) -> int:
+    """Index of the first byte nesting deeper than `limit` outside strings (a quote after a backslash does not
+    toggle the in-string state), or -1."""
+    quote = b == ord('"')
+    quote[1:] &= b[:-1] != ord("\\")
+    inside = np.cumsum(quote, dtype=np.int32) % 2 == 1  # in a string (its opening quote too)
+    closes = (b == ord("]")) | (b == ord("}"))
+    level = np.cumsum(np.where(inside, 0, opens.astype(np.int32) - closes), dtype=np.int32)
+    return int(np.argmax(level > limit)) if level.max() > limit else -1
 
 
 def _columns_of(path: Path, fmt: str) -> list[str]:
