@@ -67,7 +67,7 @@ def job_config(source: str, devices: int, seed: int, split: str) -> dict:
 
 
 def measure(source: str, devices: int, seed: int, split: str, fit_seeds: list[int] | None = None,
-            variants: list[str] | None = None) -> list[dict]:
+            variants: list[str] | None = None, batch_requests: int | None = None) -> list[dict]:
     """One row per variant and fit seed: decode-phase metrics of the variant on `source` (seed, split) at EP `devices`.
     fit_seeds: seeds of the systems' rng (k-means start, placement swaps); default [seed]. They vary the fit alone
     where a new config seed is costly (the tiny model retrains for every seed)."""
@@ -91,10 +91,10 @@ def measure(source: str, devices: int, seed: int, split: str, fit_seeds: list[in
             plan = make_system(system, **params).fit(profile, parallel, np.random.default_rng(fit_seed))
             if variant == "coplace_only":
                 plan = Plan(plan.placement, plan.parallel)
-            metrics = decode_phase_metrics(plan, evaluation,
+            metrics = decode_phase_metrics(plan, evaluation, batch_requests=batch_requests,
                                            time_model=time_model(plan, evaluation, config["hardware"], shape))
             rows.append({"source": source, "proxy": proxy, "seed": seed, "fit_seed": fit_seed, "split": split,
-                         "devices": devices, "variant": variant, "signature_correlation": correlation,
+                         "devices": devices, "variant": variant, "decode_batch_requests": batch_requests, "signature_correlation": correlation,
                          "signature_correlation_centred": specific,
                          "eval_requests": evaluation.num_requests, **metrics})
     return rows
@@ -128,10 +128,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fit-seeds", type=int, nargs="+", help="rng seeds of the fits (default: each config seed)")
     p.add_argument("--split", default="evaluate", choices=["validate", "evaluate"])
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS), help="measure only these (default: all)")
+    p.add_argument("--decode-batch", type=int, help="decode in waves of this many requests (default: one static "
+                   "batch of every evaluated request, whose size grows with the split)")
     p.add_argument("--out", type=Path, help="JSON file of every row (written atomically)")
     args = p.parse_args(argv)
     rows = [row for source in args.sources for seed in args.seeds
-            for row in measure(source, args.devices, seed, args.split, args.fit_seeds, args.variants)]
+            for row in measure(source, args.devices, seed, args.split, args.fit_seeds, args.variants,
+                               args.decode_batch)]
     if args.out:
         atomic_write_text(args.out, json.dumps(rows, indent=1))
     print(table(rows))

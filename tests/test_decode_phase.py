@@ -7,6 +7,7 @@ import pandas as pd
 import pytest
 from test_run import compose
 
+from repro.errors import ConfigError
 from repro.eval.decode_phase import NO_DECODE, decode_phase_metrics, decode_summary
 from repro.parallel import ParallelConfig
 from repro.systems import make_system
@@ -146,3 +147,18 @@ def test_decode_counts_do_not_depend_on_the_step_block(monkeypatch):
     for block in (1, 7):
         monkeypatch.setattr(decode_phase, "STEPS_PER_BLOCK", block)
         assert decode_phase_metrics(plan, trace) == whole
+
+
+def test_decode_in_waves_of_requests():
+    """batch_requests=1: request 0 decodes alone (steps 0-1), then request 1 (steps 2-3); one token per step."""
+    trace = two_request_trace()
+    plan = make_system("ep").fit(trace, ParallelConfig(devices=2, attention="dp", tokens_per_step=8),
+                                 np.random.default_rng(0))
+    out = decode_phase_metrics(plan, trace, batch_requests=1)
+    assert out["decode_steps"] == 4 and out["decode_batch_tokens_mean"] == 1.0
+    assert out["decode_device_distinct_experts_max"] == 1.0  # one expert per step
+    assert out["decode_step_token_imbalance_max_mean"] == 2.0  # one of two ranks busy
+    assert out["decode_lar"] == 0.75  # the same tokens on the same ranks
+    assert decode_phase_metrics(plan, trace, batch_requests=2) == decode_phase_metrics(plan, trace)
+    with pytest.raises(ConfigError, match="batch_requests"):
+        decode_phase_metrics(plan, trace, batch_requests=0)

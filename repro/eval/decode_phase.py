@@ -81,7 +81,7 @@ def distinct_per_group(group_nL: np.ndarray, experts_nLk: np.ndarray, num_groups
 
 
 def decode_phase_metrics(plan: Plan, trace: RoutingTrace, *, time_model: TimeModel | None = None,
-                         home_NL: np.ndarray | None = None) -> dict:
+                         home_NL: np.ndarray | None = None, batch_requests: int | None = None) -> dict:
     """Decode-phase scalars of `plan` on `trace` (see the module doc), all prefixed decode_:
     lar, tokens, steps, batch_tokens_mean (tokens per step), a2a_bytes (dispatch + combine of the decode tokens),
     token_imbalance_max_mean (decode tokens per rank over the whole decode, mean over layers),
@@ -92,8 +92,20 @@ def decode_phase_metrics(plan: Plan, trace: RoutingTrace, *, time_model: TimeMod
     moe_seconds (sum over decode steps of the MoE critical path, trace layers), moe_seconds_per_step (its mean per
     step, a TPOT estimate of the MoE part) and its parts moe_{dispatch,experts,combine}_seconds_per_step.
     home_NL: int[N, L] the evaluator's token devices when already computed (`EvalResult.home`), else asked anew.
+    batch_requests: None serves every request in one static decode batch; an integer serves them in consecutive
+    waves of that many requests (in trace order), each wave a static batch, so the batch per step does not grow
+    with the number of requests evaluated (a validate and an evaluate split then decode at the same batch size).
     """
     step_N = decode_steps(trace)
+    if batch_requests is not None:
+        if not isinstance(batch_requests, int | np.integer) or batch_requests < 1:
+            raise ConfigError(f"batch_requests must be an integer >= 1 or None, got {batch_requests!r}.")
+        wave_R = np.arange(trace.num_requests) // int(batch_requests)
+        generated_R = trace.lengths() - np.asarray(trace.prefill_len, dtype=np.int64)
+        wave_len = np.zeros(int(wave_R.max()) + 1 if trace.num_requests else 0, dtype=np.int64)
+        np.maximum.at(wave_len, wave_R, generated_R)
+        wave_start = np.cumsum(wave_len) - wave_len
+        step_N = np.where(step_N >= 0, step_N + np.repeat(wave_start[wave_R], trace.lengths()), -1)
     rows = np.flatnonzero(step_N >= 0)
     if len(rows) == 0:
         raise TraceError("the trace has no generated tokens (prefill_len = length everywhere); route with generation "
