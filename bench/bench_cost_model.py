@@ -195,8 +195,10 @@ def exec_shape(spec: dict, num_layers: int):
     })
 
 
-def predict(hw, shape, placement, rows_D: list[np.ndarray], experts_NLk: np.ndarray) -> dict:
-    """float64[L] seconds of each phase (+ dispatch_sim) for one batch: rows_D[d] token rows living on rank d."""
+def predict(hw, shape, placement, rows_D: list[np.ndarray], experts_NLk: np.ndarray, alone=None) -> dict:
+    """float64[L] seconds of each phase (+ dispatch_sim) for one batch: rows_D[d] token rows living on rank d.
+    alone: bench.cpu_check's expert curve with each rank computing alone ([[rows, s], ...]; a diagnostic):
+    adds "experts_alone", the expert phase priced with it."""
     from repro.sim.costs import CostModel, level_loads, phase_seconds
     from repro.sim.hardware import interpolate
     from repro.sim.shapes import RoutingMap
@@ -221,8 +223,15 @@ def predict(hw, shape, placement, rows_D: list[np.ndarray], experts_NLk: np.ndar
         if backend.dispatch.measured is not None else backend.dispatch.latency
     dispatch = counts_call + dispatch_sim + phase_seconds(load, backend.dispatch, meta_bytes)[0]
     combine = phase_seconds(load, backend.combine, hidden_bytes)[0]
-    return {"gating": np.repeat(gate, num_layers), "dispatch": dispatch, "experts": experts, "combine": combine,
-            "dispatch_sim": dispatch_sim}
+    out = {"gating": np.repeat(gate, num_layers), "dispatch": dispatch, "experts": experts, "combine": combine,
+           "dispatch_sim": dispatch_sim}
+    if alone:
+        from dataclasses import replace
+
+        hw_alone = replace(hw, measured_expert_gemm={shape.name: np.asarray(alone, dtype=np.float64)})
+        out["experts_alone"] = CostModel(shape, hw_alone, mapping, devices, "dp", "nccl").experts(
+            traffic.slot_tokens).max(axis=2)[0]
+    return out
 
 
 # ---- driver ------------------------------------------------------------------------------------------------------
@@ -337,7 +346,7 @@ def run(quick: bool) -> dict:
         best = np.min(times, axis=2)  # [C, L, 4] best of the repeats: the undisturbed cost
         totals = {}
         for c, (kind, size, system, plan, rows_D) in enumerate(keys):
-            pred = predict(hw, shape, plan.placement, rows_D, experts_NLk)
+            pred = predict(hw, shape, plan.placement, rows_D, experts_NLk, alone=notes.get("expert_gemm_alone"))
             pred_committed = predict(committed, shape, plan.placement, rows_D, experts_NLk) if committed else None
             pred_min = predict(hw_min, shape, plan.placement, rows_D, experts_NLk)
             measured = np.median(times[c], axis=1)  # [L, 4]
@@ -352,6 +361,8 @@ def run(quick: bool) -> dict:
                     if pred_committed is not None:
                         cell[f"{phase}_committed_s"] = float(pred_committed[phase][layer])
                 cell["dispatch_sim_predicted_s"] = float(pred["dispatch_sim"][layer])
+                if "experts_alone" in pred:
+                    cell["experts_alone_predicted_s"] = float(pred["experts_alone"][layer])
                 cells.append(cell)
             per_repeat = times[c].sum(axis=(0, 2))  # [R] MoE time summed over layers and phases
             predicted_total = sum(float(pred[p].sum()) for p in PHASES)
@@ -373,6 +384,8 @@ def run(quick: bool) -> dict:
     summary = summarise(cells, orders)
     summary["best_of_repeats"] = {  # both sides summarised by their fastest call: the machine's load mostly removed
         phase: summarise_phase(cells, f"{phase}_predicted_min_s", f"{phase}_measured_min_s") for phase in PHASES}
+    if all("experts_alone_predicted_s" in c for c in cells):  # the diagnostic of the shared-core hypothesis
+        summary["experts_alone"] = summarise_phase(cells, "experts_alone_predicted_s", "experts_measured_s")
     if all("gating_committed_s" in c for c in cells):
         summary["with_committed_profile"] = {
             phase: summarise_phase(cells, f"{phase}_committed_s", f"{phase}_measured_s") for phase in PHASES}

@@ -100,6 +100,13 @@ def cold_start(flush: torch.Tensor):
     return before
 
 
+def cold_start_local(flush: torch.Tensor):
+    """`cold_start` without the barrier: for a rank timed while the others wait."""
+    def before():
+        flush.add_(1.0)
+    return before
+
+
 def local_expert_step(x_RH: torch.Tensor, slots_Rk: torch.Tensor, weights_Rk: torch.Tensor, w13_S2IH: torch.Tensor,
                       w2_SHI: torch.Tensor) -> torch.Tensor:
     """What a rank runs between dispatch and combine in repro.exec.moe.ep_moe_forward (torch kernels): permute
@@ -132,7 +139,8 @@ def _compute_part(world: int, repeats: int, rows_list) -> dict:
 
     from repro.kernels.gating import topk_softmax
 
-    timed = functools.partial(call_times, before=cold_start(torch.zeros(FLUSH_BYTES // 4)))
+    flush = torch.zeros(FLUSH_BYTES // 4)
+    timed = functools.partial(call_times, before=cold_start(flush))
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(512, 512, generator=g), torch.randn(512, 512, generator=g)
     gemm_s = timed(lambda: a @ b, repeats)
@@ -145,11 +153,24 @@ def _compute_part(world: int, repeats: int, rows_list) -> dict:
     for n in rows_list:
         step = functools.partial(local_expert_step, *local_step_inputs(n, slots, h, inter, k, g))
         table.append([n, [t / slots for t in timed(step, repeats if n <= 256 else max(3, repeats // 3))]])
+    # the same curve with this rank computing alone (the others wait at a barrier): the cost a busiest rank pays
+    # when the other ranks have finished their lighter share (a diagnostic, in notes; the profile keeps `table`)
+    import torch.distributed as dist
+
+    alone = []
+    for n in rows_list[::2]:
+        step = functools.partial(local_expert_step, *local_step_inputs(n, slots, h, inter, k, g))
+        mine = []
+        for turn in range(world):
+            if turn == dist.get_rank():
+                mine = [t / slots for t in call_times(step, max(3, repeats // 3), before=cold_start_local(flush))]
+            dist.barrier()
+        alone.append([n, mine])
     floor_s = timed(functools.partial(local_expert_step, *local_step_inputs(1, 1, 64, 64, k, g)), repeats)
     router, token = torch.randn(experts, h, generator=g), torch.randn(1, h, generator=g)
     gate_s = timed(lambda: topk_softmax(token @ router.T, k, True, backend="torch"), repeats)
     return {"gemm_flops": [2 * 512**3 / t for t in gemm_s], "copy_bytes_per_s": [2 * src.numel() * 4 / t for t in copy_s],
-            "expert_gemm": table, "kernel_floor_s": floor_s, "gate_1_token_s": gate_s,
+            "expert_gemm": table, "expert_gemm_alone": alone, "kernel_floor_s": floor_s, "gate_1_token_s": gate_s,
             "threads": torch.get_num_threads()}
 
 
@@ -191,6 +212,7 @@ def slowest(results: list[dict], stat: str = "median") -> dict:
     a late peer, as bench.bench_cost_model reduces the executor's calls), then the `stat` over calls."""
     f = STATS[stat]
     table = np.max([[f(row[1]) for row in r["expert_gemm"]] for r in results], axis=0)
+    alone = np.max([[f(row[1]) for row in r["expert_gemm_alone"]] for r in results], axis=0)
     calls = np.asarray([[row[1] for row in r["a2a"]] for r in results])  # [D, sizes, repeats]
     a2a = f(calls.min(axis=0), axis=1)
     first = results[0]
@@ -199,6 +221,7 @@ def slowest(results: list[dict], stat: str = "median") -> dict:
         "copy_bytes_per_s": float(min(f(r["copy_bytes_per_s"]) if stat == "median" else max(r["copy_bytes_per_s"])
                                       for r in results)),
         "expert_gemm": [[int(row[0]), float(s)] for row, s in zip(first["expert_gemm"], table, strict=True)],
+        "expert_gemm_alone": [[int(row[0]), float(s)] for row, s in zip(first["expert_gemm_alone"], alone, strict=True)],
         "kernel_floor_s": max(float(f(r["kernel_floor_s"])) for r in results),
         "gate_1_token_s": max(float(f(r["gate_1_token_s"])) for r in results),
         "a2a": [[int(row[0]), float(s)] for row, s in zip(first["a2a"], a2a, strict=True)],
@@ -258,6 +281,7 @@ def calibration_document(name: str, ranks: int, m: dict, fit: dict, load: dict) 
             "expert_gemm": (f"per slot: one rank's permute + torch grouped GEMM + unpermute over E / {ranks} slots "
                             "with n rows each / its slots, fp32, slowest rank's median"),
             "expert_gemm_gflops": tflops,
+            "expert_gemm_alone": m.get("expert_gemm_alone"),  # each rank alone, the others waiting (a diagnostic)
             "kernel_floor": ("the smallest modelled kernel call with work: the gate (router GEMM + top-k softmax) at "
                              "one token; the expert table carries its own fixed cost"),
             "local_step_1_row_us": round(m["kernel_floor_s"] * 1e6, 2),
