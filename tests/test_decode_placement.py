@@ -94,3 +94,29 @@ def test_time_objective_spreads_what_the_co_placement_piles_up():
     piled, spread = out["signature"], out["signature_time"]
     assert piled["decode_device_distinct_experts_max"] > spread["decode_device_distinct_experts_max"] + 0.5
     assert spread["decode_moe_seconds_per_step"] < piled["decode_moe_seconds_per_step"]
+
+
+def test_through_the_app_the_time_placement_never_sees_the_evaluated_routing(tmp_path):
+    """Scrambling the evaluate split's routing (prompt and generated tokens) leaves the fitted placement unchanged
+    and changes the decode numbers (the scramble was visible)."""
+    from test_decode_phase import generated_trace_dir
+    from test_run import compose
+
+    from repro.run import build_traces, fit_and_evaluate, request_split
+    from repro.traces import read_trace, select_requests
+
+    trace_dir = generated_trace_dir(tmp_path / "t", True)
+    config = compose(f"trace={trace_dir}", "parallel.attention=dp", "parallel.devices=4", "parallel.tokens_per_step=64",
+                     "logger=none", "system=signature")
+    trace = read_trace(trace_dir, mmap=False)
+    split = request_split(config, trace.num_requests)
+    rows = np.concatenate([np.arange(trace.offsets[r], trace.offsets[r + 1]) for r in split.evaluate])
+    experts = np.array(trace.experts)
+    experts[rows] = (experts[rows] + 5) % trace.meta.num_experts
+    scrambled = make_trace(trace.meta, trace.offsets, trace.token_ids, experts, prefill_len=trace.prefill_len)
+    profile, evaluation = build_traces(config)
+    first, _, plan = fit_and_evaluate(config, profile, evaluation)
+    second, _, other = fit_and_evaluate(config, profile, select_requests(scrambled, split.evaluate))
+    assert plan.info["placement"] == "signature_time"
+    np.testing.assert_array_equal(plan.placement.physical_to_logical, other.placement.physical_to_logical)
+    assert first["decode_moe_seconds_per_step"] != second["decode_moe_seconds_per_step"]
