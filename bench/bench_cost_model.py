@@ -1,6 +1,6 @@
 """The cost model against real executions: gloo expert parallelism on this machine, per MoE layer and phase.
 
-    python -m bench --only cost_model            # -> bench/results/cost_model.json (+ cost_model.md)
+    python -m bench --only cost_model            # -> bench/results/cost_model.json (+ SUMMARY.md)
 
 What runs: the MoE layers of repro.exec (`ep_moe_forward`: real all-to-alls over gloo, the torch grouped GEMM)
 on the MMLU evaluate-split tokens routed by the suite's tiny Mixtral at smoke size (experiment=smoke: trained here
@@ -19,7 +19,7 @@ the layer's, as in the cost model):
   combine   the all_to_all_single of the weighted partial sums back.
 Each collective starts after an untimed barrier (CommRecord(barrier=True)); a compute phase takes the slowest
 rank's time, a collective call the fastest rank's (the last to arrive, so no wait for a late peer is in it:
-`reduce_ranks`), the median over REPEATS after one warm-up.
+`reduce_ranks`), the median over REPEATS after one warm-up round (repeats interleaved over the cases).
 The prediction: repro.sim.costs with a hardware profile of bench.cpu_check's microbenchmarks for that rank count,
 taken again right before the executions (the machine's load drifts by the minute; the committed
 conf/hardware/cpu_<host>_<N>ranks.yaml is priced too, `with_committed_profile`), from the same batches' exact traffic
@@ -33,7 +33,8 @@ model orders ep vs semmoe (MoE-layer time, summed over layers) as the measuremen
 difference exceeds twice its run-to-run noise (the standard deviation of the difference over repeats).
 `best_of_repeats`: the same errors with both sides summarised by their fastest call (calibration: the fastest
 call per rank; executor: the fastest repeat), i.e. the undisturbed cost, which a machine shared with other work
-distorts least.
+distorts least. `experts_alone`: the expert phase priced with bench.cpu_check's curve of each rank computing alone
+(a diagnostic of how much sharing the cores costs a busiest rank; see docs/cost_model.md).
 """
 
 from __future__ import annotations
