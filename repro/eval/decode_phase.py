@@ -6,7 +6,8 @@ phase or prefill-length column) the decode-phase scalars of `decode_phase_metric
 otherwise one sentence under "decode_phase" saying that there is nothing to measure.
 
 `decode_phase_metrics` serves the generated tokens as decode steps: step t holds the t-th generated token of every
-request still generating (all requests decode together, a static batch), each token on the device the evaluator
+request still generating (all requests decode together, a static batch; or, with batch_requests, consecutive waves
+of that many requests, as jobs do), each token on the device the evaluator
 put it on (`accounting.home_devices`: Attention-DP, its request's rank, or the decode rank a plan with
 `assign_decode` chose after prefill, `accounting.decode_homes`; Attention-TP, the slice the token scheduler gave
 it at each layer). It reports decode LAR, token balance (over the whole decode and per step), expert load
@@ -34,6 +35,11 @@ from repro.traces import RoutingTrace, make_trace
 
 __all__ = ["decode_homes", "decode_phase_metrics", "decode_steps", "decode_summary", "has_generated_tokens",
            "prompt_tail_as_decode"]
+
+# a job decodes in waves of this many requests per rank (x parallel.devices): the decode batch of a step then does
+# not grow with the evaluated split (a validate and an evaluate split decode alike); 32 requests per rank is a
+# moderate EP decode batch (DeepEP's low-latency kernels take up to 128 tokens per rank)
+DECODE_BATCH_PER_RANK = 32
 
 NO_DECODE = ("none: the routing holds no generated tokens (prefill_len = length for every request), so no decode "
              "metric is reported; route with model.max_new_tokens > 0 or import a trace with a phase or prefill_len "
@@ -181,8 +187,9 @@ def _distinct_experts(step_n, home_nL, experts_nLk, dispatch_LDE, num_steps: int
 def decode_summary(plan: Plan, trace: RoutingTrace, *, time_model: TimeModel | None = None,
                    home_NL: np.ndarray | None = None) -> dict:
     """What a job reports about its phases: {"decode_phase": NO_DECODE} when the routing holds no generated token,
-    else {"decode_phase": "measured", prefill_lar, prefill_tokens, **decode_phase_metrics(...)} (prefill_lar: the
-    LAR of the prompt tokens alone, on the same homes)."""
+    else {"decode_phase": "measured", prefill_lar, prefill_tokens, decode_batch_requests, **decode_phase_metrics(...)}
+    (prefill_lar: the LAR of the prompt tokens alone, on the same homes; decode in waves of DECODE_BATCH_PER_RANK x
+    parallel.devices requests)."""
     if not has_generated_tokens(trace):
         return {"decode_phase": NO_DECODE}
     if home_NL is None:
@@ -193,7 +200,9 @@ def decode_summary(plan: Plan, trace: RoutingTrace, *, time_model: TimeModel | N
         counts = account(np.asarray(home_NL[prompt]), np.asarray(trace.experts[prompt]),
                          plan.placement.dispatch_device(), plan.parallel.bytes_per_token, plan.parallel.devices)
         out["prefill_lar"] = float(counts.local_activations.sum() / counts.total_activations.sum())
-    out.update(decode_phase_metrics(plan, trace, time_model=time_model, home_NL=home_NL))
+    batch = DECODE_BATCH_PER_RANK * plan.parallel.devices
+    out["decode_batch_requests"] = batch
+    out.update(decode_phase_metrics(plan, trace, time_model=time_model, home_NL=home_NL, batch_requests=batch))
     return out
 
 
