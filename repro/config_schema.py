@@ -98,6 +98,10 @@ SIM = {  # the numbers check_sim_config compares (it owns the keys, choices and 
     "iteration_overhead_us": number(0, null=True),
     "calibration": text(),
     "kv_capacity_tokens": integer(1, null=True),
+    "batches": integer(3),
+    "rel_halfwidth": number(0, 1, low_open=True, high_open=True),
+    "max_duration_s": number(0, low_open=True, null=True),
+    "workers": integer(1),
     "slo": MAPPING,
 }
 SIM_SLO = {

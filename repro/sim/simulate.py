@@ -143,9 +143,10 @@ def check_sim_config(sim: dict) -> dict:
             or not 0 < sim["rel_halfwidth"] < 1:
         raise ConfigError(f"sim.rel_halfwidth must be a relative half-width in (0, 1), got {sim['rel_halfwidth']!r}.")
     cap = sim["max_duration_s"]
-    if isinstance(cap, bool) or not isinstance(cap, int | float) or not math.isfinite(cap) or cap < sim["duration_s"]:
-        raise ConfigError(f"sim.max_duration_s (the cap on a run's arrivals while it converges) must be a number >= "
-                          f"sim.duration_s={sim['duration_s']}, got {cap!r}.")
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int | float) or not math.isfinite(cap)
+                            or cap < sim["duration_s"]):
+        raise ConfigError(f"sim.max_duration_s (the cap on a run's arrivals while it converges) must be null (8 x "
+                          f"duration_s) or a number >= sim.duration_s={sim['duration_s']}, got {cap!r}.")
     if not sim["duration_s"] > sim["warmup_s"] + sim["cooldown_s"]:
         raise ConfigError(
             f"sim.duration_s={sim['duration_s']} leaves no measurement window after warmup_s={sim['warmup_s']} and "
@@ -187,7 +188,8 @@ def check_sim_config(sim: dict) -> dict:
         raise ConfigError(f"sim.iteration_overhead_us must be null (the hardware profile's) or >= 0, got {overhead!r}.")
     if not isinstance(sim["calibration"], str):
         raise ConfigError(f"sim.calibration must name a calibration alternative of the hardware profile, got {sim['calibration']!r}.")
-    return dict(sim, rates=sorted(rates.tolist()), slo=slo)
+    cap = float(8 * sim["duration_s"] if cap is None else cap)  # three doublings by default
+    return dict(sim, rates=sorted(rates.tolist()), slo=slo, max_duration_s=cap)
 
 
 def iteration_overhead(sim: dict, hw: Hardware) -> float:
