@@ -43,9 +43,9 @@ Method (conf/sim/default.yaml holds the defaults; every choice is stated in the 
 - Rules and bisection. A rate meets: `ttft` / `e2e` (the paper's rule) when the window's statistic is within the
   SLO; `distserve` when >= `attainment` of the window's requests meet TTFT and TPOT; `capacity` when the queue is
   stable. With `require_stable` every rule also needs a stable queue and no unfinished window request. Seed 0
-  runs the rate grid (the per-rate table); every seed then gallops (`bisect_rate`) along the grid to the first
-  rule's crossing and bisects it to `slo.rel_tol`, and each next rule from a ladder of `rel_tol` steps around the
-  crossing found before. Midpoints and ladders lie on one lattice, lowest rate x (1 + rel_tol)^k, and runs are cached per seed, so the rules share runs.
+  runs the rate grid (the per-rate table) and gallops (`bisect_rate`) along it to each rule's crossing, bisecting
+  it to `slo.rel_tol`; the other seeds gallop along a ladder of `rel_tol` steps from seed 0's crossing (run after
+  seed 0, so the same in forked workers). Midpoints and ladders lie on one lattice, lowest rate x (1 + rel_tol)^k, and runs are cached per seed, so the rules share runs.
   Throughput under a rule is the highest rate meeting it (with a stable queue its steady-state throughput; the window's measured throughput is reported beside it; DistServe
   goodput is that rate too), per seed and as a mean; ratios between systems come from the per-seed values
   (repro.sim.metrics.ratio_interval).
@@ -481,12 +481,13 @@ def _runners(setup: _Setup, seed: int, seed_seq: np.random.SeedSequence) -> tupl
 
 
 def _seed_work(setup: _Setup, seed: int, seed_seq: np.random.SeedSequence, slo: dict | None,
-               light: dict | None = None) -> dict:
-    """One seed, independent of every other seed (so seeds may run in parallel processes, with the same numbers).
-    slo None: the SLO reference's light-load run only (`light`, its result, is reused when the reference is the
-    plan). Else: seed 0 runs the rate grid (the per-rate table), then
-    every seed bisects each rule to its crossing (the first along the grid, the next ones from the crossing found
-    before); midpoints and ladders lie on one lattice grid[0] x (1 + rel_tol)^k, so the rules share runs."""
+               light: dict | None = None, anchors: dict | None = None) -> dict:
+    """One seed's runs: they depend on no other seed's but through `anchors` (so seeds may run in parallel
+    processes, with the same numbers). slo None: the SLO reference's light-load run only (`light`, its result, is
+    reused when the reference is the plan). Else: seed 0 runs the rate grid (the per-rate table) and bisects each
+    rule along it; a later seed gallops from `anchors` ({rule: seed 0's crossing}) along a ladder of rel_tol steps,
+    and a rule seed 0 did not bracket from the crossing this seed found before, else along the grid. Midpoints and
+    ladders lie on one lattice grid[0] x (1 + rel_tol)^k, so the rules and seeds share rates."""
     runner, reference = _runners(setup, seed, seed_seq)
     if slo is None:
         reference.measure(setup.light_rate, "reference")
@@ -505,10 +506,10 @@ def _seed_work(setup: _Setup, seed: int, seed_seq: np.random.SeedSequence, slo: 
     found, lowest, highest = {}, float(setup.grid[0]), float(setup.grid[-1])
     for rule in RULES:
         key = "meets_capacity" if rule == "capacity" else f"meets_{rule}_slo"
-        # the rules cross near each other: from the last bracketed crossing of this seed, gallop along a ladder of
-        # rel_tol steps (the same lattice, so the rules share runs); the first rule walks the grid
+        # seeds and rules cross near each other: start next to a crossing already found
         near = [f["low"] for f in found.values() if f["bracketed"] and f["low"] > 0]
-        rates, start = (rate_ladder(near[-1], lowest, highest, tol) if near else (setup.grid, 0))
+        near = [anchors[rule]] if anchors and anchors.get(rule) else near
+        rates, start = (lattice_ladder(near[-1], lowest, highest, tol) if near else (setup.grid, 0))
         found[rule] = bisect_rate(lambda r, k=key: runner.measure(r, "bisect")[k], rates, tol, start, lattice=lowest)
         found[rule]["window_throughput"] = runner.cache[found[rule]["low"]]["throughput_rps"] \
             if found[rule]["low"] > 0 else 0.0
@@ -517,6 +518,15 @@ def _seed_work(setup: _Setup, seed: int, seed_seq: np.random.SeedSequence, slo: 
     return {"seed": seed, "cache": runner.cache, "latency": runner.latency, "layers": runner.layers,
             "log": runner.log, "found": found, "distinct": int(len(np.unique(pool.picked))),
             "decode_routing": pool.decode_routing, "output_source": pool.output_source}
+
+
+def lattice_ladder(rate: float, lowest: float, highest: float, rel_tol: float) -> tuple[np.ndarray, int]:
+    """(rates float64[n], index of the one nearest `rate`): the lattice lowest x (1 + rel_tol)^k within [lowest,
+    highest], computed as bisect_rate snaps its midpoints, bit for bit (so that cached runs are found again)."""
+    step = float(np.log1p(rel_tol))
+    top = math.floor(math.log(highest / lowest) / step + 1e-9)
+    k = int(np.clip(np.round(np.log(rate / lowest) / step), 0, top))
+    return lowest * np.exp(step * np.arange(top + 1, dtype=np.float64)), k
 
 
 def _bracket_converged(runner: _Runner, found: dict, lowest: float, key: str) -> bool:
@@ -531,23 +541,31 @@ def _bracket_converged(runner: _Runner, found: dict, lowest: float, key: str) ->
 _FORKED: _Setup | None = None  # the setup a forked worker inherits
 
 
-def _forked_seed_work(seed: int, seed_seq: np.random.SeedSequence, slo: dict | None, light: dict | None) -> dict:
-    return _seed_work(_FORKED, seed, seed_seq, slo, light)
+def _forked_seed_work(seed: int, seed_seq: np.random.SeedSequence, slo: dict | None, light: dict | None,
+                      anchors: dict | None) -> dict:
+    return _seed_work(_FORKED, seed, seed_seq, slo, light, anchors)
 
 
 def _each_seed(setup: _Setup, seed_seqs: list, slo: dict | None, workers: int, light: list | None = None) -> list[dict]:
-    """_seed_work of every seed, in seed order: in this process, or in `workers` forked processes."""
+    """_seed_work of every seed, in seed order: in this process, or in `workers` forked processes. With SLOs, seed
+    0 first (its crossings anchor the others' searches), then the rest."""
     light = light or [None] * len(seed_seqs)
-    if workers <= 1 or len(seed_seqs) <= 1:
-        return [_seed_work(setup, seed, seq, slo, light[seed]) for seed, seq in enumerate(seed_seqs)]
+    first, anchors = [], None
+    if slo is not None:
+        first = [_seed_work(setup, 0, seed_seqs[0], slo, light[0])]
+        anchors = {rule: f["low"] for rule, f in first[0]["found"].items() if f["bracketed"] and f["low"] > 0}
+    todo = list(range(len(first), len(seed_seqs)))
+    if workers <= 1 or len(todo) <= 1:
+        return first + [_seed_work(setup, seed, seed_seqs[seed], slo, light[seed], anchors) for seed in todo]
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     global _FORKED
     _FORKED = setup
     try:
-        with ProcessPoolExecutor(min(workers, len(seed_seqs)), mp_context=multiprocessing.get_context("fork")) as pool:
-            return list(pool.map(_forked_seed_work, range(len(seed_seqs)), seed_seqs, [slo] * len(seed_seqs), light))
+        with ProcessPoolExecutor(min(workers, len(todo)), mp_context=multiprocessing.get_context("fork")) as pool:
+            return first + list(pool.map(_forked_seed_work, todo, [seed_seqs[s] for s in todo], [slo] * len(todo),
+                                         [light[s] for s in todo], [anchors] * len(todo)))
     finally:
         _FORKED = None
 
@@ -629,16 +647,6 @@ def request_table(seeds: list[dict]) -> pd.DataFrame:
               for seed in seeds for rate, latency in sorted(seed["latency"].items())]
     columns = ["rate", "seed", "role", "ttft_s", "tpot_s", "e2e_s", "in_window"]
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=columns)
-
-
-def rate_ladder(rate: float, lowest: float, highest: float, rel_tol: float) -> tuple[np.ndarray, int]:
-    """(rates float64[n], index of `rate`): rate x (1 + rel_tol)^k for every integer k keeping it in [lowest,
-    highest] (and `rate` itself, first clipped into that range)."""
-    rate = min(max(rate, lowest), highest)
-    step = float(np.log1p(rel_tol))  # as bisect_rate snaps to the lattice: the same rates, bit for bit
-    below = math.floor(math.log(rate / lowest) / step + 1e-9) if rate > lowest else 0
-    above = math.floor(math.log(highest / rate) / step + 1e-9) if highest > rate else 0
-    return rate * np.exp(step * np.arange(-below, above + 1)), below
 
 
 def _finite(value: float) -> float | None:
