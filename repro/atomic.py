@@ -34,7 +34,8 @@ def _temp_prefix(path: Path, kind: str = "") -> str:
     return f".{path.name}.{kind}{socket.gethostname()}-{os.getpid()}-"
 
 
-def _process_alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` of this host still runs (a folder or temp naming it is then not a leftover)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -51,7 +52,7 @@ def remove_dead_temps(path: Path) -> None:
     for sibling in path.parent.glob(f".{glob.escape(path.name)}.*"):
         rest = sibling.name[len(path.name) + 2:].removeprefix("old.")
         parts = rest.rsplit("-", 2)  # host-pid-random (tempfile's random part has no "-")
-        if len(parts) == 3 and parts[0] == host and parts[1].isdigit() and not _process_alive(int(parts[1])):
+        if len(parts) == 3 and parts[0] == host and parts[1].isdigit() and not process_alive(int(parts[1])):
             if sibling.is_dir() and not sibling.is_symlink():
                 shutil.rmtree(sibling, ignore_errors=True)
             else:

@@ -33,7 +33,7 @@ import numpy as np
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from repro.atomic import atomic_dir, atomic_write
+from repro.atomic import atomic_dir, atomic_write, process_alive
 from repro.config_schema import check_config, multirun_argv
 from repro.errors import ConfigError, ReproError
 from repro.jobdir import job_dirname  # noqa: F401  registers the resolver conf/config.yaml names its run dirs with
@@ -72,16 +72,6 @@ JOB_OUTPUTS = (
 STAGING_PREFIX = ".staging-"
 
 
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
-
-
 def remove_dead_staging(out_dir: Path) -> None:
     """Remove staging folders in out_dir left by killed jobs of this host (their process is gone); folders of
     live processes or of other hosts (a shared file system) are left alone."""
@@ -89,7 +79,7 @@ def remove_dead_staging(out_dir: Path) -> None:
     for folder in out_dir.glob(f"{STAGING_PREFIX}*"):
         stem = folder.name[len(STAGING_PREFIX):]
         parts = stem.rsplit("-", 2)  # host-pid-random (tempfile's random part has no "-")
-        if len(parts) == 3 and parts[0] == host and parts[1].isdigit() and not _process_alive(int(parts[1])):
+        if len(parts) == 3 and parts[0] == host and parts[1].isdigit() and not process_alive(int(parts[1])):
             shutil.rmtree(folder, ignore_errors=True)
 
 
