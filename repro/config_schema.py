@@ -8,9 +8,9 @@ what each key may hold (type and range, in repro.config_values' vocabulary); a g
 those its conf/<group>/*.yaml options define, so a key a yaml adds is known without editing this file, and a key
 that no option defines is refused. Each group's own check lives with its code and is called from here
 (repro.parallel's check_parallel, repro.workloads.config's check_workload, the routing producers'
-check_*_config, repro.sim.hardware's check_hardware_config, repro.tracking's check_logger, repro.sim's
-check_sim_config, repro.exec's check_exec_config, repro.tune_config's check_tune_config); the sim and exec key
-tables are still here, beside the calls to their groups' checks. System parameters are checked against the
+check_*_config, repro.sim.hardware's check_hardware_config, repro.tracking's check_logger, repro.sim.simulate's
+check_sim_table / check_sim_config, repro.exec.trace_mode's check_exec_table / check_exec_config,
+repro.tune_config's check_tune_config). System parameters are checked against the
 system class's signature and annotations. The schema only composes: it sits below the entry points that call it
 (run, tune, exec) and imports none of them (tests/test_layers.py).
 Every problem is one ConfigError sentence naming the key, raised before any routing, training or output.
@@ -25,7 +25,6 @@ import importlib
 import inspect
 import re
 import sys
-from dataclasses import fields
 from functools import cache
 
 from omegaconf import OmegaConf
@@ -33,8 +32,6 @@ from omegaconf.errors import OmegaConfBaseException
 
 from repro.config_values import (
     CONF,
-    FLAG,
-    MAPPING,
     OPTIONAL_MAPPING,
     Value,
     check_table,
@@ -70,52 +67,6 @@ ROOT = {
 GROUPS = ("model", "workload", "system", "parallel", "hardware", "logger")
 OPTIONAL_GROUPS = ("sim", "exec", "eval_workload", "train_workload", "tune")
 
-EXEC = {  # ExecConfig's fields; choices and cross-field rules are check_exec_config's
-    "mode": text(),
-    "world_size": integer(1, null=True),
-    "backend": text(),
-    "kernel_backend": text(),
-    "hidden_size": integer(1),
-    "intermediate_size": integer(1),
-    "dtype": text(),
-    "max_tokens": integer(1),
-    "timeout_s": number(0, low_open=True),
-    "barrier_timing": FLAG,
-    "atol": number(0, low_open=True, null=True),
-}
-SIM = {  # the numbers check_sim_config compares (it owns the keys, choices and cross-field rules)
-    "rates": Value(("list",)),
-    "duration_s": number(0, low_open=True),
-    "min_requests": integer(1),
-    "warmup_s": number(0),
-    "cooldown_s": number(0),
-    "drain_s": number(0),
-    "seeds": integer(1),
-    "stable_tolerance": number(0),
-    "max_batched_tokens": integer(1),
-    "max_running_requests": integer(1),
-    "max_block_iterations": integer(1),
-    "iteration_overhead_us": number(0, null=True),
-    "calibration": text(),
-    "kv_capacity_tokens": integer(1, null=True),
-    "batches": integer(3),
-    "rel_halfwidth": number(0, 1, low_open=True, high_open=True),
-    "max_duration_s": number(0, low_open=True, null=True),
-    "workers": integer(1),
-    "slo": MAPPING,
-}
-SIM_SLO = {
-    "multiplier": number(0, low_open=True),
-    "statistic": text(),
-    "ttft_s": number(0, low_open=True, null=True),
-    "tpot_s": number(0, low_open=True, null=True),
-    "e2e_s": number(0, low_open=True, null=True),
-    "attainment": number(0, 1, low_open=True),
-    "reference": text(),
-    "light_rate": number(0, low_open=True, null=True),
-    "rel_tol": number(0, 1, low_open=True, high_open=True),
-    "require_stable": FLAG,
-}
 # ---- groups ---------------------------------------------------------------------------------------------------
 
 
@@ -260,20 +211,16 @@ def check_hardware(hardware: dict) -> None:
 
 
 def check_sim(sim: dict) -> None:
-    from repro.sim import check_sim_config
-    from repro.sim.simulate import SIM_KEYS, SLO_KEYS
+    from repro.sim.simulate import check_sim_config, check_sim_table
 
-    check_table("sim", sim, SIM, SIM_KEYS)
-    for rate in sim.get("rates", []):
-        check_value("sim.rates[...]", rate, number(0, low_open=True))
-    check_table("sim.slo", sim.get("slo") or {}, SIM_SLO, SLO_KEYS)
+    check_sim_table(sim)
     check_sim_config(sim)
 
 
 def check_exec(exec_cfg: dict, parallel) -> None:
-    from repro.exec.trace_mode import ExecConfig, check_exec_config
+    from repro.exec.trace_mode import check_exec_config, check_exec_table
 
-    check_table("exec", exec_cfg, EXEC, [f.name for f in fields(ExecConfig)])
+    check_exec_table(exec_cfg)
     check_exec_config(exec_cfg, parallel)
 
 

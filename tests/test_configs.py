@@ -81,10 +81,13 @@ def test_config_check_tables_name_the_keys_the_code_reads():
     import inspect
     from dataclasses import fields
 
-    from repro.config_schema import EXEC, SIM, SIM_SLO, systems_taking
+    from repro.config_schema import systems_taking
+    from repro.exec.trace_mode import EXEC_TABLE as EXEC
     from repro.exec.trace_mode import ExecConfig
     from repro.parallel import PARALLEL, ParallelConfig
     from repro.sim.simulate import SIM_KEYS, SLO_KEYS
+    from repro.sim.simulate import SIM_SLO_TABLE as SIM_SLO
+    from repro.sim.simulate import SIM_TABLE as SIM
     from repro.workloads import load_workload
     from repro.workloads.config import WORKLOAD
 

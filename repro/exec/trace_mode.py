@@ -50,6 +50,7 @@ import pandas as pd
 import torch
 import torch.distributed as dist
 
+from repro.config_values import FLAG, check_table, integer, number, text
 from repro.errors import ConfigError, TraceError, check_known_keys
 from repro.exec.launch import DIST_BACKENDS, in_torchrun, join, launch, worker_device
 from repro.exec.moe import (
@@ -94,6 +95,25 @@ class ExecConfig:
     @property
     def tolerance(self) -> float:
         return DEFAULT_ATOL[self.dtype] if self.atol is None else float(self.atol)
+
+
+EXEC_TABLE = {  # ExecConfig's fields: types and ranges; choices and cross-field rules are check_exec_config's
+    "mode": text(),
+    "world_size": integer(1, null=True),
+    "backend": text(),
+    "kernel_backend": text(),
+    "hidden_size": integer(1),
+    "intermediate_size": integer(1),
+    "dtype": text(),
+    "max_tokens": integer(1),
+    "timeout_s": number(0, low_open=True),
+    "barrier_timing": FLAG,
+    "atol": number(0, low_open=True, null=True),
+}
+
+def check_exec_table(exec_cfg: dict) -> None:
+    """The job config's exec group: every key known, every value of its type and range (one ConfigError sentence)."""
+    check_table("exec", exec_cfg, EXEC_TABLE, [f.name for f in fields(ExecConfig)])
 
 
 def check_exec_config(exec_cfg: ExecConfig | dict, parallel, world_size: int | None = None) -> ExecConfig:

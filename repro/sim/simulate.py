@@ -61,6 +61,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from repro.config_values import FLAG, MAPPING, Value, check_table, check_value, integer, number, text
 from repro.errors import ConfigError, TraceError, check_known_keys
 from repro.sim.costs import A2A_BACKENDS, CostModel
 from repro.sim.engine import SCHEDULES, Engine, EngineConfig, Requests
@@ -97,6 +98,49 @@ SIM_KEYS = {
 }
 SLO_KEYS = {"multiplier", "statistic", "reference", "light_rate", "ttft_s", "tpot_s", "e2e_s", "attainment", "rel_tol",
             "require_stable"}
+
+
+SIM_TABLE = {  # the types and ranges of the job config's sim group (check_sim_config owns choices and cross-field rules)
+    "rates": Value(("list",)),
+    "duration_s": number(0, low_open=True),
+    "min_requests": integer(1),
+    "warmup_s": number(0),
+    "cooldown_s": number(0),
+    "drain_s": number(0),
+    "seeds": integer(1),
+    "stable_tolerance": number(0),
+    "max_batched_tokens": integer(1),
+    "max_running_requests": integer(1),
+    "max_block_iterations": integer(1),
+    "iteration_overhead_us": number(0, null=True),
+    "calibration": text(),
+    "kv_capacity_tokens": integer(1, null=True),
+    "batches": integer(3),
+    "rel_halfwidth": number(0, 1, low_open=True, high_open=True),
+    "max_duration_s": number(0, low_open=True, null=True),
+    "workers": integer(1),
+    "slo": MAPPING,
+}
+SIM_SLO_TABLE = {
+    "multiplier": number(0, low_open=True),
+    "statistic": text(),
+    "ttft_s": number(0, low_open=True, null=True),
+    "tpot_s": number(0, low_open=True, null=True),
+    "e2e_s": number(0, low_open=True, null=True),
+    "attainment": number(0, 1, low_open=True),
+    "reference": text(),
+    "light_rate": number(0, low_open=True, null=True),
+    "rel_tol": number(0, 1, low_open=True, high_open=True),
+    "require_stable": FLAG,
+}
+
+
+def check_sim_table(sim: dict) -> None:
+    """The job config's sim group: every key known, every value of its type and range (one ConfigError sentence)."""
+    check_table("sim", sim, SIM_TABLE, SIM_KEYS)
+    for rate in sim.get("rates", []):
+        check_value("sim.rates[...]", rate, number(0, low_open=True))
+    check_table("sim.slo", sim.get("slo") or {}, SIM_SLO_TABLE, SLO_KEYS)
 
 
 @dataclass
