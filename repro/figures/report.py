@@ -350,10 +350,11 @@ def convergence_section(summary: pd.DataFrame) -> list[str]:
     rules = ("ttft", "e2e", "distserve", "capacity")
     lines = ["## Serving convergence", "",
              "Each simulated run doubles its arrivals until its window settles the queue's stability and, when stable, "
-             "the 95 % half-widths of throughput and mean TTFT are within `sim.rel_halfwidth` (2 %), up to "
-             "`sim.max_duration_s`; a rule's value is converged when the runs deciding it (the highest meeting rate "
-             "and the lowest failing one) converged on every seed (the capacity rule asks only the stability "
-             "verdict). The verdict judges only converged values.", "",
+             "the 95 % half-widths of mean TTFT and E2E are within `sim.rel_halfwidth` (2 %); a bisection probe until "
+             "every rule's comparison with its SLO is settled; up to `sim.max_duration_s`. A rule's value is "
+             "converged when the runs deciding it (the highest meeting rate and the lowest failing one) settled it on "
+             "every seed (the capacity rule asks only the stability verdict). The verdict judges only converged "
+             "values.", "",
              "| experiment | system | " + " | ".join(rules) + " | runs converged | unconverged runs (first 3) |",
              "|---" * (len(rules) + 4) + "|"]
     for job in jobs.itertuples():
