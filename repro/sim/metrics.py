@@ -69,14 +69,6 @@ def statistic(values: np.ndarray, name: str) -> float:
     return float(np.percentile(values, int(name[1:])))
 
 
-def attainment(latency: dict[str, np.ndarray], ttft_slo: float, tpot_slo: float) -> float:
-    """Share of requests meeting both the TTFT and the TPOT SLO (a one-token request meets the TPOT one)."""
-    if not len(latency["ttft"]):
-        return float("nan")
-    ok = (latency["ttft"] <= ttft_slo) & (np.isnan(latency["tpot"]) | (latency["tpot"] <= tpot_slo))
-    return float(ok.mean())
-
-
 def window_requests(arrival: np.ndarray, window: tuple[float, float]) -> np.ndarray:
     """bool[R]: requests arriving in the window [t0, t1] (both ends included)."""
     return (arrival >= window[0]) & (arrival <= window[1])

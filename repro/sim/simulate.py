@@ -69,7 +69,6 @@ from repro.sim.hardware import Hardware, load_hardware
 from repro.sim.metrics import (
     LATENCIES,
     STATISTICS,
-    attainment,
     batch_of_arrival,
     bisect_rate,
     decided,
@@ -465,18 +464,17 @@ class _Runner:
         need_stable = sim["slo"]["require_stable"]
         steady = (row["stable"] and row["unfinished"] == 0) or not need_stable
         failed_by_queue = need_stable and row["stability"] == "unstable" and row["stability_settled"]
-        row["attainment"] = attainment(latency, slo["ttft"], slo["tpot"])
+        # DistServe's rule: the share of window requests meeting both TTFT and TPOT (a one-token one meets TPOT)
+        ok = (latency["ttft"] <= slo["ttft"]) & (np.isnan(latency["tpot"]) | (latency["tpot"] <= slo["tpot"]))
+        row["attainment"], row["attainment_halfwidth"] = share_interval(ok, batch, sim["batches"])
         for name in ("ttft", "e2e"):
             row[f"meets_{name}_slo"] = bool(steady and row[f"{name}_{stat}_s"] <= slo[name])
             compared = (decided(row[f"{name}_batch_mean_s"], row[f"{name}_halfwidth_s"], slo[name], tol)
                         if stat == "mean" else row["converged"])
             row[f"settled_{name}"] = bool(failed_by_queue or (row["stability_settled"] and compared))
         row["meets_distserve_slo"] = bool(steady and row["attainment"] >= sim["slo"]["attainment"])
-        ok = (latency["ttft"] <= slo["ttft"]) & (np.isnan(latency["tpot"]) | (latency["tpot"] <= slo["tpot"]))
-        share, half = share_interval(ok, batch, sim["batches"])
-        row["attainment_halfwidth"] = half
-        row["settled_distserve"] = bool(failed_by_queue or (
-            row["stability_settled"] and decided(share, half, sim["slo"]["attainment"], tol)))
+        row["settled_distserve"] = bool(failed_by_queue or (row["stability_settled"] and decided(
+            row["attainment"], row["attainment_halfwidth"], sim["slo"]["attainment"], tol)))
         row["meets_capacity"] = bool(row["stable"] and row["unfinished"] == 0)
         row["settled_capacity"] = bool(row["stability_settled"])
 
