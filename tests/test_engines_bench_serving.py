@@ -335,3 +335,36 @@ def test_sweep_drives_an_installed_tool(tmp_path, monkeypatch, capsys):
     with pytest.raises(ConfigError, match="not installed"):
         bench_serving.choose_client("sglang")
     assert bench_serving.choose_client("auto") == "builtin"
+
+
+SERVE_CHILD = """
+import sys, types
+from repro.engines import bench_serving
+pids = sys.argv[1]
+sleeper = [sys.executable, "-c", f"import os, time; open({pids!r}, 'a').write(str(os.getpid()) + chr(10)); time.sleep(60)"]
+bench_serving.serve_commands = lambda args: (sleeper, {}, sleeper)
+bench_serving._wait_healthy = lambda url, seconds, process: None
+args = types.SimpleNamespace(print=False, server_port=1, router_port=2, startup_timeout=1)
+sys.exit(bench_serving.run_serve(args))
+"""
+
+
+def test_serve_stops_engine_and_router_on_sigterm(tmp_path):
+    """`serve` waits for Ctrl-C or SIGTERM; either must stop the engine and the router it started (an unblocked
+    SIGTERM would kill the waiting process and orphan both)."""
+    import os
+    import signal
+    import sys
+    import time
+
+    pids = tmp_path / "pids"
+    child = subprocess.Popen([sys.executable, "-c", SERVE_CHILD, str(pids)], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and len(pids.read_text().split() if pids.exists() else []) < 2:
+        time.sleep(0.05)
+    assert "Ctrl-C stops both" in child.stderr.readline()  # it waits now
+    child.send_signal(signal.SIGTERM)
+    assert child.wait(timeout=30) == 0
+    for pid in map(int, pids.read_text().split()):
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

@@ -556,6 +556,9 @@ def _wait_healthy(url: str, seconds: float, process: subprocess.Popen) -> None:
     raise ReproError(f"{url} was not healthy after {seconds:g} s; see the server's log.")
 
 
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
 def run_serve(args) -> int:
     import shlex
 
@@ -569,9 +572,13 @@ def run_serve(args) -> int:
     try:
         _wait_healthy(f"http://127.0.0.1:{args.server_port}/health", args.startup_timeout, server)
         proxy = subprocess.Popen(router)
+        # sigwait takes a signal only while it is blocked; unblocked, SIGTERM would kill this process before the
+        # finally below stops the engine and the router
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         print(f"serving: engine on :{args.server_port}, router on :{args.router_port}; Ctrl-C stops both", file=sys.stderr)
-        signal.sigwait({signal.SIGINT, signal.SIGTERM})
+        signal.sigwait(STOP_SIGNALS)
     finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
         for process in (proxy, server):
             if process is not None and process.poll() is None:
                 process.terminate()
