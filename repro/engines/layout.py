@@ -191,9 +191,10 @@ def read_plan(path: str | Path, ep_size: int | None = None) -> tuple[Plan, dict 
     """(plan, job config or None, plan directory) saved under `path` (a job directory or its plan/ folder).
 
     ep_size: EP degree, needed when no job config.yaml sits beside the plan (else it must agree with it). A
-    Sem-MoE plan comes back as a SemMoEPlan with its online tables.
+    Sem-MoE plan comes back as a SemMoEPlan with its online tables, a signature plan as a SignaturePlan (decode rule).
     """
     from repro.systems.semmoe.system import SemMoEPlan
+    from repro.systems.signature import SignaturePlan
 
     plan_dir, config = _find_plan_dir(Path(path))
     try:
@@ -216,6 +217,8 @@ def read_plan(path: str | Path, ep_size: int | None = None) -> tuple[Plan, dict 
         raise ConfigError(f"{plan_dir} places {num_experts} experts but its job's model has {model_experts}.")
     if (plan_dir / "semmoe.json").is_file():
         return SemMoEPlan.load(plan_dir, parallel, num_experts), config, plan_dir
+    if (plan_dir / "signature.json").is_file():
+        return SignaturePlan.load(plan_dir, parallel, num_experts), config, plan_dir
     info = json.loads((plan_dir / "plan_info.json").read_text()) if (plan_dir / "plan_info.json").is_file() else {}
     return Plan(Placement.load(plan_dir, parallel.devices, num_experts), parallel, info), config, plan_dir
 

@@ -3,6 +3,8 @@
     python -m repro.engines.router --plan runs/paper_dp/<job> --upstream http://127.0.0.1:30000 --port 8080
     python -m repro.engines.router --plan <job> --engine vllm --upstream http://127.0.0.1:8000
     python -m repro.engines.router --plan <job> --engine vllm --upstream http://h:8000 http://h:8001 ...  # external LB
+    python -m repro.engines.router --plan <job> --engine vllm --prefill http://p:8100 \
+        --decode http://d:8200 http://d:8201 ... --decode-plan <signature job>  # PD, decode chosen after prefill
 
 For POST /v1/completions, /v1/chat/completions and SGLang's /generate it tokenizes the prompt with the model's
 tokenizer (text prompts, chat message texts without the chat template, or the token ids the client sent),
@@ -49,6 +51,16 @@ that importing the plan's modules (pandas, scipy, aiohttp) leaves, a 50-100 ms s
 (bench/bench_router.py: one, 62 ms, fell in the 800 req/s phase and was its p99). Metric children are looked up
 once. uvloop was tried and left out: 410 us of router CPU per request with it, 400-410 without.
 
+PD mode (vLLM 0.33.0's NIXL pull connector; `repro.engines.pd` has the protocol): --prefill replaces --upstream
+and --decode names the decode servers (one URL, rank in the header, or one per rank of the decode plan). A
+completions request goes to the prefill server first (its rank chosen as above), rewritten to prefill only; its
+JSON reply is read whole, the decode rank chosen by the decode plan (system=signature / signature_eldr) from the
+reply's routed experts (`assign_decode`), and the client's body with the reply's kv_transfer_params sent to that
+decode server, whose reply is relayed as above (its rank in X-Semmoe-Decode-Rank). A prefill error status is
+returned as is; a reply without kv_transfer_params or routed experts gets 502, and a decode leg that would start
+later than --kv-lease seconds (the prefill's kv_lease_duration) after the prefill reply 504, each with one
+sentence. Other requests go to the prefill server as in the plain mode.
+
 Legend: L plan layers, D DP ranks, t profiled token rows (+1 OOV row), n prompt tokens of one request.
 """
 
@@ -64,17 +76,20 @@ import re
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from repro.errors import ConfigError, ReproError
+from repro.engines.pd import KV_LEASE_S, PD_PATHS, DecodeChooser, decode_body, prefill_body
+from repro.errors import ConfigError, ReproError, TraceError
 from repro.systems.base import Plan
 
 ENGINES = ("sglang", "vllm")
 RANK_HEADERS = {"sglang": "X-Data-Parallel-Rank", "vllm": "X-data-parallel-rank"}
+DECODE_RANK_HEADER = "X-Semmoe-Decode-Rank"  # PD mode: the decode rank, on the reply to the client
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions", "/generate")
 # RFC 9110 7.6.1 hop-by-hop headers, plus those the proxy recomputes for its own connection
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
@@ -195,7 +210,7 @@ class SemanticRouter:
 
 ADDED_BUCKETS = (5e-5, 1e-4, 1.5e-4, 2e-4, 3e-4, 4e-4, 5e-4, 7.5e-4, 1e-3, 1.5e-3, 2e-3, 3e-3, 5e-3, 1e-2, 2e-2,
                  5e-2, 0.1, 0.25, 1.0)
-ERROR_KINDS = ("connect", "timeout", "midstream", "status_4xx", "status_5xx")
+ERROR_KINDS = ("connect", "timeout", "midstream", "status_4xx", "status_5xx", "prefill_reply", "kv_lease")
 
 
 class RouterMetrics:
@@ -204,7 +219,7 @@ class RouterMetrics:
     The labelled children are looked up once here: labels() costs a lock and a dict lookup per call.
     """
 
-    def __init__(self, num_ranks: int):
+    def __init__(self, num_ranks: int, decode_ranks: int = 0):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = CollectorRegistry()
@@ -218,7 +233,8 @@ class RouterMetrics:
                                  buckets=[1e-5, 3e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2, 0.25],
                                  registry=self.registry)
         self.errors = Counter("semmoe_router_upstream_errors", "Upstream failures, by kind (connect, timeout, "
-                              "midstream, status_4xx, status_5xx)", ["kind"], registry=self.registry)
+                              "midstream, status_4xx, status_5xx; PD: prefill_reply, kv_lease)", ["kind"],
+                              registry=self.registry)
         self.in_flight = Gauge("semmoe_router_in_flight", "Requests being proxied", registry=self.registry)
         self.added = Histogram("semmoe_router_added_seconds",
                                "Seconds the router adds to a proxied request, measured inside it: handler start -> "
@@ -230,6 +246,10 @@ class RouterMetrics:
         self.unscored_client_rank = self.unscored.labels(reason="client_rank")
         self.unscored_no_prompt = self.unscored.labels(reason="no_prompt")
         self.error_of_kind = {kind: self.errors.labels(kind=kind) for kind in ERROR_KINDS}
+        if decode_ranks:
+            decode = Counter("semmoe_router_decode_requests", "PD mode: requests sent to decode, by decode rank",
+                             ["rank"], registry=self.registry)
+            self.decode_of_rank = [decode.labels(rank=str(rank)) for rank in range(decode_ranks)]
 
     def error(self, kind: str) -> None:
         self.error_of_kind[kind].inc()
@@ -261,7 +281,7 @@ def client_rank(values: list[str], header: str, num_ranks: int) -> None:
                                 "in that range, or no header to let the router choose.")
 
 
-def check_upstreams(upstreams: Sequence[str]) -> None:
+def check_upstreams(upstreams: Sequence[str], flag: str = "--upstream") -> None:
     """Each upstream an http(s) URL with a host, refused at start rather than answered 502 on every request."""
     from yarl import URL
 
@@ -271,7 +291,7 @@ def check_upstreams(upstreams: Sequence[str]) -> None:
         except (ValueError, TypeError):
             url = None
         if url is None or url.scheme not in ("http", "https") or not url.host:
-            raise ConfigError(f"--upstream {text!r} is not an http(s) URL with a host; give e.g. http://127.0.0.1:30000.")
+            raise ConfigError(f"{flag} {text!r} is not an http(s) URL with a host; give e.g. http://127.0.0.1:30000.")
 
 
 class OneLineClientErrors(logging.Filter):
@@ -307,12 +327,15 @@ def server_options(client_timeout: float = CLIENT_TIMEOUT_S) -> dict:
 def build_app(
     router: SemanticRouter, upstreams: Sequence[str], engine: str = "sglang", *, connect_timeout: float = 5.0,
     timeout: float = 600.0, max_connections: int = 1024, max_body_bytes: int = MAX_BODY_BYTES,
-    client_timeout: float = CLIENT_TIMEOUT_S,
+    client_timeout: float = CLIENT_TIMEOUT_S, decode: DecodeChooser | None = None,
+    decode_upstreams: Sequence[str] = (), kv_lease: float = KV_LEASE_S,
 ):
     """The aiohttp application proxying to `upstreams` (one URL, or one per DP rank).
 
     A request body over max_body_bytes gets 413; one not received within client_timeout seconds gets 408.
-    Serve it with server_options(client_timeout) so slow request headers time out too.
+    Serve it with server_options(client_timeout) so slow request headers time out too. PD mode (decode given,
+    engine vllm): `upstreams` are the prefill servers, decode_upstreams the decode servers (one, or one per rank
+    of decode's plan), kv_lease the prefill's kv_lease_duration in seconds.
     """
     import aiohttp
     from aiohttp import web
@@ -320,15 +343,26 @@ def build_app(
 
     if engine not in ENGINES:
         raise ConfigError(f"engine must be one of {ENGINES}, got {engine!r}.")
-    check_upstreams(upstreams)
+    check_upstreams(upstreams, "--prefill" if decode else "--upstream")
     quiet_client_errors()
     upstreams = [u.rstrip("/") for u in upstreams]
     if len(upstreams) not in (1, router.num_ranks):
         raise ConfigError(
             f"give one upstream (rank in a header) or one per DP rank ({router.num_ranks}), got {len(upstreams)}."
         )
+    if decode is not None:
+        if engine != "vllm":
+            raise ConfigError("PD mode needs --engine vllm: SGLang chooses the decode server before the prefill runs "
+                              "(docs/engines.md).")
+        check_upstreams(decode_upstreams, "--decode")
+        decode_upstreams = [u.rstrip("/") for u in decode_upstreams]
+        if len(decode_upstreams) not in (1, decode.num_ranks):
+            raise ConfigError(f"give one --decode URL (rank in a header) or one per rank of the decode plan "
+                              f"({decode.num_ranks}), got {len(decode_upstreams)}.")
+        if not math.isfinite(kv_lease) or kv_lease <= 0:
+            raise ConfigError(f"the KV lease must be a finite number of seconds > 0, got {kv_lease!r}.")
     header = RANK_HEADERS[engine]
-    metrics = RouterMetrics(router.num_ranks)
+    metrics = RouterMetrics(router.num_ranks, decode.num_ranks if decode else 0)
     session_key = web.AppKey("session", aiohttp.ClientSession)
 
     async def start(app: web.Application) -> None:
@@ -348,11 +382,7 @@ def build_app(
             client_rank(request.headers.getall(header), header, router.num_ranks)
             metrics.unscored_client_rank.inc()
             return None
-        try:
-            body = json.loads(raw) if raw else None
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):  # nested too deep: not a prompt we score
-            body = None
-        prompt = extract_prompt(request.path, body)
+        prompt = extract_prompt(request.path, _json_object(raw))
         if prompt is None:
             metrics.unscored_no_prompt.inc()
             return None
@@ -369,43 +399,34 @@ def build_app(
             metrics.lar_of_rank[decision.rank].observe(decision.predicted_lar)
         return decision.rank
 
-    async def proxy(request: web.Request) -> web.StreamResponse:
-        started = time.perf_counter()
-        if request.method == "GET" and request.path == "/metrics":
-            return web.Response(body=metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
-        try:
-            async with asyncio.timeout(client_timeout):
-                raw = await request.read()  # over client_max_size: aiohttp's 413
-        except TimeoutError:
-            response = _error_response(408, "request_timeout", f"the request body did not arrive within {client_timeout:g} s.")
-            response.force_close()  # the rest of the body may still come: this connection cannot carry another request
-            return response
-        except RequestPayloadError as e:  # e.g. a Content-Encoding: gzip body that is not gzip
-            response = _error_response(400, "bad_request_body", f"the request body could not be decoded ({' '.join(str(e.__cause__ or e).split())}).")
-            response.force_close()
-            return response
-        try:
-            rank = await decide(request, raw)
-        except ClientRefusal as e:
-            return _error_response(400, "bad_request", str(e))
-        # a list, not a dict: a header the client sent twice goes upstream twice. aiohttp hands over the body
-        # decoded, so its Content-Encoding stays behind (a gzip body went upstream plain but labelled gzip: 500)
-        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP | {"content-encoding"}]
-        base = upstreams[0]
-        if rank is not None and len(upstreams) == 1:
-            headers.append((header, str(rank)))
-        elif rank is not None:
-            base = upstreams[rank]
-        url = base + request.rel_url.raw_path_qs
-        metrics.in_flight.inc()
+    def target(bases: list[str], rank: int | None) -> tuple[str, list]:
+        """(upstream URL, headers to add): rank r's own upstream, or the only one with the rank in a header."""
+        if rank is not None and len(bases) > 1:
+            return bases[rank], []
+        return bases[0], [] if rank is None else [(header, str(rank))]
+
+    def failure(base: str, e: Exception) -> web.Response:
+        """The router's reply to an upstream that could not be reached or did not answer in time."""
+        if isinstance(e, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError):
+            metrics.error("connect")
+            return _error_response(502, "upstream_unavailable", f"upstream {base} is unreachable ({type(e).__name__}: {e}).")
+        if isinstance(e, TimeoutError):
+            metrics.error("timeout")
+            return _error_response(504, "upstream_timeout", f"upstream {base} did not answer within {timeout:g} s.")
+        metrics.error("connect")
+        return _error_response(502, "upstream_unavailable", f"upstream {base} failed before answering ({type(e).__name__}: {e}).")
+
+    async def relay(request: web.Request, base: str, headers: list, data: bytes, extra: list, started: float,
+                    waited: float = 0.0) -> web.StreamResponse:
+        """Send the request's method, path and query with these headers and body to `base` and hand the reply to
+        the client (reply headers plus `extra`); `waited`: seconds of an earlier upstream leg, not router work."""
         sent = time.perf_counter()
         try:
             async with request.app[session_key].request(
-                request.method, url, headers=headers, data=raw if raw else None, allow_redirects=False,
+                request.method, base + request.rel_url.raw_path_qs, headers=headers, data=data if data else None,
+                allow_redirects=False,
             ) as upstream:
-                reply_headers = [(k, v) for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP]
-                if rank is not None:  # the client learns the rank its request ran on (bench_serving records it)
-                    reply_headers.append((header, str(rank)))
+                reply_headers = [(k, v) for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP] + extra
                 length = upstream.content_length
                 if upstream.status >= 400:
                     metrics.error(f"status_{upstream.status // 100}xx")
@@ -443,17 +464,88 @@ def build_app(
                         raise ConnectionResetError(f"upstream {base} failed mid-response: {e}") from e
                     received = time.perf_counter()
                     await response.write_eof()
-                metrics.added.observe(sent - started + time.perf_counter() - received)
+                metrics.added.observe(sent - started - waited + time.perf_counter() - received)
                 return response
-        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
-            metrics.error("connect")
-            return _error_response(502, "upstream_unavailable", f"upstream {base} is unreachable ({type(e).__name__}: {e}).")
+        except (aiohttp.ClientError, TimeoutError) as e:
+            return failure(base, e)
+
+    async def disaggregated(request: web.Request, body: dict, headers: list, rank: int | None,
+                            started: float) -> web.StreamResponse:
+        """PD mode: the prefill leg, read whole; the decode rank from its routed experts; the decode leg relayed."""
+        extra = [] if rank is None else [(header, str(rank))]
+        if not any(k.lower() == "x-request-id" for k, _ in headers):
+            headers = headers + [("X-Request-Id", str(uuid.uuid4()))]  # both legs carry the same request id
+        base, rank_headers = target(upstreams, rank)
+        prefill_headers = [(k, v) for k, v in headers if k.lower() != "accept-encoding"] + rank_headers  # JSON to read
+        sent = time.perf_counter()
+        try:
+            async with request.app[session_key].post(base + request.rel_url.raw_path_qs, headers=prefill_headers,
+                                                     data=json.dumps(prefill_body(body)).encode()) as upstream:
+                reply = await upstream.read()
+        except (aiohttp.ClientError, TimeoutError) as e:
+            return failure(base, e)
+        received = time.perf_counter()
+        if upstream.status >= 400:  # the prefill's own error, as it gave it
+            metrics.error(f"status_{upstream.status // 100}xx")
+            reply_headers = [(k, v) for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP]
+            return web.Response(body=reply, status=upstream.status, reason=upstream.reason, headers=reply_headers + extra)
+        try:
+            try:
+                parsed = json.loads(reply)
+            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+                raise TraceError(f"the prefill reply is not JSON ({e}).") from e
+            kv = parsed.get("kv_transfer_params") if isinstance(parsed, dict) else None
+            if not isinstance(kv, dict) or not kv:
+                raise TraceError("the prefill reply has no kv_transfer_params; launch the prefill server with "
+                                 """--kv-transfer-config '{"kv_connector":"NixlPullConnector","kv_role":"kv_both"}'.""")
+            decode_rank = decode.choose(decode.experts(parsed))
+        except TraceError as e:
+            metrics.error("prefill_reply")
+            return _error_response(502, "bad_prefill_reply", f"prefill upstream {base}: {e}")
+        late = time.perf_counter() - received  # the lease ran from the prefill's end, a little before its reply
+        if late > kv_lease:
+            metrics.error("kv_lease")
+            return _error_response(504, "kv_lease_expired", f"the decode leg would start {late:.3g} s after the prefill "
+                                   f"reply, past the prefill's KV lease of {kv_lease:g} s (--kv-lease).")
+        metrics.decode_of_rank[decode_rank].inc()
+        decode_base, decode_headers = target(decode_upstreams, decode_rank)
+        decode_headers = [(k, v) for k, v in headers if k.lower() != header.lower()] + decode_headers
+        extra.append((DECODE_RANK_HEADER, str(decode_rank)))
+        data = json.dumps(decode_body(body, kv)).encode()
+        return await relay(request, decode_base, decode_headers, data, extra, started, waited=received - sent)
+
+    async def proxy(request: web.Request) -> web.StreamResponse:
+        started = time.perf_counter()
+        if request.method == "GET" and request.path == "/metrics":
+            return web.Response(body=metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+        try:
+            async with asyncio.timeout(client_timeout):
+                raw = await request.read()  # over client_max_size: aiohttp's 413
         except TimeoutError:
-            metrics.error("timeout")
-            return _error_response(504, "upstream_timeout", f"upstream {base} did not answer within {timeout:g} s.")
-        except aiohttp.ClientError as e:
-            metrics.error("connect")
-            return _error_response(502, "upstream_unavailable", f"upstream {base} failed before answering ({type(e).__name__}: {e}).")
+            response = _error_response(408, "request_timeout", f"the request body did not arrive within {client_timeout:g} s.")
+            response.force_close()  # the rest of the body may still come: this connection cannot carry another request
+            return response
+        except RequestPayloadError as e:  # e.g. a Content-Encoding: gzip body that is not gzip
+            response = _error_response(400, "bad_request_body", f"the request body could not be decoded ({' '.join(str(e.__cause__ or e).split())}).")
+            response.force_close()
+            return response
+        try:
+            rank = await decide(request, raw)
+        except ClientRefusal as e:
+            return _error_response(400, "bad_request", str(e))
+        # a list, not a dict: a header the client sent twice goes upstream twice. aiohttp hands over the body
+        # decoded, so its Content-Encoding stays behind (a gzip body went upstream plain but labelled gzip: 500)
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP | {"content-encoding"}]
+        metrics.in_flight.inc()
+        try:
+            if decode is not None and request.method == "POST" and request.path in PD_PATHS:
+                body = _json_object(raw)
+                if body is not None:
+                    return await disaggregated(request, body, headers, rank, started)
+            base, rank_headers = target(upstreams, rank)
+            # the client learns the rank its request ran on (bench_serving records it)
+            extra = [] if rank is None else [(header, str(rank))]
+            return await relay(request, base, headers + rank_headers, raw, extra, started)
         finally:
             metrics.in_flight.dec()
 
@@ -464,6 +556,15 @@ def build_app(
     app.on_cleanup.append(stop)
     app.router.add_route("*", "/{tail:.*}", proxy)
     return app
+
+
+def _json_object(raw: bytes) -> dict | None:
+    """A request body's JSON object, or None (not JSON, not an object, nested too deep)."""
+    try:
+        body = json.loads(raw) if raw else None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+        return None
+    return body if isinstance(body, dict) else None
 
 
 def _timed_token_ids(router: SemanticRouter, prompt) -> tuple[np.ndarray, float]:
@@ -478,7 +579,14 @@ def _timed_token_ids(router: SemanticRouter, prompt) -> tuple[np.ndarray, float]
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m repro.engines.router", description=__doc__.splitlines()[0])
     p.add_argument("--plan", type=Path, required=True, help="job directory under runs/ or its plan/ folder")
-    p.add_argument("--upstream", nargs="+", required=True, help="server URL, or one URL per DP rank")
+    p.add_argument("--upstream", nargs="+", help="server URL, or one URL per DP rank")
+    p.add_argument("--prefill", nargs="+", help="PD mode (vLLM, NIXL): prefill server URL, or one per DP rank")
+    p.add_argument("--decode", nargs="+", help="PD mode: decode server URL, or one per rank of the decode plan")
+    p.add_argument("--decode-plan", type=Path, help="PD mode: job directory of a system=signature / signature_eldr plan")
+    p.add_argument("--kv-lease", type=float, default=KV_LEASE_S,
+                   help="PD mode: seconds the prefill holds the KV blocks (its kv_lease_duration)")
+    p.add_argument("--model-config", help="PD mode: the served model's config.json (default: the decode job's model)")
+    p.add_argument("--shape", help="PD mode: a simulator shape (conf/sim/shape) instead of --model-config")
     p.add_argument("--engine", choices=ENGINES, default="sglang")
     p.add_argument("--tokenizer", help="the model's tokenizer (mixtral, qwen, olmoe, hf:<repo or folder>); default: the job's")
     p.add_argument("--ep-size", type=int, help="DP ranks = EP degree (default: the job's parallel.devices)")
@@ -511,21 +619,43 @@ def make_router(args) -> tuple[SemanticRouter, object]:
     return SemanticRouter(plan, tokenizer), tokenizer
 
 
+def make_decode(args) -> DecodeChooser:
+    """The PD mode's decode rule: --decode-plan read like --plan, on the served model's layout."""
+    from repro.engines.layout import ModelLayout, load_plan
+
+    if not args.decode or not args.decode_plan:
+        raise ConfigError("PD mode needs --decode URL(s) and --decode-plan <signature job> beside --prefill.")
+    if args.model_config and args.shape:
+        raise ConfigError("pass --model-config or --shape, not both.")
+    layout = (ModelLayout.from_hf_config(args.model_config) if args.model_config
+              else ModelLayout.from_shape(args.shape) if args.shape else None)
+    return DecodeChooser(load_plan(args.decode_plan, layout=layout))
+
+
 def main(argv: list[str] | None = None) -> int:
     from aiohttp import web
 
     args = build_parser().parse_args(argv)
     try:
-        limits = (args.connect_timeout, args.timeout, args.client_timeout, args.max_body_mb)
+        limits = (args.connect_timeout, args.timeout, args.client_timeout, args.max_body_mb, args.kv_lease)
         if not all(math.isfinite(x) and x > 0 for x in limits):  # nan passed a `<= 0` test
-            raise ConfigError("--connect-timeout, --timeout, --client-timeout and --max-body-mb must be finite numbers > 0.")
+            raise ConfigError("--connect-timeout, --timeout, --client-timeout, --max-body-mb and --kv-lease must be "
+                              "finite numbers > 0.")
+        if bool(args.upstream) == bool(args.prefill):
+            raise ConfigError("give --upstream (plain mode) or --prefill with --decode (PD mode), not both or neither.")
+        if not args.prefill and (args.decode or args.decode_plan):
+            raise ConfigError("--decode and --decode-plan belong to PD mode; give --prefill instead of --upstream.")
+        decode = make_decode(args) if args.prefill else None
         router, tokenizer = make_router(args)
-        app = build_app(router, args.upstream, args.engine, connect_timeout=args.connect_timeout, timeout=args.timeout,
-                        max_body_bytes=int(args.max_body_mb * 2**20), client_timeout=args.client_timeout)
+        app = build_app(router, args.prefill or args.upstream, args.engine, connect_timeout=args.connect_timeout,
+                        timeout=args.timeout, max_body_bytes=int(args.max_body_mb * 2**20),
+                        client_timeout=args.client_timeout, decode=decode, decode_upstreams=args.decode or (),
+                        kv_lease=args.kv_lease)
     except ReproError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"routing {router.num_ranks} DP ranks of {args.upstream} ({args.engine}, tokenizer {tokenizer.name}) "
+    where = f"{args.upstream}" if decode is None else f"prefill {args.prefill}, decode {args.decode}"
+    print(f"routing {router.num_ranks} DP ranks of {where} ({args.engine}, tokenizer {tokenizer.name}) "
           f"on http://{args.host}:{args.port}; metrics at /metrics", file=sys.stderr)
     # everything alive now lives as long as the process: keep it out of the collector's full passes (module doc)
     gc.collect()

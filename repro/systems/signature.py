@@ -37,6 +37,9 @@ Legend: R requests, N tokens, L MoE layers, E experts, k experts per token, D de
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
@@ -325,6 +328,30 @@ class SignaturePlan(Plan):
     def reset(self) -> None:
         super().reset()
         self._decode_count = np.zeros(self.parallel.devices, dtype=np.int64)
+
+    def write_files(self, directory: Path) -> None:
+        """The placement and plan_info.json, plus signature.json (the decode rule) and centroids.npy (match=centroid)."""
+        super().write_files(directory)
+        rule = {"rule": self.rule, "match": self.match, "capacity_slack": self.capacity_slack, "eldr_top": self.eldr_top}
+        (directory / "signature.json").write_text(json.dumps(rule))
+        if self.centroids is not None:
+            np.save(directory / "centroids.npy", self.centroids, allow_pickle=False)
+
+    @classmethod
+    def load(cls, directory: str | Path, parallel: ParallelConfig, num_experts: int) -> SignaturePlan:
+        """Read a plan written by `save` (its decode rule and centroids; online state starts fresh)."""
+        directory = Path(directory)
+        try:
+            rule = json.loads((directory / "signature.json").read_text())
+            info = json.loads((directory / "plan_info.json").read_text())
+            centroids = np.load(directory / "centroids.npy", allow_pickle=False) if rule["match"] == "centroid" else None
+        except (OSError, ValueError, KeyError) as e:
+            raise ConfigError(f"{directory} does not hold a saved signature plan ({e}); write one with plan.save().") from e
+        placement = Placement.load(directory, parallel.devices, num_experts)
+        if centroids is not None and centroids.shape != (parallel.devices, placement.num_layers * num_experts):
+            raise ConfigError(f"{directory / 'centroids.npy'} is {centroids.shape}, not [devices, layers x experts].")
+        return cls(placement, parallel, centroids=centroids, rule=rule["rule"], match=rule["match"],
+                   capacity_slack=rule["capacity_slack"], eldr_top=rule["eldr_top"], info=info)
 
     def similarity(self, signatures_RF: np.ndarray) -> np.ndarray:
         """float64[R, D] how well each rank matches each request's prefill signature (higher is better)."""
