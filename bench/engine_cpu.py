@@ -10,8 +10,9 @@ What runs (about 6 minutes on 2 cores once the tiny model is cached; the first r
    fp32, chunked prefill, MAX_NUM_SEQS and MAX_BATCHED_TOKENS fixed on both sides. vLLM binds its worker to one
    core and keeps the other for the API server.
 2. A single-device CPU profile from microbenchmarks only, in this process with one torch thread as the vLLM worker
-   has: fp32 GEMM FLOP/s at the model's own layer shape (256 tokens x [hidden, hidden]), copy bandwidth (32 MiB), the kernel floor (a 1-token gate GEMM + top-k, back to
-   back as an engine's kernels run). No engine timing enters it.
+   has: fp32 GEMM FLOP/s at the model's layer shape (256 tokens x [hidden, hidden]), copy bandwidth (32 MiB), the
+   kernel floor (a 1-token gate GEMM + top-k), the expert table of the shape (the suite's torch grouped GEMM), back to
+   back as an engine's kernels run. No engine timing enters it.
 3. The engine's per-iteration overhead, the one number taken from the engine (the issue allows it): requests sent
    one at a time (batch 1, not part of the sweep); overhead = measured TPOT - the model's batch-1 decode step.
 4. The sweep: the evaluate split's prompts, as token ids, with each request's captured output length, at each rate
@@ -65,6 +66,7 @@ KV_CACHE_GB = 2
 OVERLOAD_RATE = 1000.0
 OVERLOAD_REPEATS = 3  # the capacity's run-to-run spread on a shared 2-core machine is ~+-10 %
 RATES = (4.0, 8.0, 16.0, 24.0, 32.0, 40.0)
+EXPERT_ROWS = (1, 4, 16, 64, 256, 1024, 2048)  # rows per expert slot of the measured expert table
 TARGET_LATENCY, TARGET_KNEE = 0.25, 0.20
 SERVER_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GB)}
 TRACE_OVERRIDES = ("experiment=default", "logger=none", "model.max_new_tokens=32")
@@ -120,13 +122,20 @@ def shape_of_checkpoint(config: dict, name: str = "tiny_mixtral_engine") -> dict
 # ---- the single-device profile (microbenchmarks only) ------------------------------------------------------------
 
 
-def single_device_profile(hidden: int, experts: int, top_k: int, repeats: int = 25) -> tuple[dict, dict]:
-    """(hardware profile dict for one CPU device with one torch thread, the measured numbers) for a model of hidden
-    size `hidden` routing top_k of `experts`."""
+def single_device_profile(shape: dict, repeats: int = 25) -> tuple[dict, dict]:
+    """(hardware profile dict for one CPU device with one torch thread, the measured numbers) for `shape` (a
+    shape_of_checkpoint dict): the roofline constants and the expert table of that shape (bench.cpu_check's
+    `local_expert_step`: permute, the suite's torch grouped SwiGLU GEMM, unpermute over all E slots with n rows each,
+    per slot; back to back, as an engine's layers run). The table replaces the roofline for the routed experts: on
+    a CPU, small per-expert GEMMs cost several times their FLOPs at the peak rate."""
+    import functools
+
     import torch
 
-    from bench.cpu_check import call_times
+    from bench.cpu_check import call_times, local_expert_step, local_step_inputs
     from repro.kernels.gating import topk_softmax
+
+    hidden, experts, top_k = shape["hidden_size"], shape["num_experts"], shape["top_k"]
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -142,6 +151,11 @@ def single_device_profile(hidden: int, experts: int, top_k: int, repeats: int = 
         router, token = torch.randn(experts, hidden, generator=g), torch.randn(1, hidden, generator=g)
         floor_s = np.median(call_times(lambda: topk_softmax(token @ router.T, top_k, True, backend="torch"),
                                        10 * repeats))
+        table = []
+        for rows in EXPERT_ROWS:
+            step = functools.partial(local_expert_step, *local_step_inputs(
+                rows, experts, hidden, shape["moe_intermediate_size"], top_k, g))
+            table.append([rows, float(np.median(call_times(step, repeats if rows <= 256 else 3))) / experts])
     finally:
         torch.set_num_threads(threads)
     measured = {"gemm_gflops": 2 * 256 * hidden * hidden / gemm_s / 1e9, "copy_gbps": 2 * src.numel() * 4 / copy_s / 1e9,
@@ -156,9 +170,9 @@ def single_device_profile(hidden: int, experts: int, top_k: int, repeats: int = 
         "kernel_floor_us": measured["kernel_floor_us"], "memory_fraction": 0.5,
         "collective": {"latency_us": 0.0, "nvlink_gbps": 1e3, "rdma_gbps": 0},
         "a2a": {name: json.loads(json.dumps(backend)) for name in ("nccl", "deepep_normal", "deepep_low_latency")},
-        "iteration_overhead_us": 0, "measured": {},
+        "iteration_overhead_us": 0, "measured": {"expert_gemm": {shape["name"]: table}},
     }
-    return profile, {k: round(v, 3) for k, v in measured.items()}
+    return profile, {**{k: round(v, 3) for k, v in measured.items()}, "expert_gemm_per_slot_s": table}
 
 
 # ---- the prediction --------------------------------------------------------------------------------------------
@@ -371,8 +385,7 @@ def run(num_requests: int, rates: list[float], port: int, quick: bool) -> dict:
     if not checkpoint.exists():
         export_checkpoint(model, vocab, checkpoint, trace.meta.tokenizer)
     shape = shape_of_checkpoint(json.loads((checkpoint / "config.json").read_text()))
-    profile, microbench = single_device_profile(shape["hidden_size"], shape["num_experts"], shape["top_k"],
-                                                10 if quick else 25)
+    profile, microbench = single_device_profile(shape, 10 if quick else 25)
     predictor = Predictor(trace, shape, profile)
     prompts, outputs = prompts_and_outputs(trace)
     url = f"http://127.0.0.1:{port}"

@@ -92,9 +92,10 @@ def test_the_engine_is_sent_what_the_simulator_serves(tiny):
 def test_iteration_overhead_enters_every_iteration_once(tiny):
     model, _, trace = tiny
     shape = engine_cpu.shape_of_checkpoint({**model.config.to_dict(), "vocab_size": REAL_VOCAB})
-    profile, measured = engine_cpu.single_device_profile(shape["hidden_size"], shape["num_experts"], shape["top_k"],
-                                                         repeats=2)
-    assert all(value > 0 for value in measured.values())
+    profile, measured = engine_cpu.single_device_profile(shape, repeats=2)
+    assert all(measured[key] > 0 for key in ("gemm_gflops", "copy_gbps", "kernel_floor_us"))
+    table = np.array(measured["expert_gemm_per_slot_s"])
+    assert table[:, 0].tolist() == list(engine_cpu.EXPERT_ROWS) and np.all(table[:, 1] > 0)
     predictor = engine_cpu.Predictor(trace, shape, profile)
     base, slower = predictor.run(np.zeros(1), 0.0), predictor.run(np.zeros(1), 0.002)
     # one request alone: one prefill iteration (its 5 tokens fit one chunk), then GENERATED - 1 decode iterations
