@@ -20,8 +20,11 @@ What runs (about 6 minutes on 2 cores once the tiny model is cached; the first r
    at OVERLOAD_RATE) whose throughput is the engine's capacity.
 5. The prediction: the simulator's engine (repro.sim.engine, vanilla EP on one device, the same scheduler limits)
    replays each rate's measured send times with the same requests and routing, priced by the profile of 2 plus
-   the overhead of 3. Per rate: mean TTFT, TPOT and E2E and throughput, predicted vs measured, relative errors;
-   the knee (capacity) predicted vs measured. Targets (issue 26): within 25 % below the knee, the knee within 20 %.
+   the overhead of 3, twice: `expert_table` prices the routed experts by the measured table, `roofline` by FLOPs
+   and bytes (the same profile without the table). Neither is vLLM's own fused-MoE kernel, so the two bracket what
+   a microbenchmark-only calibration can say. Per rate: mean TTFT, TPOT and E2E and throughput, predicted vs
+   measured, relative errors; the knee (capacity) predicted vs measured; the decode step at batch 1, 8 and 32.
+   Targets (issue 26): within 25 % below the knee, the knee within 20 %.
 6. Routing: `bench/engine_cpu_capture.py` runs in the engine's venv, in one process, with forward hooks on every
    layer's gate: each request alone, greedy over the model's own vocabulary (allowed_token_ids), its routed ids
    written as `capture responses` lines; `repro.engines.capture responses` builds the trace through the suite's
@@ -67,6 +70,7 @@ OVERLOAD_RATE = 1000.0
 OVERLOAD_REPEATS = 3  # the capacity's run-to-run spread on a shared 2-core machine is ~+-10 %
 RATES = (4.0, 8.0, 16.0, 24.0, 32.0, 40.0)
 EXPERT_ROWS = (1, 4, 16, 64, 256, 1024, 2048)  # rows per expert slot of the measured expert table
+BATCH_SIZES = (1, 8, 32)  # decode batches of the batch-scaling diagnostic
 TARGET_LATENCY, TARGET_KNEE = 0.25, 0.20
 SERVER_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GB)}
 TRACE_OVERRIDES = ("experiment=default", "logger=none", "model.max_new_tokens=32")
@@ -292,25 +296,25 @@ def one_at_a_time(url: str, prompts, outputs, count: int) -> list[dict]:
     return records
 
 
-def batch_scaling(url: str, predictor: Predictor, prompts, outputs, overhead_s: float, sizes=(1, 8, 32)) -> list[dict]:
-    """A diagnostic of what the model misses: the decode step at batch B, measured and modelled. B requests sent at
-    at once (streamed, finish times), with max_tokens 1 and then their own output length; a step = the difference of the median
-    e2e over the decode steps. The model: the same B requests arriving together, (last finish - last first token) /
-    (output - 1)."""
+def batch_steps(url: str, prompts, outputs, sizes=BATCH_SIZES) -> dict[int, float]:
+    """The decode step at batch B, measured: B requests sent at once (streamed, finish times) with max_tokens 1 and
+    then their own output length; a step = the difference of the median e2e over the decode steps."""
     from repro.engines.bench_serving import sweep_rate
 
-    rows = []
-    for size in sizes:
-        def burst(lengths, size=size):
-            _, records = asyncio.run(sweep_rate(url, "tiny_mixtral", prompts[:size], lengths, 1e6, 0, size, 300, False))
-            return float(np.median([r["e2e_s"] for r in records]))
+    def burst(lengths) -> float:
+        _, records = asyncio.run(sweep_rate(url, "tiny_mixtral", prompts[: len(lengths)], lengths, 1e6, 0,
+                                            len(lengths), 300, False))
+        return float(np.median([r["e2e_s"] for r in records]))
 
-        out = outputs[:size]
-        real = (burst(list(out)) - burst([1] * size)) / (float(np.median(out)) - 1)
-        modelled = predictor.run(np.zeros(size), overhead_s)
-        model = float((np.max(modelled["finish"]) - np.max(modelled["first"])) / (float(np.median(out)) - 1))
-        rows.append({"batch": size, "step_real_s": real, "step_model_s": model})
-    return rows
+    return {size: (burst(list(outputs[:size])) - burst([1] * size)) / (float(np.median(outputs[:size])) - 1)
+            for size in sizes}
+
+
+def model_batch_step(predictor: Predictor, size: int, overhead_s: float) -> float:
+    """The model's decode step with `size` requests arriving together: (last finish - last first token) / (output - 1)."""
+    modelled = predictor.run(np.zeros(size), overhead_s)
+    steps = float(np.median(predictor.requests.output_len[:size])) - 1
+    return float((np.max(modelled["finish"]) - np.max(modelled["first"])) / steps)
 
 
 # ---- the routing check -------------------------------------------------------------------------------------------
@@ -371,6 +375,7 @@ def capture_with_engine(python: Path, checkpoint: Path, trace, vocab_real_ids: n
 
 
 def run(num_requests: int, rates: list[float], port: int, quick: bool) -> dict:
+    """Measure everything on the engine first, then predict it with each profile (expert table, roofline)."""
     from repro.engines.bench_serving import sweep_rate, warm_up
     from repro.engines.hf_export import export_checkpoint
     from repro.exec.model import load_tiny_model
@@ -386,41 +391,54 @@ def run(num_requests: int, rates: list[float], port: int, quick: bool) -> dict:
         export_checkpoint(model, vocab, checkpoint, trace.meta.tokenizer)
     shape = shape_of_checkpoint(json.loads((checkpoint / "config.json").read_text()))
     profile, microbench = single_device_profile(shape, 10 if quick else 25)
-    predictor = Predictor(trace, shape, profile)
     prompts, outputs = prompts_and_outputs(trace)
     url = f"http://127.0.0.1:{port}"
     load_before = os.getloadavg()
     with running_server(server_command(python, checkpoint, port), work / "server.log", port) as startup_s:
-        # 3. batch 1: the engine's per-iteration overhead (not a sweep point; the first request warms the server up)
+        # 3. batch 1 (not a sweep point; the first request warms the server up)
         alone = one_at_a_time(url, prompts, outputs, 5 if quick else 13)[1:]
-        alone_tpot = float(np.median([r["tpot_s"] for r in alone]))
-        alone_ttft = float(np.median([r["ttft_s"] for r in alone]))
-        model_tpot = np.median([float(predictor_alone(predictor, r["request"])["tpot"][0]) for r in alone])
-        overhead_s = alone_tpot - model_tpot
         asyncio.run(warm_up(url, "tiny_mixtral", prompts, list(outputs), 16, 16, 120))
-        scaling = batch_scaling(url, predictor, prompts, outputs, max(overhead_s, 0.0))
-        # 4. the sweep and the overload burst
-        rows, per_request = [], []
+        steps = batch_steps(url, prompts, outputs)
+        # 4. the sweep and the overload bursts
+        measured = []
         for index, rate in enumerate([*rates, *[OVERLOAD_RATE] * OVERLOAD_REPEATS]):
             _, records = asyncio.run(sweep_rate(url, "tiny_mixtral", prompts, list(outputs), rate, 1000 + index,
                                                 MAX_NUM_SEQS * 4, 300, False))
-            arrivals = np.array([r["send_s"] for r in records], dtype=np.float64)
-            predicted = predictor.run(arrivals - arrivals.min(), max(overhead_s, 0.0))
-            rows.append(per_rate_comparison(rate, records, predicted))
-            per_request += [dict(r, ttft_sim_s=float(predicted["ttft"][i]), tpot_sim_s=float(predicted["tpot"][i]))
-                            for i, r in enumerate(records)]
+            measured.append((rate, records))
     load_after = os.getloadavg()
     routing = routing_agreement(trace, capture_with_engine(python, checkpoint, trace, vocab.real_ids, work))
-    return summarise(rows, {
+    profiles = {"expert_table": profile, "roofline": {**profile, "measured": {}}}
+    return {
+        "generated_by": GENERATED_BY,
         "engine": {"package": ENGINE_PACKAGE, "startup_s": round(startup_s, 1), "command": " ".join(
             server_command(python, checkpoint, port)), "env": SERVER_ENV},
         "requests": len(prompts), "prompt_tokens_mean": float(np.mean([len(p) for p in prompts])),
-        "output_tokens_mean": float(outputs.mean()),
-        "profile": {"microbenchmarks": microbench, "kernel_floor_from": "1-token gate, back to back, one thread"},
-        "overhead": {"batch1_tpot_real_s": alone_tpot, "batch1_step_model_s": float(model_tpot),
-                     "iteration_overhead_s": overhead_s, "batch1_ttft_real_s": alone_ttft, "batch1_records": alone,
-                     "note": "the one engine-derived number: batch-1 TPOT minus the model's batch-1 decode step"},
-        "batch_scaling": scaling, "routing": routing, "load_before_after": [load_before, load_after],
+        "output_tokens_mean": float(outputs.mean()), "microbenchmarks": microbench, "batch1_records": alone,
+        "routing": routing, "load_before_after": [load_before, load_after],
+        "models": {name: predict(Predictor(trace, shape, prof), alone, steps, measured)
+                   for name, prof in profiles.items()},
+    }
+
+
+def predict(predictor: Predictor, alone: list[dict], steps: dict[int, float], measured: list) -> dict:
+    """One profile's predictions of everything measured, with the engine's per-iteration overhead calibrated at
+    batch 1 (the only engine-derived number)."""
+    alone_tpot = float(np.median([r["tpot_s"] for r in alone]))
+    model_tpot = float(np.median([predictor_alone(predictor, r["request"])["tpot"][0] for r in alone]))
+    overhead_s = alone_tpot - model_tpot
+    used = max(overhead_s, 0.0)
+    rows = []
+    for rate, records in measured:
+        arrivals = np.array([r["send_s"] for r in records], dtype=np.float64)
+        rows.append(per_rate_comparison(rate, records, predictor.run(arrivals - arrivals.min(), used)))
+    model_ttft = float(np.median([predictor_alone(predictor, r["request"])["ttft"][0] for r in alone])) + used
+    return summarise(rows, {
+        "overhead": {"batch1_tpot_real_s": alone_tpot, "batch1_step_model_s": model_tpot,
+                     "iteration_overhead_s": overhead_s,
+                     "batch1_ttft_real_s": float(np.median([r["ttft_s"] for r in alone])),
+                     "batch1_ttft_model_s": model_ttft},
+        "batch_scaling": [{"batch": size, "step_real_s": real, "step_model_s": model_batch_step(predictor, size, used)}
+                          for size, real in steps.items()],
     })
 
 
@@ -441,7 +459,7 @@ def summarise(rows: list[dict], facts: dict) -> dict:
     below = [r for r in rows if r["rate"] < 0.8 * min(real)]
     errors = {key: [abs(r[f"{key}_rel_error"]) for r in below] for key in ("ttft", "tpot", "e2e", "throughput")}
     return {
-        "generated_by": GENERATED_BY, **facts, "per_rate": rows,
+        **facts, "per_rate": rows,
         "knee": {"real_rps_median": float(np.median(real)), "real_rps_each": real, "sim_rps": sim,
                  "rel_error": knee_error, "target": TARGET_KNEE, "met": abs(knee_error) <= TARGET_KNEE,
                  "definition": f"throughput of all requests sent at once ({OVERLOAD_RATE:g} req/s), median of "
@@ -471,11 +489,13 @@ def main(argv: list[str] | None = None) -> int:
         if path.exists() and name.endswith(".json") and GENERATED_BY not in path.read_text()[:200]:
             raise SystemExit(f"{path} exists and was not written by {GENERATED_BY}; move it away.")
     result = run(60 if args.quick else args.num_requests, rates, args.port, args.quick)
-    table = pd.DataFrame(result["per_rate"])
+    table = pd.concat([pd.DataFrame(m["per_rate"]).assign(model=name) for name, m in result["models"].items()])
     atomic_write(args.out / "engine_cpu_per_rate.csv", lambda path: table.to_csv(path, index=False))
     atomic_write_text(args.out / "engine_cpu.json", json.dumps(result, indent=1))
     print(table.round(4).to_string(index=False))
-    print(json.dumps({k: result[k] for k in ("knee", "below_knee", "batch_scaling", "routing")}, indent=1))
+    print(json.dumps({name: {k: m[k] for k in ("knee", "below_knee", "overhead", "batch_scaling")}
+                      for name, m in result["models"].items()}, indent=1))
+    print(json.dumps(result["routing"], indent=1))
     return 0
 
 
