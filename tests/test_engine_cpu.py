@@ -14,34 +14,23 @@ import subprocess
 
 import numpy as np
 import pytest
-import torch
+from test_engines_hf_export import CFG, REAL_VOCAB, random_tiny_model
 
 from bench import engine_cpu
 from repro.engines.capture import main as capture_main
 from repro.routing.hf_capture import capture_routing
-from repro.routing.tiny_model import TINY_DEFAULTS, VocabMap, tiny_mixtral_config
 from repro.traces import read_trace
 from repro.workloads.request import Request
 
-REAL_VOCAB = 32000
-# vLLM's CPU attention refuses head_dim 16: hidden 64 over 2 heads
-CFG = {**TINY_DEFAULTS, "num_layers": 2, "hidden_size": 64, "intermediate_size": 16, "num_experts": 8, "top_k": 2,
-       "num_attention_heads": 2}
 GENERATED = 4
 
 
 @pytest.fixture(scope="module")
 def tiny():
     """(model, VocabMap, trace with GENERATED greedy tokens per request) of a small random Mixtral."""
-    from transformers import MixtralForCausalLM
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        real_ids = np.sort(np.random.default_rng(0).choice(REAL_VOCAB, 200, replace=False)).astype(np.int64)
-        vocab = VocabMap(real_ids=real_ids, real_vocab_size=REAL_VOCAB)
-        model = MixtralForCausalLM(tiny_mixtral_config(CFG, vocab.model_vocab_size)).eval()
+    model, vocab = random_tiny_model()
     rng = np.random.default_rng(1)
-    requests = [Request(id=f"r{i}", dataset="unit", label="x", token_ids=rng.choice(real_ids, n).astype(np.int32))
+    requests = [Request(id=f"r{i}", dataset="unit", label="x", token_ids=rng.choice(vocab.real_ids, n).astype(np.int32))
                 for i, n in enumerate([5, 12, 9])]
     trace = capture_routing(model, requests, model_name="tiny", tokenizer="mixtral", vocab_size=REAL_VOCAB,
                             dataset="unit", input_ids_of=vocab.to_model, real_ids_of=vocab.to_real,

@@ -15,12 +15,13 @@ from repro.routing.tiny_model import TINY_DEFAULTS, VocabMap, tiny_mixtral_confi
 from repro.workloads.request import Request
 
 REAL_VOCAB = 32000  # Mixtral v1's, so the exported folder's tokenizer matches its embedding
-CFG = {**TINY_DEFAULTS, "num_layers": 2, "hidden_size": 32, "intermediate_size": 16, "num_experts": 8, "top_k": 2,
+# hidden 64 over 2 heads: vLLM's CPU attention refuses head_dim 16 (tests/test_engine_cpu.py serves this model)
+CFG = {**TINY_DEFAULTS, "num_layers": 2, "hidden_size": 64, "intermediate_size": 16, "num_experts": 8, "top_k": 2,
        "num_attention_heads": 2}
 
 
-@pytest.fixture(scope="module")
-def tiny():
+def random_tiny_model():
+    """(a random-init tiny MixtralForCausalLM over CFG in eval mode, its VocabMap of 200 real ids)."""
     from transformers import MixtralForCausalLM
 
     with torch.random.fork_rng(devices=[]):
@@ -28,10 +29,17 @@ def tiny():
         real_ids = np.sort(np.random.default_rng(0).choice(REAL_VOCAB, 200, replace=False)).astype(np.int64)
         vocab = VocabMap(real_ids=real_ids, real_vocab_size=REAL_VOCAB)
         model = MixtralForCausalLM(tiny_mixtral_config(CFG, vocab.model_vocab_size)).eval()
+    return model, vocab
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, vocab = random_tiny_model()
     rng = np.random.default_rng(1)
     # half the ids from the model's vocabulary, half anywhere (mostly UNK)
     requests = [Request(id=f"r{i}", dataset="unit", label="x", token_ids=np.concatenate(
-        [rng.choice(real_ids, n), rng.integers(0, REAL_VOCAB, n)]).astype(np.int32)) for i, n in enumerate([3, 9, 14])]
+        [rng.choice(vocab.real_ids, n), rng.integers(0, REAL_VOCAB, n)]).astype(np.int32))
+        for i, n in enumerate([3, 9, 14])]
     return model, vocab, requests
 
 
