@@ -81,3 +81,20 @@ def test_export_loads_with_from_pretrained_and_refuses_to_overwrite(tiny, tmp_pa
     with pytest.raises(ConfigError, match="only 'mixtral'"):
         export_checkpoint(model, vocab, tmp_path / "other", tokenizer="qwen")
     assert not (tmp_path / "other").exists()
+
+
+def test_cli_refuses_a_trace_no_tiny_model_routed(tmp_path, capsys):
+    from repro.engines.hf_export import main
+    from repro.traces import write_trace
+
+    trace = tiny_trace_without_key()
+    write_trace(trace, tmp_path / "trace")
+    assert main(["--trace", str(tmp_path / "trace"), "--out", str(tmp_path / "out")]) == 2
+    assert "without a tiny-model cache key" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def tiny_trace_without_key():
+    model, vocab = random_tiny_model()
+    request = Request(id="r0", dataset="unit", label="x", token_ids=vocab.real_ids[:6].astype(np.int32))
+    return capture(model, [request], input_ids_of=vocab.to_model)

@@ -1,6 +1,6 @@
 """The suite's tiny Mixtral as a Hugging Face checkpoint a serving engine loads (vLLM's CPU build, docs/cost_model.md).
 
-    python -m repro.engines.hf_export --trace runs/cache/traces/<key> --out runs/engine_cpu/checkpoint
+    python -m repro.engines.hf_export --trace runs/cache/traces/<key>/trace --out runs/engine_cpu/checkpoint
 
 The tiny model (repro.routing.tiny_model) reads model ids of a restricted vocabulary: the `vocab_top` most frequent
 real ids plus one UNK id. An engine is sent real tokenizer ids, so the exported model has the real vocabulary: the
