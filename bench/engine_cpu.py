@@ -194,14 +194,14 @@ class Predictor:
         from repro.systems.ep import VanillaEP
 
         self.shape = ModelShape.from_config(shape)
-        self.hw = load_hardware(profile, measured_dir=Path(os.devnull))
+        hardware = load_hardware(profile, measured_dir=Path(os.devnull))
         parallel = ParallelConfig(devices=1, attention="dp", devices_per_node=1,
                                   bytes_per_token=self.shape.hidden_size * 4)
         self.plan = VanillaEP().fit(trace, parallel, np.random.default_rng(0))
         rng = np.random.default_rng(0)  # unused: the trace has generated tokens (captured decode routing)
-        self.requests, self.decode_routing, _ = build_requests(trace, np.arange(trace.num_requests), 1, "captured",
+        self.requests, _, _ = build_requests(trace, np.arange(trace.num_requests), 1, "captured",
                                                                rng, rng)
-        self.cost = CostModel(self.shape, self.hw, routing_map(self.shape, trace), 1, "dp", "nccl")
+        self.cost = CostModel(self.shape, hardware, routing_map(self.shape, trace), 1, "dp", "nccl")
 
     def run(self, arrivals: np.ndarray, overhead_s: float) -> dict:
         """Per-request predicted times (float64[R'] seconds) for requests 0..R'-1 arriving at `arrivals`."""
@@ -424,14 +424,15 @@ def predict(predictor: Predictor, alone: list[dict], steps: dict[int, float], me
     """One profile's predictions of everything measured, with the engine's per-iteration overhead calibrated at
     batch 1 (the only engine-derived number)."""
     alone_tpot = float(np.median([r["tpot_s"] for r in alone]))
-    model_tpot = float(np.median([predictor_alone(predictor, r["request"])["tpot"][0] for r in alone]))
+    modelled = [predictor_alone(predictor, r["request"]) for r in alone]
+    model_tpot = float(np.median([m["tpot"][0] for m in modelled]))
     overhead_s = alone_tpot - model_tpot
     used = max(overhead_s, 0.0)
     rows = []
     for rate, records in measured:
         arrivals = np.array([r["send_s"] for r in records], dtype=np.float64)
         rows.append(per_rate_comparison(rate, records, predictor.run(arrivals - arrivals.min(), used)))
-    model_ttft = float(np.median([predictor_alone(predictor, r["request"])["ttft"][0] for r in alone])) + used
+    model_ttft = float(np.median([m["ttft"][0] for m in modelled])) + used
     return summarise(rows, {
         "overhead": {"batch1_tpot_real_s": alone_tpot, "batch1_step_model_s": model_tpot,
                      "iteration_overhead_s": overhead_s,
@@ -484,9 +485,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="fewer requests (a rehearsal)")
     args = p.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",")]
-    for name in ("engine_cpu.json", "engine_cpu_per_rate.csv"):
-        path = args.out / name
-        if path.exists() and name.endswith(".json") and GENERATED_BY not in path.read_text()[:200]:
+    # the two files are written together: either may be replaced only when the JSON beside it says it is ours
+    ours = args.out / "engine_cpu.json"
+    ours_there = ours.is_file() and GENERATED_BY in ours.read_text()[:200]
+    for path in (ours, args.out / "engine_cpu_per_rate.csv"):
+        if path.exists() and not ours_there:
             raise SystemExit(f"{path} exists and was not written by {GENERATED_BY}; move it away.")
     result = run(60 if args.quick else args.num_requests, rates, args.port, args.quick)
     table = pd.concat([pd.DataFrame(m["per_rate"]).assign(model=name) for name, m in result["models"].items()])

@@ -111,6 +111,7 @@ EXEC_TABLE = {  # ExecConfig's fields: types and ranges; choices and cross-field
     "atol": number(0, low_open=True, null=True),
 }
 
+
 def check_exec_table(exec_cfg: dict) -> None:
     """The job config's exec group: every key known, every value of its type and range (one ConfigError sentence)."""
     check_table("exec", exec_cfg, EXEC_TABLE, [f.name for f in fields(ExecConfig)])
