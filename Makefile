@@ -43,8 +43,9 @@ SYNTHETIC_AFTER_TRAINING := serve_tp
 TINY_EXPERIMENTS_A := paper_dp paper_tp dp_lookahead
 TINY_EXPERIMENTS_B := routing_sources exec_model
 # beyond the paper (replicated and multi-node placement; serve_dp's steady state with long windows, under each
-# calibration alternative, and on every routing source): a separate target
-BEYOND_EXPERIMENTS := replication_dp replication_tp multinode multinode_bound serve_dp_long calibration serve_dp_sources serve_dp_heavy
+# calibration alternative and each corner of the cost model's measured error bands, and on every routing source):
+# a separate target
+BEYOND_EXPERIMENTS := replication_dp replication_tp multinode multinode_bound serve_dp_long calibration cost_bands serve_dp_sources serve_dp_heavy
 SHARED_EXPERIMENTS := $(if $(wildcard $(SHARED_DATA)/arena-hard),cross_dataset replay_olmoe_dp replay_olmoe_tp routing_sources_replay)
 BEYOND_SHARED_EXPERIMENTS := $(if $(wildcard $(SHARED_DATA)/olmoe-routing),replication_replay serve_dp_sources_replay serve_dp_arena)
 

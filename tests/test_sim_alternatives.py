@@ -24,7 +24,7 @@ def test_every_alternative_loads_and_changes_only_its_fields():
             assert spec["source"].strip(), (profile["name"], name)
             changed = with_alternative(profile, name)
             differ = {f for f in REQUIRED if f != "name" and _get(changed, f) != _get(profile, f)}
-            assert differ == set(spec["set"]), (profile["name"], name)  # each field really moves
+            assert differ == set(spec.get("set", {})), (profile["name"], name)  # each field really moves
             assert load_hardware(profile, alternative=name).calibration == name
             seen += 1
         assert profile == original  # the profile itself is never modified
@@ -41,6 +41,31 @@ def test_alternatives_move_the_priced_numbers():
         == pytest.approx(114e-6)
     assert base.iteration_overhead == 0
     assert load_hardware(profile, alternative="iteration_overhead_3ms").iteration_overhead == pytest.approx(3e-3)
+
+
+def test_error_band_alternatives_scale_every_term_and_match_the_measured_band():
+    """The band_* readings scale the priced numbers (scale:), and the published band is the worst out-of-sample
+    all-to-all error that repro.sim.validation computes today (a band copied from a stale table fails here)."""
+    from repro.sim import trust
+
+    profile = load_yaml("hardware", "h200.yaml")
+    base = load_hardware(profile)
+    found = calibration_alternatives(profile)
+    for name in ("band_published_comm_up", "band_exec_median_comm_down"):
+        scale = found[name]["scale"]
+        hw = load_hardware(profile, alternative=name)
+        assert hw.calibration == name
+        assert hw.gemm_flops == pytest.approx(base.gemm_flops / scale["compute"])
+        assert hw.kernel_floor == pytest.approx(base.kernel_floor * scale["compute"])
+        ll = hw.backends["deepep_low_latency"].combine
+        assert ll.latency == pytest.approx(base.backends["deepep_low_latency"].combine.latency * scale["comm"])
+        assert ll.nvlink_bandwidth == pytest.approx(base.backends["deepep_low_latency"].combine.nvlink_bandwidth / scale["comm"])
+        assert hw.iteration_overhead == base.iteration_overhead
+    worst = trust.published_errors()["worst_comm_out_of_sample"]
+    assert found["band_published_comm_up"]["scale"] == {"comm": pytest.approx(1 + worst, abs=5e-4), "compute": 1.0}
+    assert found["band_published_comm_down"]["scale"] == {"comm": pytest.approx(1 - worst, abs=5e-4), "compute": 1.0}
+    up, down = found["band_exec_median_comm_up"]["scale"], found["band_exec_median_comm_down"]["scale"]
+    assert up["comm"] - 1 == pytest.approx(1 - down["comm"]) and 1 - up["compute"] == pytest.approx(down["compute"] - 1)
 
 
 def test_simulator_prices_with_the_chosen_alternative(small_setup):  # noqa: F811
@@ -69,6 +94,9 @@ def test_unknown_alternative_names_the_ones_there_are(small_setup):  # noqa: F81
         ({"a": {"source": "x", "set": {"gpu.colour": 1}}}, "not a numeric field"),
         ({"a": {"source": "x", "set": {"kernel_floor_us": "fast"}}}, "must be a number"),
         ({"a": {"set": {"kernel_floor_us": 1}}}, "must be {source"),
+        ({"a": {"source": "x"}}, "must be {source"),
+        ({"a": {"source": "x", "scale": {"comm": 1.2}}}, "scale must be {comm"),
+        ({"a": {"source": "x", "scale": {"comm": 1.2, "compute": 0}}}, "scale must be {comm"),
         ({"a": {"source": " ", "set": {"kernel_floor_us": 1}}}, "must be {source"),
         ([1], "must map a name"),
     ],

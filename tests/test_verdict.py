@@ -346,10 +346,10 @@ def test_the_ratio_interval_is_widened_by_the_bisection_tolerance(tmp_path):
     assert widened["verdict"] == NOT_REPRODUCED and "10 % bisection tolerance" in widened["ours"]
 
 
-def plant_calibration(root: Path, reading: str, sem_ttft: tuple[float, ...]) -> None:
-    """The `calibration` experiment's ep and Algorithm-2 jobs under one alternative (ep as in plant)."""
+def plant_calibration(root: Path, reading: str, sem_ttft: tuple[float, ...], experiment: str = "calibration") -> None:
+    """The `calibration` (or `cost_bands`) experiment's ep and Algorithm-2 jobs under one reading (ep as in plant)."""
     for system, ttft, e2e in (("ep", (10.0, 10.1, 9.9), (4.0, 4.1, 3.9)), ("semmoe_paper", sem_ttft, (12.8, 13.0, 12.9))):
-        write_job(root, "calibration", f"sim.calibration={reading},system={system}", system, serving(
+        write_job(root, experiment, f"sim.calibration={reading},system={system}", system, serving(
             sim_calibration=reading, throughput_under_ttft_slo_rps=float(np.mean(ttft)),
             throughput_under_ttft_slo_rps_per_seed=list(ttft), throughput_under_e2e_slo_rps=float(np.mean(e2e)),
             throughput_under_e2e_slo_rps_per_seed=list(e2e), a2a_share_lightest=0.35))
@@ -360,6 +360,7 @@ def test_the_verdict_under_each_calibration_alternative_says_where_it_flips(tmp_
     before = tables(root)
     plant_calibration(root, "deepep_ll_rdma", (13.0, 13.2, 13.1))  # the same numbers: the same verdicts
     plant_calibration(root, "iteration_overhead_3ms", (9.0, 9.1, 8.9))  # Sem-MoE slower than ep: a flip
+    plant_calibration(root, "band_exec_median_comm_down", (13.0, 13.2, 13.1), "cost_bands")  # a band, no flip
     as_paper_model(root)
     summary, _, _ = read_jobs(root)
     after = verdict_tables(summary)
@@ -377,6 +378,14 @@ def test_the_verdict_under_each_calibration_alternative_says_where_it_flips(tmp_
     assert "the verdict FLIPS between them for R4 DeepSeek-V2-Lite, TTFT SLO, vs ep" in text
     assert (tmp_path / "verdict_calibration.csv").is_file()
     assert calibration_table(read_jobs(as_paper_model(plant(tmp_path / "none")))[0]).empty
+    # the error bands: their own table and section, the readings of the other experiment not mixed in
+    bands = calibration_table(summary, "cost_bands").set_index(["claim", "part"])
+    ttft = bands.loc[("R4", "DeepSeek-V2-Lite, TTFT SLO, vs ep")]
+    assert (ttft["published verdict"], ttft["band_exec_median_comm_down verdict"], ttft["flips"]) == \
+        (REPRODUCED, REPRODUCED, "no")
+    assert "iteration_overhead_3ms" not in bands.columns
+    assert "### Under the cost model's measured error bands" in text and "no verdict flips between them" in text
+    assert (tmp_path / "verdict_cost_bands.csv").is_file()
 
 
 def test_the_report_lists_every_serving_jobs_convergence():

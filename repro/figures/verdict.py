@@ -667,10 +667,11 @@ def verdict_tables(summary: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
     return pd.DataFrame(claims), parts
 
 
-# ---- the same claims under the hardware profile's calibration alternatives -----------------------------------------
+# ---- the same claims under the hardware profile's calibration alternatives and the cost model's error bands ---------
 
 CALIBRATION_EXPERIMENT, CALIBRATION_BASE = "calibration", "serve_dp"  # conf/experiment/calibration.yaml re-runs serve_dp
-CALIBRATION_PARTS = (parts_r1, parts_r4)  # the claims that experiment re-measures (vanilla EP and Algorithm 2, DP)
+BANDS_EXPERIMENT = "cost_bands"  # conf/experiment/cost_bands.yaml: serve_dp under the measured error bands (issue 26)
+CALIBRATION_PARTS = (parts_r1, parts_r4)  # the claims those experiments re-measure (vanilla EP and Algorithm 2, DP)
 
 
 def _calibration(summary: pd.DataFrame) -> pd.Series:
@@ -683,15 +684,16 @@ def published(summary: pd.DataFrame) -> pd.DataFrame:
     return summary[_calibration(summary) == PUBLISHED]
 
 
-def calibration_table(summary: pd.DataFrame) -> pd.DataFrame:
+def calibration_table(summary: pd.DataFrame, experiment: str = CALIBRATION_EXPERIMENT) -> pd.DataFrame:
     """One row per part of R1 and R4 that any reading tests: its value and verdict (after caps) under serve_dp's
-    published reading and under each alternative the `calibration` experiment ran, and whether the verdict flips.
+    published reading and under each reading (sim.calibration) that `experiment` ran (`calibration`: the profile's
+    open readings; `cost_bands`: the cost model's measured error bands), and whether the verdict flips.
 
     Columns: claim, part, paper, then `<reading>` (value) and `<reading> verdict` per reading, then flips (yes / no).
-    Empty without a calibration job. Only ep and the paper's Algorithm 2 are compared under every reading, so the
-    published column is recomputed from serve_dp's jobs of those systems (like for like)."""
+    Empty without a job of `experiment`. Only the systems that experiment ran are compared under every reading, so
+    the published column is recomputed from serve_dp's jobs of those systems (like for like)."""
     summary = as_the_papers_system(summary)
-    calibrated = summary[summary["experiment"] == CALIBRATION_EXPERIMENT]
+    calibrated = summary[summary["experiment"] == experiment]
     if not len(calibrated):
         return pd.DataFrame()
     systems = set(calibrated["system"])
@@ -716,21 +718,34 @@ def calibration_table(summary: pd.DataFrame) -> pd.DataFrame:
     return frame.reset_index(drop=True)
 
 
+READING_SECTIONS = (  # (experiment, heading, what its readings are, csv)
+    (CALIBRATION_EXPERIMENT, "### Under the calibration alternatives (the readings the published sources leave open)",
+     "each calibration alternative of the h200 profile (`alternatives:` in conf/hardware/h200.yaml, each with its "
+     "source)", "verdict_calibration.csv"),
+    (BANDS_EXPERIMENT, "### Under the cost model's measured error bands",
+     "each corner of the cost model's measured error bands (the `band_*` alternatives of conf/hardware/h200.yaml: "
+     "every all-to-all term x (1 +- e_c), every GEMM / memory term x (1 -+ e_x), e from the published out-of-sample "
+     "rows and from the gloo executor; docs/cost_model.md)", "verdict_cost_bands.csv"),
+)
+
+
 def calibration_lines(summary: pd.DataFrame, out_dir: str | Path) -> list[str]:
-    """Markdown of calibration_table (and out_dir/verdict_calibration.csv); [] without a calibration job."""
-    frame = calibration_table(summary)
-    if not len(frame):
-        return []
-    atomic_write(Path(out_dir) / "verdict_calibration.csv", lambda p: frame.to_csv(p, index=False))
-    flipped = frame[frame["flips"] == "yes"]
-    said = ("no verdict flips between them" if not len(flipped) else
-            "the verdict FLIPS between them for " + "; ".join(f"{r.claim} {r.part}" for r in flipped.itertuples()))
-    return ["### Under the calibration alternatives (the readings the published sources leave open)", "",
-            f"R1 and R4 re-measured by experiment `{CALIBRATION_EXPERIMENT}` (serve_dp's settings, ep and the paper's "
-            "Algorithm 2) under each alternative of the h200 profile (`alternatives:` in conf/hardware/h200.yaml, each "
-            f"with its source); `{PUBLISHED}` is serve_dp's own jobs of the same systems. Across the readings, {said}. "
-            "Also `verdict_calibration.csv`.", "",
-            markdown_table(frame.map(_escape)), ""]
+    """Markdown of calibration_table per READING_SECTIONS experiment that ran (and its csv under out_dir)."""
+    lines: list[str] = []
+    for experiment, heading, readings, csv in READING_SECTIONS:
+        frame = calibration_table(summary, experiment)
+        if not len(frame):
+            continue
+        atomic_write(Path(out_dir) / csv, lambda p, frame=frame: frame.to_csv(p, index=False))
+        flipped = frame[frame["flips"] == "yes"]
+        said = ("no verdict flips between them" if not len(flipped) else
+                "the verdict FLIPS between them for " + "; ".join(f"{r.claim} {r.part}" for r in flipped.itertuples()))
+        lines += [heading, "",
+                  f"R1 and R4 re-measured by experiment `{experiment}` (serve_dp's settings, ep and the paper's "
+                  f"Algorithm 2) under {readings}; `{PUBLISHED}` is serve_dp's own jobs of the same systems. Across "
+                  f"the readings, {said}. Also `{csv}`.", "",
+                  markdown_table(frame.map(_escape)), ""]
+    return lines
 
 
 # ---- links and rendering ------------------------------------------------------------------------------------------

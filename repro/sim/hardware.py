@@ -11,14 +11,17 @@ says which. Every number's source is a comment in the YAML file. A GPU's own mea
 Calibration alternatives: where the published sources leave a number open (is DeepEP's low-latency mode bound by
 NVLink or by the NIC inside a node? how much does a call cost at 1-128 tokens? how much host time does an
 iteration add?), a profile lists the other readings under `alternatives:`, each {source: why and from where,
-set: {dotted field: value}}. `load_hardware(profile, alternative=name)` prices with one of them (`published`,
-the default, is the profile as written), so a result can be reported under each (sim.calibration).
+set: {dotted field: value}}. An alternative may instead (or also) carry `scale: {comm: c, compute: x}`: every
+all-to-all and collective time x c, every GEMM / memory time x x (`scaled_hardware`), which is how the cost
+model's measured error bands re-price a result (issue 26). `load_hardware(profile, alternative=name)` prices
+with one of them (`published`, the default, is the profile as written), so a result can be reported under each
+(sim.calibration).
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -152,10 +155,16 @@ def calibration_alternatives(profile: dict) -> dict[str, dict]:
         where = f"hardware profile {name!r} alternative {alt!r}"
         if alt == PUBLISHED:
             raise ConfigError(f"{where}: {PUBLISHED!r} is the profile as written; give the alternative another name.")
-        if not isinstance(spec, dict) or set(spec) != {"source", "set"} or not isinstance(spec["source"], str) \
-                or not spec["source"].strip() or not isinstance(spec["set"], dict) or not spec["set"]:
-            raise ConfigError(f"{where} must be {{source: where its numbers come from, set: {{field: value}}}}, got {spec!r}.")
-        for dotted, value in spec["set"].items():
+        if not isinstance(spec, dict) or "source" not in spec or not set(spec) - {"source"} <= {"set", "scale"} \
+                or set(spec) == {"source"} or not isinstance(spec["source"], str) or not spec["source"].strip() \
+                or not all(isinstance(spec[k], dict) and spec[k] for k in ("set", "scale") if k in spec):
+            raise ConfigError(f"{where} must be {{source: where its numbers come from, set: {{field: value}}}} and/or "
+                              f"scale: {{comm: factor, compute: factor}}, got {spec!r}.")
+        scale = spec.get("scale", {"comm": 1.0, "compute": 1.0})
+        if set(scale) != {"comm", "compute"} or not all(
+                isinstance(v, int | float) and not isinstance(v, bool) and v > 0 for v in scale.values()):
+            raise ConfigError(f"{where} scale must be {{comm: factor > 0, compute: factor > 0}}, got {scale!r}.")
+        for dotted, value in spec.get("set", {}).items():
             if dotted not in REQUIRED or dotted == "name":
                 raise ConfigError(f"{where} sets {dotted!r}, which is not a numeric field of a profile (those of conf/hardware/h200.yaml).")
             if isinstance(value, bool) or not isinstance(value, int | float):
@@ -164,7 +173,8 @@ def calibration_alternatives(profile: dict) -> dict[str, dict]:
 
 
 def with_alternative(profile: dict, alternative: str) -> dict:
-    """A copy of the profile with calibration alternative `alternative`'s fields set (`published`: unchanged)."""
+    """A copy of the profile with calibration alternative `alternative`'s fields set (`published`: unchanged; its
+    `scale`, if any, is load_hardware's to apply)."""
     found = calibration_alternatives(profile)
     if alternative == PUBLISHED:
         return profile
@@ -174,7 +184,7 @@ def with_alternative(profile: dict, alternative: str) -> dict:
             f"it has {[PUBLISHED, *found]}."
         )
     out = copy.deepcopy(profile)
-    for dotted, value in found[alternative]["set"].items():
+    for dotted, value in found[alternative].get("set", {}).items():
         *parents, leaf = dotted.split(".")
         node = out
         for part in parents:
@@ -257,7 +267,7 @@ def load_hardware(profile: dict, measured_dir: Path | None = None, alternative: 
         if _get(profile, dotted) == 0:
             raise ConfigError(f"hardware profile {name!r} has {profile['nodes']} nodes but {dotted} is 0; give it a positive bandwidth.")
     gpu, eff = profile["gpu"], profile["efficiency"]
-    return Hardware(
+    hw = Hardware(
         name=str(name),
         nodes=int(profile["nodes"]),
         devices_per_node=int(profile["devices_per_node"]),
@@ -276,6 +286,27 @@ def load_hardware(profile: dict, measured_dir: Path | None = None, alternative: 
         measured_expert_gemm=expert_tables,
         calibrated_parts=tuple(parts),
         calibration=alternative,
+    )
+    scale = calibration_alternatives(profile).get(alternative, {}).get("scale")
+    return hw if scale is None else scaled_hardware(hw, scale["comm"], scale["compute"])
+
+
+def scaled_hardware(hw: Hardware, comm: float, compute: float) -> Hardware:
+    """hw with every all-to-all and collective time x comm (latencies, 1 / bandwidths, measured tables) and every
+    GEMM / memory time x compute (1 / FLOP/s, 1 / memory bandwidth, kernel floor, expert tables); host time per
+    iteration unchanged."""
+    def phase(p: Phase) -> Phase:
+        table = None if p.measured is None else p.measured * np.array([1.0, comm])
+        return replace(p, latency=p.latency * comm, nvlink_bandwidth=p.nvlink_bandwidth / comm,
+                       rdma_bandwidth=p.rdma_bandwidth / comm, measured=table)
+
+    backends = {name: replace(b, dispatch=phase(b.dispatch), combine=phase(b.combine)) for name, b in hw.backends.items()}
+    return replace(
+        hw, gemm_flops=hw.gemm_flops / compute, attention_flops=hw.attention_flops / compute,
+        memory_bandwidth=hw.memory_bandwidth / compute, kernel_floor=hw.kernel_floor * compute,
+        measured_expert_gemm={k: v * np.array([1.0, compute]) for k, v in hw.measured_expert_gemm.items()},
+        collective_latency=hw.collective_latency * comm, collective_nvlink=hw.collective_nvlink / comm,
+        collective_rdma=hw.collective_rdma / comm, backends=backends,
     )
 
 

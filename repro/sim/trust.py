@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +29,7 @@ from repro.atomic import atomic_write_text
 from repro.errors import ConfigError
 from repro.sim import breakeven
 from repro.sim.costs import CostModel
-from repro.sim.hardware import Hardware
+from repro.sim.hardware import scaled_hardware
 from repro.sim.shapes import RoutingMap
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,23 +37,6 @@ EXEC_RESULTS = ROOT / "bench" / "results" / "cost_model.json"
 OUT = ROOT / "runs" / "cost_model_trust"
 FLOOR_SCALE = 0.1  # a term scaled down by a > 90 % error keeps a tenth of its price
 COMM_KINDS = ("nccl_alltoall", "deepep_normal", "deepep_low_latency")
-
-
-def scaled_hardware(hw: Hardware, comm: float, compute: float) -> Hardware:
-    """hw with every all-to-all and collective time x comm and every GEMM / memory time x compute."""
-    def phase(p):
-        table = None if p.measured is None else p.measured * np.array([1.0, comm])
-        return replace(p, latency=p.latency * comm, nvlink_bandwidth=p.nvlink_bandwidth / comm,
-                       rdma_bandwidth=p.rdma_bandwidth / comm, measured=table)
-
-    backends = {name: replace(b, dispatch=phase(b.dispatch), combine=phase(b.combine)) for name, b in hw.backends.items()}
-    return replace(
-        hw, gemm_flops=hw.gemm_flops / compute, attention_flops=hw.attention_flops / compute,
-        memory_bandwidth=hw.memory_bandwidth / compute, kernel_floor=hw.kernel_floor * compute,
-        measured_expert_gemm={k: v * np.array([1.0, compute]) for k, v in hw.measured_expert_gemm.items()},
-        collective_latency=hw.collective_latency * comm, collective_nvlink=hw.collective_nvlink / comm,
-        collective_rdma=hw.collective_rdma / comm, backends=backends,
-    )
 
 
 def scaled_deployment(dep: breakeven.Deployment, comm: float, compute: float) -> breakeven.Deployment:
