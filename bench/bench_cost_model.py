@@ -213,7 +213,7 @@ def predict(hw, shape, placement, rows_D: list[np.ndarray], experts_NLk: np.ndar
     mapping = RoutingMap("strict", num_layers, shape.num_experts, shape.top_k, 1.0, shape.moe_intermediate_size, "")
     model = CostModel(shape, hw, mapping, devices, "dp", "nccl")
     tokens_KD = np.array([[len(r) for r in rows_D]], dtype=np.float64)
-    gate = model._gemm(tokens_KD, model.gate_params).max(axis=1)  # the simulator's gate term (CostModel.block)
+    gate = model.gate(tokens_KD).max(axis=1)  # the simulator's gate term (CostModel.block)
     experts = model.experts(traffic.slot_tokens).max(axis=2)[0]
     backend = hw.backends["nccl"]
     load = level_loads(traffic, "nccl", devices)

@@ -11,9 +11,12 @@ slowest rank's median is kept, as a layer waits for its slowest rank):
 - the expert curve of EXEC_SHAPE (hidden 256, expert intermediate 512, 8 experts, fp32): one rank's local step
   of repro.exec.moe.ep_moe_forward (permute, the torch grouped GEMM, unpermute) over its E / N slots with n rows
   each, divided by its slots (the simulator sums the table over a rank's slots), n = 1 .. 2048;
-- per-call costs: the kernel floor = the smallest modelled kernel call, the gate (router GEMM + top-k softmax)
-  at one token (on a GPU gpu_check takes one grouped-GEMM row; here the torch local step has many small ops and its
-  one-row time, in notes, is carried by the expert table's first row);
+- the gate curve: the router (GEMM + top-k softmax, as repro.exec runs it) at n = 1 .. 2048 tokens on a rank
+  (`measured.gate`; on a CPU the top-k costs several times the GEMM's roofline, so the simulator prices the gate by
+  this table where it has one);
+- per-call costs: the kernel floor = the smallest modelled kernel call, the gate at one token (on a GPU gpu_check
+  takes one grouped-GEMM row; here the torch local step has many small ops and its one-row time, in notes, is
+  carried by the expert table's first row);
 Every timed call starts cold (`cold_start`: caches flushed, then a barrier), as phases of an EP layer do.
 - the gloo all-to-all curve: all_to_all_single of 8 B .. 1 MiB per peer, per call the fastest
   rank's time (the last to arrive: no wait for a late peer), median over calls: [busiest rank's remote bytes, s].
@@ -22,7 +25,7 @@ Writes, per N (atomically):
   numbers are the measured fp32 GEMM FLOP/s and copy bandwidth, efficiencies 1) loadable as `hardware=` by the
   simulator and the time estimate;
 - conf/hardware/measured/cpu_<host>_<N>ranks.yaml: its calibration document in bench.gpu_check's format (ranks,
-  notes, measured: expert_gemm, kernel_floor_us, a2a), which repro.sim.hardware merges into the profile;
+  notes, measured: expert_gemm, gate, kernel_floor_us, a2a), which repro.sim.hardware merges into the profile;
 - DIR/cpu_check.json (default bench/results): everything, with the machine's load (os.getloadavg) before and after.
 Files there that this script did not write are never overwritten. About 2 minutes on 2 cores (--quick: less).
 """
@@ -167,11 +170,14 @@ def _compute_part(world: int, repeats: int, rows_list) -> dict:
             dist.barrier()
         alone.append([n, mine])
     floor_s = timed(functools.partial(local_expert_step, *local_step_inputs(1, 1, 64, 64, k, g)), repeats)
-    router, token = torch.randn(experts, h, generator=g), torch.randn(1, h, generator=g)
-    gate_s = timed(lambda: topk_softmax(token @ router.T, k, True, backend="torch"), repeats)
+    router = torch.randn(experts, h, generator=g)
+    gate = []  # the router (GEMM + top-k softmax, as repro.exec runs it) at n tokens on this rank
+    for n in rows_list:
+        x = torch.randn(n, h, generator=g)
+        gate.append([n, timed(lambda x=x: topk_softmax(x @ router.T, k, True, backend="torch"), repeats)])
     return {"gemm_flops": [2 * 512**3 / t for t in gemm_s], "copy_bytes_per_s": [2 * src.numel() * 4 / t for t in copy_s],
-            "expert_gemm": table, "expert_gemm_alone": alone, "kernel_floor_s": floor_s, "gate_1_token_s": gate_s,
-            "threads": torch.get_num_threads()}
+            "expert_gemm": table, "expert_gemm_alone": alone, "kernel_floor_s": floor_s, "gate": gate,
+            "gate_1_token_s": gate[0][1], "threads": torch.get_num_threads()}
 
 
 def _a2a_part(world: int, repeats: int, peer_bytes) -> list[list]:
@@ -213,6 +219,7 @@ def slowest(results: list[dict], stat: str = "median") -> dict:
     f = STATS[stat]
     table = np.max([[f(row[1]) for row in r["expert_gemm"]] for r in results], axis=0)
     alone = np.max([[f(row[1]) for row in r["expert_gemm_alone"]] for r in results], axis=0)
+    gate = np.max([[f(row[1]) for row in r["gate"]] for r in results], axis=0)
     calls = np.asarray([[row[1] for row in r["a2a"]] for r in results])  # [D, sizes, repeats]
     a2a = f(calls.min(axis=0), axis=1)
     first = results[0]
@@ -223,6 +230,7 @@ def slowest(results: list[dict], stat: str = "median") -> dict:
         "expert_gemm": [[int(row[0]), float(s)] for row, s in zip(first["expert_gemm"], table, strict=True)],
         "expert_gemm_alone": [[int(row[0]), float(s)] for row, s in zip(first["expert_gemm_alone"], alone, strict=True)],
         "kernel_floor_s": max(float(f(r["kernel_floor_s"])) for r in results),
+        "gate": [[int(row[0]), float(s)] for row, s in zip(first["gate"], gate, strict=True)],
         "gate_1_token_s": max(float(f(r["gate_1_token_s"])) for r in results),
         "a2a": [[int(row[0]), float(s)] for row, s in zip(first["a2a"], a2a, strict=True)],
         "threads": first["threads"],
@@ -289,6 +297,7 @@ def calibration_document(name: str, ranks: int, m: dict, fit: dict, load: dict) 
         },
         "measured": {
             "expert_gemm": {EXEC_SHAPE["name"]: m["expert_gemm"]},
+            "gate": {EXEC_SHAPE["name"]: m["gate"]},
             "kernel_floor_us": round(m["gate_1_token_s"] * 1e6, 2),
             "a2a": {"nccl": {"dispatch": m["a2a"], "combine": [list(r) for r in m["a2a"]]}},
         },

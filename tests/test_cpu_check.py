@@ -10,7 +10,9 @@ from bench import bench_cost_model as cm
 from bench import cpu_check
 from repro.config_schema import check_hardware
 from repro.errors import ConfigError
+from repro.sim.costs import CostModel
 from repro.sim.hardware import load_hardware
+from repro.sim.shapes import RoutingMap
 from repro.systems.ep import contiguous_placement
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -18,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def fake_measurement(ranks: int) -> dict:
     return {"gemm_flops": 5e10, "copy_bytes_per_s": 2e10, "threads": 1, "kernel_floor_s": 2e-4, "gate_1_token_s": 1e-4,
-            "expert_gemm": [[1, 1e-4], [16, 4e-4], [256, 5e-3]],
+            "expert_gemm": [[1, 1e-4], [16, 4e-4], [256, 5e-3]], "gate": [[1, 1e-4], [16, 1.5e-4], [256, 6e-4]],
             "a2a": [[(ranks - 1) * b, 1e-4 + (ranks - 1) * b / 1e9] for b in (8, 4096, 1048576)]}
 
 
@@ -39,8 +41,13 @@ def test_written_profile_loads_like_any_other_and_foreign_files_are_kept(tmp_pat
     document = yaml.safe_load(base.read_text())
     check_hardware(document)  # the keys of a conf/hardware profile, nothing else
     hw = load_hardware(document, tmp_path / "measured")
-    assert set(hw.calibrated_parts) >= {"kernel_floor", "a2a.nccl.dispatch", "expert_gemm.exec_cpu"}
+    assert set(hw.calibrated_parts) >= {"kernel_floor", "a2a.nccl.dispatch", "expert_gemm.exec_cpu", "gate.exec_cpu"}
     assert hw.kernel_floor == pytest.approx(1e-4)
+    # the gate is priced by its measured curve (interpolated), not by the router GEMM's roofline
+    shape = cm.exec_shape(cpu_check.EXEC_SHAPE, 1)
+    model = CostModel(shape, hw, RoutingMap("strict", 1, shape.num_experts, shape.top_k, 1.0,
+                                            shape.moe_intermediate_size, ""), 2, "dp", "nccl")
+    assert model.gate(np.array([0.0, 16.0, 136.0])) == pytest.approx([0.0, 1.5e-4, 3.75e-4])
     base.write_text("name: mine\n")
     with pytest.raises(ConfigError, match="not written by bench.cpu_check"):
         cpu_check.write_profile(tmp_path, tmp_path / "measured", profile, calibration)

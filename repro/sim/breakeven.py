@@ -187,7 +187,7 @@ def layer_seconds(dep: Deployment, tokens_X: np.ndarray, lar_X: np.ndarray) -> d
     dispatch_bytes, combine_bytes = backend.bytes_per_token(dep.shape.hidden_size)
     cost = dep.cost
     parts = {
-        "gate": cost._gemm(tokens, cost.gate_params),
+        "gate": cost.gate(tokens),
         "dispatch": phase_seconds(load, backend.dispatch, dispatch_bytes)[:, 0],
         "experts": expert_seconds(dep, tokens) + cost._gemm(tokens, cost.shared_params),
         "combine": phase_seconds(load, backend.combine, combine_bytes)[:, 0],

@@ -18,7 +18,8 @@ A measured table (busiest rank's remote bytes -> seconds) replaces the formula f
 Compute (roofline, per rank): time = max(FLOPs / achievable FLOP/s, bytes / achievable HBM bandwidth, kernel
 floor), the floor applying to each modelled kernel that has work (launch, ramp-up and tail of a small kernel).
 Routed experts: per physical slot, its token count padded to the grouped-GEMM tile, weights read once if it has
-a token; a rank's expert time is the sum over its slots (stragglers show). Attention: prefill by FLOPs (causal
+a token; a rank's expert time is the sum over its slots (stragglers show); a measured table replaces it (and the
+gate's roofline) where the profile has one for the shape. Attention: prefill by FLOPs (causal
 pairs), decode by KV bytes read; projections as GEMMs. Shared experts, dense layers, gate and LM head likewise.
 
 Legend: K iterations in a block, L MoE layers, D devices (ranks), M nodes, P physical slots, S segments (a
@@ -168,6 +169,7 @@ class CostModel:
         self.gate_params = h * mapping.num_experts
         self.head_params = h * shape.vocab_size
         self.expert_table = hardware.measured_expert_gemm.get(shape.name)
+        self.gate_table = hardware.measured_gate.get(shape.name)
         if attention_mode == "tp":
             a = shape.attention
             # heads split over the TP ranks; GQA KV heads too (down to one per rank), MLA's latent is read whole
@@ -182,6 +184,15 @@ class CostModel:
         moved = (tokens > 0) * params * self.bytes_el + 2.0 * tokens * self.shape.hidden_size * self.bytes_el
         return floored(roofline(flops, moved, self.hw.gemm_flops, self.hw.memory_bandwidth), tokens > 0,
                        self.hw.kernel_floor)
+
+    def gate(self, tokens: np.ndarray) -> np.ndarray:
+        """Seconds of the router (gate GEMM + top-k softmax) over `tokens` rows on one rank (any shape): the
+        measured table of this shape where the profile has one (on a CPU the top-k costs more than the GEMM's
+        roofline), else the GEMM's roofline."""
+        if self.gate_table is None:
+            return self._gemm(tokens, self.gate_params)
+        tokens = np.asarray(tokens, dtype=np.float64)
+        return np.where(tokens > 0, interpolate(self.gate_table, tokens), 0.0)
 
     def experts(self, slot_tokens_KLP: np.ndarray) -> np.ndarray:
         """float64[K, L, D] routed grouped-GEMM seconds per rank (sum over its slots)."""
@@ -231,7 +242,7 @@ class CostModel:
         dispatch, combine = self._a2a(traffic, has_prefill_K)
         routed_KLD = self.experts(traffic.slot_tokens)
         if self.mode == "dp":
-            gate_KD = self._gemm(tokens_KD, self.gate_params)
+            gate_KD = self.gate(tokens_KD)
             attention = attn_KR.max(axis=1)
             moe[:, :, 0] = attention[:, None]
             moe[:, :, 1] = ((attn_KR + gate_KD).max(axis=1) - attention)[:, None]
@@ -243,7 +254,7 @@ class CostModel:
             half = ring_seconds(total_tokens * s.hidden_size * self.bytes_el, d, hw)  # one reduce-scatter or all-gather
             attention = attn_KR[:, 0]
             moe[:, :, 0] = attention[:, None]
-            moe[:, :, 1] = self._gemm(slice_KLD, self.gate_params).max(axis=2)
+            moe[:, :, 1] = self.gate(slice_KLD).max(axis=2)
             moe[:, :, 3] = (routed_KLD + self._gemm(slice_KLD, self.shared_params)).max(axis=2)
             moe[:, :, 5] = (2 * half)[:, None]  # reduce-scatter into the slices, all-gather back for attention
             mlp = self._gemm(total_tokens, self.dense_params // d)

@@ -88,6 +88,7 @@ class Hardware:
     collective_rdma: float
     backends: dict
     measured_expert_gemm: dict  # shape name -> float64[n, 2] (tokens of one expert, seconds)
+    measured_gate: dict  # shape name -> float64[n, 2] (tokens on a rank, seconds of router GEMM + top-k)
     calibrated_parts: tuple[str, ...]
     calibration: str = PUBLISHED  # which of the profile's calibration alternatives priced this
 
@@ -133,10 +134,11 @@ def merged_measured(profile: dict, directory: Path | None = None) -> dict:
     except (OSError, yaml.YAMLError) as e:
         raise ConfigError(f"{path} is not readable YAML ({type(e).__name__}); rerun make gpu-check or delete it.") from None
     found = document.get("measured") if isinstance(document, dict) else None
-    if not isinstance(found, dict) or not all(isinstance(found.get(k, {}), dict) for k in ("expert_gemm", "a2a")):
+    if not isinstance(found, dict) or not all(isinstance(found.get(k, {}), dict) for k in ("expert_gemm", "gate", "a2a")):
         raise ConfigError(f"{path} must hold a `measured:` mapping as bench.gpu_check writes it; rerun make gpu-check or delete it.")
     merged = {**found, **own}
-    merged["expert_gemm"] = {**found.get("expert_gemm", {}), **(own.get("expert_gemm") or {})}
+    for table in ("expert_gemm", "gate"):
+        merged[table] = {**found.get(table, {}), **(own.get(table) or {})}
     devices = profile["nodes"] * profile["devices_per_node"]
     file_a2a = found.get("a2a", {}) if document.get("ranks") == devices else {}
     merged["a2a"] = {b: {**(file_a2a.get(b) or {}), **((own.get("a2a") or {}).get(b) or {})}
@@ -262,6 +264,9 @@ def load_hardware(profile: dict, measured_dir: Path | None = None, alternative: 
         for shape, rows in (measured.get("expert_gemm") or {}).items()
     }
     parts += [f"expert_gemm.{shape}" for shape in expert_tables]
+    gate_tables = {shape: _table(rows, f"hardware {name!r} measured.gate.{shape}")
+                   for shape, rows in (measured.get("gate") or {}).items()}
+    parts += [f"gate.{shape}" for shape in gate_tables]
     rdma_fields = ["collective.rdma_gbps"] + [f"a2a.{b}.{phase}.rdma_gbps" for b in BACKENDS for phase in ("dispatch", "combine")]
     for dotted in rdma_fields if profile["nodes"] > 1 else ():  # across nodes, 0 GB/s would price a send at infinity
         if _get(profile, dotted) == 0:
@@ -284,6 +289,7 @@ def load_hardware(profile: dict, measured_dir: Path | None = None, alternative: 
         collective_rdma=profile["collective"]["rdma_gbps"] * 1e9,
         backends=backends,
         measured_expert_gemm=expert_tables,
+        measured_gate=gate_tables,
         calibrated_parts=tuple(parts),
         calibration=alternative,
     )
@@ -293,7 +299,7 @@ def load_hardware(profile: dict, measured_dir: Path | None = None, alternative: 
 
 def scaled_hardware(hw: Hardware, comm: float, compute: float) -> Hardware:
     """hw with every all-to-all and collective time x comm (latencies, 1 / bandwidths, measured tables) and every
-    GEMM / memory time x compute (1 / FLOP/s, 1 / memory bandwidth, kernel floor, expert tables); host time per
+    GEMM / memory time x compute (1 / FLOP/s, 1 / memory bandwidth, kernel floor, expert and gate tables); host time per
     iteration unchanged."""
     def phase(p: Phase) -> Phase:
         table = None if p.measured is None else p.measured * np.array([1.0, comm])
@@ -305,6 +311,7 @@ def scaled_hardware(hw: Hardware, comm: float, compute: float) -> Hardware:
         hw, gemm_flops=hw.gemm_flops / compute, attention_flops=hw.attention_flops / compute,
         memory_bandwidth=hw.memory_bandwidth / compute, kernel_floor=hw.kernel_floor * compute,
         measured_expert_gemm={k: v * np.array([1.0, compute]) for k, v in hw.measured_expert_gemm.items()},
+        measured_gate={k: v * np.array([1.0, compute]) for k, v in hw.measured_gate.items()},
         collective_latency=hw.collective_latency * comm, collective_nvlink=hw.collective_nvlink / comm,
         collective_rdma=hw.collective_rdma / comm, backends=backends,
     )
