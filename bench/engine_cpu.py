@@ -20,9 +20,10 @@ What runs (about 6 minutes on 2 cores once the tiny model is cached; the first r
    at OVERLOAD_RATE) whose throughput is the engine's capacity.
 5. The prediction: the simulator's engine (repro.sim.engine, vanilla EP on one device, the same scheduler limits)
    replays each rate's measured send times with the same requests and routing, priced by the profile of 2 plus
-   the overhead of 3, twice: `expert_table` prices the routed experts by the measured table, `roofline` by FLOPs
-   and bytes (the same profile without the table). Neither is vLLM's own fused-MoE kernel, so the two bracket what
-   a microbenchmark-only calibration can say. Per rate: mean TTFT, TPOT and E2E and throughput, predicted vs
+   the overhead of 3, three times: `expert_table` prices the routed experts by the suite's torch table,
+   `roofline` by FLOPs and bytes (the same profile without the table), `vllm_moe_table` by a table of vLLM's own
+   CPU fused-MoE kernel at the shape (bench/engine_cpu_moe.py in the engine venv: a microbenchmark of the
+   kernel, one thread, no serving timing in it). Per rate: mean TTFT, TPOT and E2E and throughput, predicted vs
    measured, relative errors; the knee (capacity) predicted vs measured; the decode step at batch 1, 8 and 32.
    Targets (issue 26): within 25 % below the knee, the knee within 20 %.
 6. Routing: `bench/engine_cpu_capture.py` runs in the engine's venv, in one process, with forward hooks on every
@@ -177,6 +178,17 @@ def single_device_profile(shape: dict, repeats: int = 25) -> tuple[dict, dict]:
         "iteration_overhead_us": 0, "measured": {"expert_gemm": {shape["name"]: table}},
     }
     return profile, {**{k: round(v, 3) for k, v in measured.items()}, "expert_gemm_per_slot_s": table}
+
+
+def vllm_moe_table(python: Path, shape: dict, repeats: int) -> list[list[float]]:
+    """[[rows per expert, seconds per slot], ...] of vLLM's own CPU fused-MoE kernel at `shape`, one thread
+    (bench/engine_cpu_moe.py in the engine venv: a microbenchmark of the kernel, no serving timing)."""
+    args = [shape[k] for k in ("hidden_size", "moe_intermediate_size", "num_experts", "top_k")] + [repeats, *EXPERT_ROWS]
+    done = subprocess.run([str(python), str(ROOT / "bench" / "engine_cpu_moe.py"), *map(str, args)],
+                          capture_output=True, text=True, env={**os.environ, **SERVER_ENV, "OMP_NUM_THREADS": "1"})
+    if done.returncode != 0:
+        raise RuntimeError(f"bench/engine_cpu_moe.py failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 # ---- the prediction --------------------------------------------------------------------------------------------
@@ -375,7 +387,7 @@ def capture_with_engine(python: Path, checkpoint: Path, trace, vocab_real_ids: n
 
 
 def run(num_requests: int, rates: list[float], port: int, quick: bool) -> dict:
-    """Measure everything on the engine first, then predict it with each profile (expert table, roofline)."""
+    """Measure everything on the engine first, then predict it with each profile (expert tables, roofline)."""
     from repro.engines.bench_serving import sweep_rate, warm_up
     from repro.engines.hf_export import export_checkpoint
     from repro.exec.model import load_tiny_model
@@ -391,6 +403,8 @@ def run(num_requests: int, rates: list[float], port: int, quick: bool) -> dict:
         export_checkpoint(model, vocab, checkpoint, trace.meta.tokenizer)
     shape = shape_of_checkpoint(json.loads((checkpoint / "config.json").read_text()))
     profile, microbench = single_device_profile(shape, 10 if quick else 25)
+    vllm_table = vllm_moe_table(python, shape, 10 if quick else 25)
+    microbench["vllm_fused_moe_per_slot_s"] = vllm_table
     prompts, outputs = prompts_and_outputs(trace)
     url = f"http://127.0.0.1:{port}"
     load_before = os.getloadavg()
@@ -407,7 +421,8 @@ def run(num_requests: int, rates: list[float], port: int, quick: bool) -> dict:
             measured.append((rate, records))
     load_after = os.getloadavg()
     routing = routing_agreement(trace, capture_with_engine(python, checkpoint, trace, vocab.real_ids, work))
-    profiles = {"expert_table": profile, "roofline": {**profile, "measured": {}}}
+    profiles = {"expert_table": profile, "roofline": {**profile, "measured": {}},
+                "vllm_moe_table": {**profile, "measured": {"expert_gemm": {shape["name"]: vllm_table}}}}
     return {
         "generated_by": GENERATED_BY,
         "engine": {"package": ENGINE_PACKAGE, "startup_s": round(startup_s, 1), "command": " ".join(

@@ -146,3 +146,17 @@ def test_vllm_cpu_routes_as_the_suite_captured(tiny, tmp_path):
     agreement = engine_cpu.routing_agreement(trace, engine)
     assert agreement["requests_whose_engine_tokens_match"] == 3
     assert agreement["prompt_agreement"] == 1.0 and agreement["generated_agreement"] == 1.0
+
+
+@pytest.mark.engine
+def test_vllm_fused_moe_table_has_every_row_count_and_grows_with_rows():
+    """bench/engine_cpu_moe.py times vLLM's own CPU fused-MoE kernel: one positive per-slot time per row count, more
+    rows costing more (no timing threshold: only the table's form and its order at a 256x step)."""
+    python = engine_cpu.engine_python()
+    if python is None:
+        pytest.skip(f"{engine_cpu.ENGINE_PACKAGE} is not installed in {engine_cpu.ENGINE_VENV} (make setup-vllm-cpu).")
+    shape = {"hidden_size": 64, "moe_intermediate_size": 64, "num_experts": 8, "top_k": 2}
+    table = engine_cpu.vllm_moe_table(python, shape, 3)
+    assert [row[0] for row in table] == list(engine_cpu.EXPERT_ROWS)
+    seconds = dict(table)
+    assert all(s > 0 for s in seconds.values()) and seconds[1024] > seconds[4]
