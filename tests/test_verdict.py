@@ -404,3 +404,17 @@ def test_the_report_lists_every_serving_jobs_convergence():
     assert len(rows) == 2 and "12 / 12" in rows[0] and "**no**" not in rows[0]
     assert "| **no** | yes | yes | yes | 13 / 14 | plan seed 2 at 2040 req/s (undecided) |" in rows[1]
     assert convergence_section(pd.DataFrame({"experiment": ["x"], "system": ["ep"]})) == []
+
+
+def test_flags_read_as_python_bools_when_every_job_has_them(tmp_path):
+    """Only serving jobs under runs/ (every job has converged_*): pandas would hold numpy bools, for which `is True`
+    is False, and a converged R4 part would read "not testable here". read_jobs keeps Python bools."""
+    root = tmp_path / "runs"
+    for system, ttft in (("ep", (10.0, 10.1, 9.9)), ("semmoe", (13.0, 13.2, 13.1))):
+        write_job(root, "serve_dp", f"system={system}", system, serving(
+            throughput_under_ttft_slo_rps=float(np.mean(ttft)), throughput_under_ttft_slo_rps_per_seed=list(ttft),
+            bracketed_ttft=True, a2a_share_lightest=0.35))
+    summary, _, _ = read_jobs(as_paper_model(root))
+    assert summary["converged_ttft"].iloc[0] is True and summary["bracketed_ttft"].iloc[0] is True
+    ttft = {p["part"]: p for p in verdict.parts_r4(summary)}["DeepSeek-V2-Lite, TTFT SLO, vs ep"]
+    assert ttft["rule_verdict"] == REPRODUCED

@@ -157,7 +157,12 @@ def read_jobs(runs_dir: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, list[Sk
                if skipped else "")
         raise ReproError(f"no readable finished runs under {runs_dir}{why}; run `make reproduce` (or python -m "
                          "repro.run) first.")
-    return pd.DataFrame(rows), pd.concat(layers, ignore_index=True) if layers else pd.DataFrame(), skipped
+    summary = pd.DataFrame(rows)
+    # a flag column every job has comes back as numpy bools, for which `flag is True` is False: keep Python's (as a
+    # column with gaps holds them), so the readers' `is True` / `is False` tests mean what they say
+    flags = [c for c in summary.columns if summary[c].dtype == bool]
+    summary[flags] = summary[flags].astype(object)
+    return summary, pd.concat(layers, ignore_index=True) if layers else pd.DataFrame(), skipped
 
 
 def load_runs(runs_dir: str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:

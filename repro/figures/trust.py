@@ -79,6 +79,8 @@ def trust_section(runs_dir: str | Path) -> list[str]:
                               f"Sem-MoE imbalance {c['imbalance_semmoe']} ({c['status']} -> "
                               f"{c['bands'][first]['comm_up']} / {c['bands'][first]['comm_down']})" for c in flipped[:12])
                   + ".", ""]
-    lines += ["The verdict rows (serving throughput / latency ratios) are not re-priced under these bands here: that "
-              "needs the serving simulator re-run per band; read their margins against the bands above.", ""]
+    lines += ["The verdict rows (R1's all-to-all share, R4's throughput ratios) are re-priced under the published "
+              "and the executor-median bands by experiment `cost_bands` (serve_dp under each corner; `make "
+              "reproduce-beyond`): the verdict section's table \"Under the cost model's measured error bands\" says "
+              "where one flips.", ""]
     return lines
