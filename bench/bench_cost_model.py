@@ -23,7 +23,8 @@ rank's time, a collective call the fastest rank's (the last to arrive, so no wai
 The prediction: repro.sim.costs with a hardware profile of bench.cpu_check's microbenchmarks for that rank count,
 taken again right before the executions (the machine's load drifts by the minute; the committed
 conf/hardware/cpu_<host>_<N>ranks.yaml is priced too, `with_committed_profile`), from the same batches' exact traffic
-(repro.sim.traffic.batch_traffic on the plan's placement): gate = CostModel's GEMM term at the rank's tokens,
+(repro.sim.traffic.batch_traffic on the plan's placement): gate = CostModel.gate at the rank's tokens (the measured
+gate curve of the profile),
 experts = CostModel.experts (the measured per-slot table), dispatch and combine = costs.phase_seconds. The
 profile was calibrated on the microbenchmarks only, never on these timings. Two dispatch predictions are kept:
 `dispatch` prices the executor's three calls (counts, hidden states, ids + weights: each a call of the measured
