@@ -31,6 +31,7 @@ from repro.figures.verdict import (
     verdict_section,
     verdict_tables,
 )
+from repro.sim.hardware import PUBLISHED
 
 NAN = float("nan")
 
@@ -386,6 +387,14 @@ def test_the_verdict_under_each_calibration_alternative_says_where_it_flips(tmp_
     assert "iteration_overhead_3ms" not in bands.columns
     assert "### Under the cost model's measured error bands" in text and "no verdict flips between them" in text
     assert (tmp_path / "verdict_cost_bands.csv").is_file()
+    # an experiment that ran the published reading itself (longer runs) is compared with its own, not serve_dp's
+    plant_calibration(root, PUBLISHED, (9.0, 9.1, 8.9), "cost_bands")
+    summary, _, _ = read_jobs(as_paper_model(root))
+    own = calibration_table(summary, "cost_bands").set_index(["claim", "part"])
+    ttft = own.loc[("R4", "DeepSeek-V2-Lite, TTFT SLO, vs ep")]
+    assert (ttft["published verdict"], ttft["band_exec_median_comm_down verdict"], ttft["flips"]) == \
+        (NOT_REPRODUCED, REPRODUCED, "yes")
+    assert "`published` is this experiment's own jobs" in "\n".join(verdict_section(summary, root, tmp_path))
 
 
 def test_the_report_lists_every_serving_jobs_convergence():

@@ -691,7 +691,8 @@ def calibration_table(summary: pd.DataFrame, experiment: str = CALIBRATION_EXPER
 
     Columns: claim, part, paper, then `<reading>` (value) and `<reading> verdict` per reading, then flips (yes / no).
     Empty without a job of `experiment`. Only the systems that experiment ran are compared under every reading, so
-    the published column is recomputed from serve_dp's jobs of those systems (like for like)."""
+    the published column is recomputed from serve_dp's jobs of those systems (like for like), or taken from the
+    experiment's own `published` jobs where it ran that reading too (cost_bands does, with longer runs)."""
     summary = as_the_papers_system(summary)
     calibrated = summary[summary["experiment"] == experiment]
     if not len(calibrated):
@@ -740,10 +741,13 @@ def calibration_lines(summary: pd.DataFrame, out_dir: str | Path) -> list[str]:
         flipped = frame[frame["flips"] == "yes"]
         said = ("no verdict flips between them" if not len(flipped) else
                 "the verdict FLIPS between them for " + "; ".join(f"{r.claim} {r.part}" for r in flipped.itertuples()))
+        own = (summary[summary["experiment"] == experiment].pipe(_calibration) == PUBLISHED).any()
+        base = "this experiment's own jobs under the profile as written" if own else \
+            "serve_dp's own jobs of the same systems"
         lines += [heading, "",
                   f"R1 and R4 re-measured by experiment `{experiment}` (serve_dp's settings, ep and the paper's "
-                  f"Algorithm 2) under {readings}; `{PUBLISHED}` is serve_dp's own jobs of the same systems. Across "
-                  f"the readings, {said}. Also `{csv}`.", "",
+                  f"Algorithm 2) under {readings}; `{PUBLISHED}` is {base}. Across the readings, {said}. Also "
+                  f"`{csv}`.", "",
                   markdown_table(frame.map(_escape)), ""]
     return lines
 
