@@ -745,8 +745,8 @@ def calibration_lines(summary: pd.DataFrame, out_dir: str | Path) -> list[str]:
         base = "this experiment's own jobs under the profile as written" if own else \
             "serve_dp's own jobs of the same systems"
         lines += [heading, "",
-                  f"R1 and R4 re-measured by experiment `{experiment}` (serve_dp's settings, ep and the paper's "
-                  f"Algorithm 2) under {readings}; `{PUBLISHED}` is {base}. Across the readings, {said}. Also "
+                  f"R1 and R4 re-measured by experiment `{experiment}` (serve_dp's settings as "
+                  f"conf/experiment/{experiment}.yaml sets them, ep and the paper's Algorithm 2) under {readings}; `{PUBLISHED}` is {base}. Across the readings, {said}. Also "
                   f"`{csv}`.", "",
                   markdown_table(frame.map(_escape)), ""]
     return lines

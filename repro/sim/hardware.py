@@ -157,9 +157,9 @@ def calibration_alternatives(profile: dict) -> dict[str, dict]:
         where = f"hardware profile {name!r} alternative {alt!r}"
         if alt == PUBLISHED:
             raise ConfigError(f"{where}: {PUBLISHED!r} is the profile as written; give the alternative another name.")
-        if not isinstance(spec, dict) or "source" not in spec or not set(spec) - {"source"} <= {"set", "scale"} \
-                or set(spec) == {"source"} or not isinstance(spec["source"], str) or not spec["source"].strip() \
-                or not all(isinstance(spec[k], dict) and spec[k] for k in ("set", "scale") if k in spec):
+        changes = set(spec) - {"source"} if isinstance(spec, dict) else set()
+        if not changes or not changes <= {"set", "scale"} or not isinstance(spec.get("source"), str) \
+                or not spec["source"].strip() or not all(isinstance(spec[k], dict) and spec[k] for k in changes):
             raise ConfigError(f"{where} must be {{source: where its numbers come from, set: {{field: value}}}} and/or "
                               f"scale: {{comm: factor, compute: factor}}, got {spec!r}.")
         scale = spec.get("scale", {"comm": 1.0, "compute": 1.0})
