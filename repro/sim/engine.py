@@ -2,7 +2,8 @@
 Attention-TP group, driven by the system's schedulers and the trace's routing.
 
 Attention-DP: `plan.assign_requests` picks a request's rank when it arrives (one request per call, streaming, as
-a router does). Every iteration, each rank forms its own batch under a token budget (`max_batched_tokens`) and a
+a router does); a plan with `reads_load` also gets the ranks' live state (`RankLoad`: running and waiting
+requests, queued prefill tokens, decoding requests, KV used) as of the last committed iteration. Every iteration, each rank forms its own batch under a token budget (`max_batched_tokens`) and a
 request cap (`max_running_requests`), admitting requests first-come-first-served when their whole KV cache
 (prompt + output tokens, no preemption) fits the rank's capacity:
   mixed          decode tokens of running requests first, then prefill chunks (Sarathi / vLLM-style);
@@ -38,6 +39,7 @@ from repro.sim.costs import COMPONENTS, CostModel
 from repro.sim.events import ARRIVAL, STEP_END, EventQueue
 from repro.sim.traffic import batch_traffic
 from repro.systems.base import Plan
+from repro.systems.load import RankLoad
 
 SCHEDULES = ("mixed", "prefill_first")
 
@@ -119,6 +121,7 @@ class Engine:
         self.spd = plan.placement.slots_per_device
         self.dpn = plan.parallel.devices_per_node
         self.oracle = bool(getattr(plan, "uses_true_routing", False))
+        self.reads_load = self.dp and bool(getattr(plan, "reads_load", False))
         need = requests.prompt_len + requests.output_len
         if need.max() > config.kv_capacity_tokens:
             r = int(np.argmax(need))
@@ -147,6 +150,9 @@ class Engine:
         self.prefilling: list[list[int]] = [[] for _ in range(self.groups)]
         self.running = np.zeros(self.groups, dtype=np.int64)
         self.kv_used = np.zeros(self.groups, dtype=np.int64)
+        # the rest of the live state a load-reading plan sees at an arrival (`RankLoad`), kept up to date at commits
+        self.prefill_backlog = np.zeros(self.groups, dtype=np.int64)  # prompt tokens not yet prefilled
+        self.decoding_count = np.zeros(self.groups, dtype=np.int64)
         self.last_dt = float("inf")
         num_layers = self.req.experts.shape[1]
         self.result = RunResult(
@@ -181,7 +187,8 @@ class Engine:
             start, length = self.req.row_start[r], self.req.prompt_len[r]
             prompt = self.req.token_ids[start : start + length].view()
             prompt.flags.writeable = False  # a scheduler reads the prompt; it must not be able to change it
-            ranks = np.asarray(self.plan.assign_requests(prompt, np.array([0, length]), np.array([length], np.int32)))
+            live = {"load": self._load_view()} if self.reads_load else {}
+            ranks = np.asarray(self.plan.assign_requests(prompt, np.array([0, length]), np.array([length], np.int32), **live))
             if ranks.shape != (1,) or not 0 <= int(ranks[0]) < self.devices:
                 raise ReproError(
                     f"{type(self.plan).__name__}.assign_requests returned {ranks.tolist()} for one request; it must "
@@ -190,6 +197,13 @@ class Engine:
             group = int(ranks[0])
         self.rank[r] = group
         self.waiting[group].append(r)
+        self.prefill_backlog[group] += self.req.prompt_len[r]
+
+    def _load_view(self) -> RankLoad:
+        """The ranks' state as of the last committed iteration (copies: the plan must not change the engine's)."""
+        waiting = np.array([len(queue) for queue in self.waiting], dtype=np.int64)
+        return RankLoad(self.running.copy(), waiting, self.prefill_backlog.copy(), self.decoding_count.copy(),
+                        self.kv_used.copy(), self.cfg.kv_capacity_tokens, self.cfg.max_batched_tokens)
 
     def _admissible(self, g: int) -> bool:
         if not self.waiting[g] or self.running[g] >= self.cfg.max_running_requests:
@@ -280,6 +294,7 @@ class Engine:
             self._finish(dec[self.gen[dec] == req.output_len[dec]], now)
         for r, q in segments:
             self.pos[r] += q
+            self.prefill_backlog[self.rank[r]] -= q
             if self.pos[r] == req.prompt_len[r]:
                 self.prefilling[self.rank[r]].remove(r)
                 res.first_token[r] = now
@@ -288,13 +303,15 @@ class Engine:
                     self._finish(np.array([r]), now)
                 else:
                     self.decoding[r] = True
+                    self.decoding_count[self.rank[r]] += 1
 
     def _finish(self, done: np.ndarray, now: float) -> None:
         if not len(done):
             return
         self.result.finish[done] = now
-        self.decoding[done] = False
         groups = self.rank[done]
+        np.subtract.at(self.decoding_count, groups[self.decoding[done]], 1)
+        self.decoding[done] = False
         np.subtract.at(self.running, groups, 1)
         np.subtract.at(self.kv_used, groups, self.req.prompt_len[done] + self.req.output_len[done])
 

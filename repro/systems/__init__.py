@@ -11,6 +11,13 @@ from repro.systems.base import Placement, Plan, System, even_counts
 # name -> "module:Class"; imported lazily so a system's heavy dependencies load only when used
 REGISTRY: dict[str, str] = {
     "ep": "repro.systems.ep:VanillaEP",
+    "round_robin": "repro.systems.ep:VanillaEP",  # the same system under the name SGLang gives its DP rule
+    # the load balancers engines ship (vanilla EP placement, DP rank from the engine's live state): dp_balance.py
+    "shortest_queue": "repro.systems.dp_balance:ShortestQueue",
+    "minimum_tokens": "repro.systems.dp_balance:MinimumTokens",
+    "vllm_dp": "repro.systems.dp_balance:VllmDP",
+    "balance_route": "repro.systems.dp_balance:BalanceRoute",
+    "gimbal": "repro.systems.dp_balance:Gimbal",
     "semmoe": "repro.systems.semmoe:SemMoE",
     # the paper's Attention-DP scheduler (Algorithm 2) for the reproduction verdict; semmoe defaults to dp_scheduler=time
     "semmoe_paper": "repro.systems.semmoe:SemMoEPaper",

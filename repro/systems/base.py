@@ -210,8 +210,12 @@ class Plan:
     """Vanilla online behaviour: round-robin requests (DP) and contiguous token slices (TP).
 
     Systems subclass this and override what they schedule differently. `info` carries scalars worth
-    reporting (solver status, share of tokens moved by the TP align step, ...).
+    reporting (solver status, share of tokens moved by the TP align step, ...). A plan whose request assignment
+    reads the engine's live state sets `reads_load = True`; it then accepts `assign_requests(..., load=RankLoad)`
+    (repro.systems.load), one request per call, from whoever has the state (simulator, router).
     """
+
+    reads_load = False
 
     def __init__(self, placement: Placement, parallel: ParallelConfig, info: dict | None = None):
         self.placement = placement

@@ -33,6 +33,14 @@ request, at arrival, takes its best rank by score - dp_balance_weight x (rank's 
 mean request tokens (`token_balance_assign`), a request's tokens being its prompt plus the expected decode tokens
 (the profile's mean generated tokens per request, or a configured number). No mask: counts may differ, tokens
 are what is balanced. Weight 0 is pure affinity; a large weight is least-queued-tokens first.
+
+The load-aware scheduler (dp_scheduler "load", beyond the paper): the time-aware one balances the tokens it handed
+out since the start and sees nothing of the engine, so with heavy-tailed prompts one rank's queue builds while others
+drain and every MoE layer waits for it (the EP barrier). Here each request reads the ranks' live state at arrival
+(repro.systems.load.RankLoad, from the engine or the router) and takes its best-scoring rank among those whose load
+under `dp_load_rule` is within `dp_load_slack` of the least loaded rank's (`slack_argmax`): affinity decides only
+between ranks a load balancer would call equal, so locality never overloads a rank. Slack 0 is the load balancer
+itself with affinity as its tie-break; a large slack is pure affinity.
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ import numpy as np
 from scipy.optimize import linear_sum_assignment
 
 DP_SCORINGS = ("confidence", "vote", "expected")
-DP_SCHEDULERS = ("paper", "time")
+DP_SCHEDULERS = ("paper", "time", "load")
 DP_ASSIGNS = ("online", "batch_window")
 # names of the dp_assign options before they were named for what they are; plans saved with them still load
 LEGACY_DP_ASSIGNS = {"greedy": "online", "exact": "batch_window"}
@@ -226,6 +234,15 @@ def token_balance_assign(
         ranks[r] = rank
         load[rank] += tokens[r]
     return np.asarray(ranks, dtype=np.int64), np.asarray(load, dtype=np.float64), assigned
+
+
+def slack_argmax(score: np.ndarray, load: np.ndarray, slack: float) -> int:
+    """The best-scoring rank among those with load <= min(load) + slack (ties: lowest id).
+
+    score float[D] the request's affinity per rank; load float[D] per-rank load (lower is better, see
+    repro.systems.load.rank_load); slack >= 0 in the load's own units."""
+    allowed = load <= load.min() + slack
+    return int(np.argmax(np.where(allowed, score, -np.inf)))
 
 
 def window_exact_assign(

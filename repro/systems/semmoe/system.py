@@ -40,9 +40,10 @@ from repro.affinity.tables import (
     token_device_counts,
     vocab_row_map,
 )
-from repro.errors import ConfigError, TraceError
+from repro.errors import ConfigError, ReproError, TraceError
 from repro.parallel import ParallelConfig
 from repro.systems.base import Placement, Plan
+from repro.systems.load import HandedOut, RankLoad, check_rule, rank_load
 from repro.systems.semmoe.cocluster import (
     CoclusterResult,
     SparseAffinity,
@@ -60,6 +61,7 @@ from repro.systems.semmoe.dp import (
     masked_argmax_assign,
     request_scores,
     request_votes,
+    slack_argmax,
     token_balance_assign,
     window_exact_assign,
     window_lookahead,
@@ -122,6 +124,8 @@ class SemMoEPlan(Plan):
         dp_predictor: str = "tables",
         learned_table: np.ndarray | None = None,
         learned_prior: np.ndarray | None = None,
+        dp_load_rule: str = "wait",
+        dp_load_slack: float = 1.0,
     ):
         if dp_predictor not in DP_PREDICTORS or (dp_predictor == "learned") != (learned_table is not None):
             raise ConfigError(
@@ -135,6 +139,8 @@ class SemMoEPlan(Plan):
             raise ConfigError(f"dp_scheduler must be one of {DP_SCHEDULERS}, got {dp_scheduler!r}.")
         self.dp_scheduler = dp_scheduler
         self.dp_balance_weight, self.dp_decode_tokens = float(dp_balance_weight), float(dp_decode_tokens)
+        self.dp_load_rule, self.dp_load_slack = check_rule(dp_load_rule), float(dp_load_slack)
+        self.reads_load = dp_scheduler == "load"  # the engine's live state reaches assign_requests
         self.dp_window = int(dp_window)
         self.dp_scoring = dp_scoring
         self.dp_assign, self.dp_token_price = dp_assign, float(dp_token_price)
@@ -178,6 +184,7 @@ class SemMoEPlan(Plan):
         self._taken = np.zeros(self.parallel.devices, dtype=np.int64)
         self._queued = np.zeros(self.parallel.devices, dtype=np.float64)
         self._assigned_requests = 0
+        self._handed_out = HandedOut(self.parallel.devices, max_batched_tokens=self.parallel.tokens_per_step)
         self._lookahead_total = 0
         self.info["dp_lookahead_requests_max"] = 0
         self.info["dp_lookahead_requests_mean"] = 0.0
@@ -194,8 +201,14 @@ class SemMoEPlan(Plan):
             )
         return token_ids
 
-    def assign_requests(self, token_ids: np.ndarray, offsets: np.ndarray, prefill_len: np.ndarray) -> np.ndarray:
-        """int64[R] DP rank per request (Algorithm 2); requests stay on their rank for decode."""
+    def assign_requests(self, token_ids: np.ndarray, offsets: np.ndarray, prefill_len: np.ndarray,
+                        load: RankLoad | None = None) -> np.ndarray:
+        """int64[R] DP rank per request (Algorithm 2); requests stay on their rank for decode.
+
+        load: the ranks' live state at this arrival (one request per call then), read by dp_scheduler "load"
+        only; without it that scheduler reads what the plan handed out itself."""
+        if load is not None and len(prefill_len) != 1:
+            raise ReproError(f"a live load view describes one arrival; got {len(prefill_len)} requests with it.")
         token_ids = self._check_tokens(token_ids)
         if self.dp_predictor == "learned":  # repro.systems.semmoe.predictor: prior already subtracted
             scores = learned_request_scores(
@@ -228,6 +241,8 @@ class SemMoEPlan(Plan):
         # online: request r's rank depends on its own prompt and the requests before it only
         if self.dp_predictor == "tables":
             scores = scores - self.dp_prior.astype(np.float32)
+        if self.dp_scheduler == "load":
+            return self._load_assign(scores, prompt_len, load)
         if self.dp_scheduler == "time":
             ranks, self._queued, self._assigned_requests = token_balance_assign(
                 scores, prompt_len + self.dp_decode_tokens, self._queued, self._assigned_requests,
@@ -241,6 +256,18 @@ class SemMoEPlan(Plan):
             )
             return ranks
         ranks, self._position, self._taken = masked_argmax_assign(scores, self._position, self._taken, self.dp_window)
+        self._assigned_requests += len(ranks)
+        return ranks
+
+    def _load_assign(self, scores: np.ndarray, prompt_len: np.ndarray, load: RankLoad | None) -> np.ndarray:
+        """int64[R]: `slack_argmax` of each request's scores over its load under dp_load_rule, in arrival order."""
+        ranks = np.empty(len(scores), dtype=np.int64)
+        for r, prompt in enumerate(prompt_len.astype(np.int64).tolist()):
+            view = load if load is not None else self._handed_out.view()
+            request_tokens = int(prompt + self.dp_decode_tokens)
+            cost = rank_load(view, self.dp_load_rule, prompt, request_tokens)
+            ranks[r] = slack_argmax(scores[r], cost, self.dp_load_slack)
+            self._handed_out.add(int(ranks[r]), prompt, request_tokens)
         self._assigned_requests += len(ranks)
         return ranks
 
@@ -297,6 +324,8 @@ class SemMoEPlan(Plan):
             "dp_balance_weight": self.dp_balance_weight,
             "dp_decode_tokens": self.dp_decode_tokens,
             "dp_predictor": self.dp_predictor,
+            "dp_load_rule": self.dp_load_rule,
+            "dp_load_slack": self.dp_load_slack,
         }
         (directory / "semmoe.json").write_text(json.dumps(scalars))
 
@@ -322,7 +351,7 @@ class SemMoEPlan(Plan):
             read("token_frequency"), info, _saved_dp_assign(scalars), scalars.get("dp_token_price", 0.0),
             scalars.get("dp_scheduler", "paper"), scalars.get("dp_balance_weight", 0.0),
             scalars.get("dp_decode_tokens", 0.0), scalars.get("dp_predictor", "tables"), read("learned_table"),
-            read("learned_prior"),
+            read("learned_prior"), scalars.get("dp_load_rule", "wait"), scalars.get("dp_load_slack", 1.0),
         )
 
 
@@ -394,6 +423,8 @@ class SemMoE:
         expert_load_cap: float | None = None,
         dp_predictor: str = "tables",
         profile_tokens: int | None = None,
+        dp_load_rule: str = "wait",
+        dp_load_slack: float = 1.0,
     ):
         if profile_tokens is not None and int(profile_tokens) < 1:
             raise ConfigError(f"system.params.profile_tokens must be null (the whole profile) or >= 1, got {profile_tokens}.")
@@ -449,6 +480,16 @@ class SemMoE:
                 f"and dp_window (got {dp_assign}, {load_aware_lambda}, {dp_window}) belong to dp_scheduler=paper; "
                 "keep them at online / 0 / 1 or set dp_scheduler=paper."
             )
+        check_rule(dp_load_rule)
+        if not float(dp_load_slack) >= 0:
+            raise ConfigError(f"system.params.dp_load_slack must be >= 0 (in the load rule's units), got {dp_load_slack}.")
+        if dp_scheduler == "load" and (dp_assign != "online" or load_aware_lambda > 0 or int(dp_window) != 1
+                                       or float(dp_balance_weight) > 0):
+            raise ConfigError(
+                "system.params.dp_scheduler=load reads the engine's live load: dp_assign, load_aware_lambda, dp_window "
+                f"and dp_balance_weight (got {dp_assign}, {load_aware_lambda}, {dp_window}, {dp_balance_weight}) belong "
+                "to the other schedulers; keep them at online / 0 / 1 / 0, or choose dp_scheduler=paper or time."
+            )
         if dp_scheduler == "paper" and float(dp_balance_weight) > 0:
             raise ConfigError(
                 f"system.params.dp_balance_weight={dp_balance_weight} weighs token balance in dp_scheduler=time only; "
@@ -473,6 +514,7 @@ class SemMoE:
         self.dp_decode_tokens = None if dp_decode_tokens is None else float(dp_decode_tokens)
         self.expert_load_cap = check_expert_load_cap(expert_load_cap)
         self.dp_predictor = dp_predictor
+        self.dp_load_rule, self.dp_load_slack = dp_load_rule, float(dp_load_slack)
 
     def _solver_args(self) -> dict:
         return dict(
@@ -714,6 +756,8 @@ class SemMoE:
             decode_tokens = float(generated.mean()) if len(generated) else 0.0
         info.update(dp_scheduler=self.dp_scheduler, dp_balance_weight=self.dp_balance_weight,
                     dp_decode_tokens=decode_tokens, dp_predictor=self.dp_predictor)
+        if self.dp_scheduler == "load":
+            info.update(dp_load_rule=self.dp_load_rule, dp_load_slack=self.dp_load_slack)
         learned_table = learned_prior = None
         if self.dp_predictor == "learned":  # ridge on the profile's prompt bags -> device shares (predictor.py)
             learned_table, learned_prior, predictor_info = fit_request_predictor(
@@ -724,7 +768,7 @@ class SemMoE:
             placement, parallel, token_vocab, row_of_token, token_device, token_confidence, dp_score,
             markov_device, markov_confidence, self.lookback, self.load_aware_lambda, self.dp_window, self.dp_scoring,
             token_frequency, info, self.dp_assign, self.dp_token_price, self.dp_scheduler, self.dp_balance_weight,
-            decode_tokens, self.dp_predictor, learned_table, learned_prior,
+            decode_tokens, self.dp_predictor, learned_table, learned_prior, self.dp_load_rule, self.dp_load_slack,
         )
 
 
