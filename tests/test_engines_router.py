@@ -450,3 +450,75 @@ def test_cli_port_refusals(tokenizer, tmp_path, capsys):
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("error: cannot listen on") and "--port" in err
+
+
+# ---- live load from the engines' /metrics ------------------------------------------------------------------------
+
+
+def vllm_metrics(running: list[int], waiting: list[int], kv: list[float]) -> str:
+    lines = []
+    for name, values in (("vllm:num_requests_running", running), ("vllm:num_requests_waiting", waiting),
+                         ("vllm:kv_cache_usage_perc", kv)):
+        lines.append(f"# TYPE {name} gauge")
+        lines += [f'{name}{{engine="{rank}",model_name="m"}} {value}' for rank, value in enumerate(values)]
+    return "\n".join(lines) + "\n"
+
+
+def test_a_load_reading_plan_routes_by_the_engines_metrics(tokenizer):
+    """A fake vLLM with 4 DP engines reports its queues on /metrics; the shortest_queue plan follows them, and
+    counts its own dispatches as waiting until the next poll shows them."""
+    from repro.engines.load_signals import LiveLoad, parse_metrics
+    from repro.systems.dp_balance import LoadBalancedPlan
+
+    state = {"text": vllm_metrics([5, 5, 0, 5], [2, 2, 1, 2], [0.5, 0.5, 0.1, 0.5]), "polls": 0}
+    log: list = []
+    echo = fake_upstream(log)
+
+    async def metrics_handler(request: web.Request) -> web.Response:
+        state["polls"] += 1
+        return web.Response(text=state["text"], content_type="text/plain")
+
+    engine_app = web.Application()
+    engine_app.router.add_get("/metrics", metrics_handler)
+    engine_app.add_subapp("/v1", echo)
+    upstream_url, stop_upstream = serve_in_thread(engine_app)
+    plan = LoadBalancedPlan(toy_placement(0), ParallelConfig(devices=DEVICES, tokens_per_step=64), "shortest_queue", 0.0)
+    router = SemanticRouter(plan, tokenizer, LiveLoad(DEVICES, 1000, 64))
+    router_url, stop_router = serve_in_thread(build_app(router, [upstream_url], "vllm", load_poll_s=0.01))
+    try:
+        deadline = time.monotonic() + 5
+        while router.live.snapshots < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        header = router_mod.RANK_HEADERS["vllm"]
+
+        def routed_rank() -> int:
+            status, _, body = call(router_url, "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 1})
+            assert status == 200
+            return int(dict((k.lower(), v) for k, v in json.loads(body)["raw_headers"])[header.lower()])
+
+        assert routed_rank() == 2  # the only rank with a short queue
+        state["text"] = vllm_metrics([0, 9, 9, 9], [0, 3, 3, 3], [0.0, 0.9, 0.9, 0.9])
+        deadline = time.monotonic() + 5
+        polls = state["polls"]
+        while state["polls"] < polls + 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert routed_rank() == 0
+    finally:
+        stop_router()
+        stop_upstream()
+    # between polls, dispatches count: four requests at once spread over the four idle ranks
+    live = LiveLoad(DEVICES, 1000, 64)
+    live.update(parse_metrics(vllm_metrics([0] * DEVICES, [0] * DEVICES, [0.0] * DEVICES), "vllm", DEVICES))
+    plan.reset()
+    spread = []
+    for _ in range(DEVICES):
+        rank = int(plan.assign_requests(np.arange(3), np.array([0, 3]), np.array([3]), load=live.view())[0])
+        live.dispatched(rank, 3)
+        spread.append(rank)
+    assert sorted(spread) == list(range(DEVICES))
+    # SGLang's gauges, one upstream per rank: the upstream's index is the rank
+    sglang = "sglang:num_running_reqs 4\nsglang:num_queue_reqs 1\nsglang:token_usage 0.25\n"
+    gauges = parse_metrics(sglang, "sglang", DEVICES, rank=3)
+    assert gauges["running"][3] == 4 and gauges["waiting"][3] == 1 and np.isnan(gauges["running"][0])
+    with pytest.raises(ConfigError):
+        parse_metrics("{not prometheus", "vllm", DEVICES)

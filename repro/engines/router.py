@@ -26,6 +26,11 @@ is proxied without a rank. Hostile or broken clients: a body over --max-body-mb 
 not received within --client-timeout seconds (default 30) 408, and a connection that has not sent complete headers
 by then is closed; a body that is not JSON, nests deeper than Python's parser allows, or holds ids beyond int64 is
 forwarded unscored or with those ids dropped, never a 500.
+A plan that reads the engines' live load (`reads_load`: the load balancers of repro/systems/dp_balance.py,
+Sem-MoE with dp_scheduler=load) gets it from the upstreams' own /metrics, polled every --load-poll-ms
+(repro.engines.load_signals: running and waiting requests and KV use per rank; the router's dispatches since the
+last poll count as waiting); a failed poll keeps the last values and counts an upstream error of kind load_signals.
+
 GET /metrics (Prometheus): requests per rank, predicted local activation rate per rank, routing seconds
 (tokenize + score), the router's own added seconds per proxied request, upstream errors by kind, requests in
 flight.
@@ -83,6 +88,7 @@ from pathlib import Path
 
 import numpy as np
 
+from repro.engines.load_signals import LiveLoad, parse_metrics
 from repro.engines.pd import KV_LEASE_S, PD_PATHS, DecodeChooser, decode_body, prefill_body
 from repro.errors import ConfigError, ReproError, TraceError
 from repro.systems.base import Plan
@@ -102,6 +108,7 @@ BUFFER_BYTES = 1 << 20
 MAX_BODY_BYTES = 16 << 20
 # seconds a client may take to send its request headers (aiohttp's idle timeout of a fresh connection) or body
 CLIENT_TIMEOUT_S = 30.0
+LOAD_POLL_S = 0.05  # how often a load-reading plan's router polls the upstreams' /metrics (vLLM's coordinator: 100 ms)
 
 
 # ---- prompts -------------------------------------------------------------------------------------------------
@@ -150,7 +157,7 @@ class Decision:
 class SemanticRouter:
     """Request -> DP rank with a plan's online scheduler; safe to call from several threads or coroutines."""
 
-    def __init__(self, plan: Plan, tokenizer=None):
+    def __init__(self, plan: Plan, tokenizer=None, live: LiveLoad | None = None):
         from repro.systems.semmoe.system import SemMoEPlan
 
         if plan.parallel.attention != "dp":
@@ -161,6 +168,8 @@ class SemanticRouter:
         self.plan = plan
         self.tokenizer = tokenizer
         self.num_ranks = plan.parallel.devices
+        # the engines' live load, for a plan that reads it (build_app polls the upstreams' /metrics into it)
+        self.live = live if getattr(plan, "reads_load", False) else None
         self._lock = threading.Lock()
         self._vocab = None
         self._lar_vocab = None
@@ -201,7 +210,10 @@ class SemanticRouter:
         """The rank of the next request, whose prompt tokens are token_ids int[n] (state advances by one)."""
         n = len(token_ids)
         with self._lock:
-            rank = int(self.plan.assign_requests(token_ids, np.array([0, n]), np.array([n]))[0])
+            live = {} if self.live is None else {"load": self.live.view()}
+            rank = int(self.plan.assign_requests(token_ids, np.array([0, n]), np.array([n]), **live)[0])
+            if self.live is not None:
+                self.live.dispatched(rank, n)
         lar = None
         if self._lar_vocab is not None and n:
             lar = float(self._lar_vocab[token_ids, rank].mean())
@@ -210,7 +222,7 @@ class SemanticRouter:
 
 ADDED_BUCKETS = (5e-5, 1e-4, 1.5e-4, 2e-4, 3e-4, 4e-4, 5e-4, 7.5e-4, 1e-3, 1.5e-3, 2e-3, 3e-3, 5e-3, 1e-2, 2e-2,
                  5e-2, 0.1, 0.25, 1.0)
-ERROR_KINDS = ("connect", "timeout", "midstream", "status_4xx", "status_5xx", "prefill_reply", "kv_lease")
+ERROR_KINDS = ("connect", "timeout", "midstream", "status_4xx", "status_5xx", "prefill_reply", "kv_lease", "load_signals")
 
 
 class RouterMetrics:
@@ -328,7 +340,7 @@ def build_app(
     router: SemanticRouter, upstreams: Sequence[str], engine: str = "sglang", *, connect_timeout: float = 5.0,
     timeout: float = 600.0, max_connections: int = 1024, max_body_bytes: int = MAX_BODY_BYTES,
     client_timeout: float = CLIENT_TIMEOUT_S, decode: DecodeChooser | None = None,
-    decode_upstreams: Sequence[str] = (), kv_lease: float = KV_LEASE_S,
+    decode_upstreams: Sequence[str] = (), kv_lease: float = KV_LEASE_S, load_poll_s: float = LOAD_POLL_S,
 ):
     """The aiohttp application proxying to `upstreams` (one URL, or one per DP rank).
 
@@ -373,7 +385,36 @@ def build_app(
         )
 
     async def stop(app: web.Application) -> None:
+        if poller_key in app:
+            app[poller_key].cancel()
         await app[session_key].close()
+
+    poller_key = web.AppKey("load_poller", asyncio.Task)
+
+    async def poll_load(app: web.Application) -> None:
+        """Read every upstream's /metrics each load_poll_s into router.live (a failed read keeps the last values)."""
+        while True:
+            for index, base in enumerate(upstreams):
+                try:
+                    async with app[session_key].get(base + "/metrics") as reply:
+                        text = (await reply.read()).decode("utf-8", "replace") if reply.status == 200 else None
+                except (aiohttp.ClientError, TimeoutError):
+                    text = None
+                if text is None:
+                    metrics.error("load_signals")
+                    continue
+                try:
+                    gauges = parse_metrics(text, engine, router.num_ranks, index if len(upstreams) > 1 else None)
+                except ConfigError:
+                    metrics.error("load_signals")
+                    continue
+                with router._lock:
+                    router.live.update(gauges)
+            await asyncio.sleep(load_poll_s)
+
+    async def start_polling(app: web.Application) -> None:
+        if router.live is not None:
+            app[poller_key] = asyncio.get_running_loop().create_task(poll_load(app))
 
     async def decide(request: web.Request, raw: bytes) -> int | None:
         if request.method != "POST" or request.path not in ROUTED_PATHS:
@@ -553,6 +594,7 @@ def build_app(
         raise ConfigError("the body size limit and the client timeout must be > 0.")
     app = web.Application(client_max_size=max_body_bytes)
     app.on_startup.append(start)
+    app.on_startup.append(start_polling)
     app.on_cleanup.append(stop)
     app.router.add_route("*", "/{tail:.*}", proxy)
     return app
@@ -598,6 +640,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a client may take to send a request's headers, and its body")
     p.add_argument("--max-body-mb", type=float, default=MAX_BODY_BYTES / 2**20,
                    help="largest request body accepted, in MiB (413 beyond)")
+    p.add_argument("--load-poll-ms", type=float, default=LOAD_POLL_S * 1000,
+                   help="a load-reading plan: how often the upstreams' /metrics are read, in ms")
+    p.add_argument("--kv-capacity-tokens", type=int, default=1_000_000,
+                   help="a load-reading plan: KV-cache tokens per rank (the engine reports a fraction)")
+    p.add_argument("--max-batched-tokens", type=int, default=8192,
+                   help="a load-reading plan: the engine's per-rank token budget per iteration (chunked prefill size)")
     return p
 
 
@@ -616,7 +664,10 @@ def make_router(args) -> tuple[SemanticRouter, object]:
     if not name:
         raise ConfigError("the job config names no tokenizer; pass the model's with --tokenizer.")
     tokenizer = load_tokenizer(name)
-    return SemanticRouter(plan, tokenizer), tokenizer
+    if args.kv_capacity_tokens < 1 or args.max_batched_tokens < 1:
+        raise ConfigError("--kv-capacity-tokens and --max-batched-tokens must be integers >= 1.")
+    live = LiveLoad(plan.parallel.devices, args.kv_capacity_tokens, args.max_batched_tokens)
+    return SemanticRouter(plan, tokenizer, live), tokenizer
 
 
 def make_decode(args) -> DecodeChooser:
@@ -637,10 +688,11 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
-        limits = (args.connect_timeout, args.timeout, args.client_timeout, args.max_body_mb, args.kv_lease)
+        limits = (args.connect_timeout, args.timeout, args.client_timeout, args.max_body_mb, args.kv_lease,
+                  args.load_poll_ms)
         if not all(math.isfinite(x) and x > 0 for x in limits):  # nan passed a `<= 0` test
-            raise ConfigError("--connect-timeout, --timeout, --client-timeout, --max-body-mb and --kv-lease must be "
-                              "finite numbers > 0.")
+            raise ConfigError("--connect-timeout, --timeout, --client-timeout, --max-body-mb, --kv-lease and "
+                              "--load-poll-ms must be finite numbers > 0.")
         if bool(args.upstream) == bool(args.prefill):
             raise ConfigError("give --upstream (plain mode) or --prefill with --decode (PD mode), not both or neither.")
         if not args.prefill and (args.decode or args.decode_plan):
@@ -650,7 +702,7 @@ def main(argv: list[str] | None = None) -> int:
         app = build_app(router, args.prefill or args.upstream, args.engine, connect_timeout=args.connect_timeout,
                         timeout=args.timeout, max_body_bytes=int(args.max_body_mb * 2**20),
                         client_timeout=args.client_timeout, decode=decode, decode_upstreams=args.decode or (),
-                        kv_lease=args.kv_lease)
+                        kv_lease=args.kv_lease, load_poll_s=args.load_poll_ms / 1000)
     except ReproError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
