@@ -5,7 +5,10 @@
 
 One job = one deployment shape (model, workload, EP degree, attention mode):
 1. Every candidate of the grid `tune.space[<attention mode>]` (parameter path -> values) is fitted on the profile
-   split and accounted on the validate split. A candidate is feasible when it meets every cap of
+   split and accounted on the validate split; with a serving objective (capacity_rps,
+   throughput_under_ttft_slo_rps, goodput_distserve_rps: a config with `sim`, e.g. experiment=serve_dp_arena) it
+   is also served there by the simulator, and a candidate whose objective did not converge on every seed is
+   infeasible. A candidate is feasible when it meets every cap of
    `tune.constraints` (e.g. token_imbalance_max_mean <= 1.3), or is at least no worse there than the current
    defaults; the chosen one maximises `tune.objective` among the feasible (ties: the earlier in grid order,
    which starts at the current defaults).
@@ -34,7 +37,7 @@ from repro.atomic import atomic_write
 from repro.config_schema import check_config
 from repro.errors import ConfigError, ReproError
 from repro.run import build_traces, fit_and_evaluate, make_job, remove_failed_job_dir
-from repro.tune_config import REPORTED
+from repro.tune_config import REPORTED, SERVING_OBJECTIVES
 
 log = logging.getLogger("repro.tune")
 
@@ -68,6 +71,23 @@ def feasible(summary: dict, constraints: dict, reference: dict | None = None) ->
     return all(summary[m] <= max(cap, (reference or {}).get(m, cap)) for m, cap in constraints.items())
 
 
+def score(config: dict, profile, trace) -> dict:
+    """The metrics tune compares: REPORTED from the exact accounting, plus the serving objective and whether it
+    converged when config's objective is a serving one (the plan served by the simulator on `trace`)."""
+    summary, _, plan = fit_and_evaluate(config, profile, trace)
+    row = {m: summary[m] for m in REPORTED}
+    objective = config["tune"]["objective"]
+    if objective in SERVING_OBJECTIVES:
+        import numpy as np
+
+        from repro.sim import simulate
+
+        served = simulate(config, plan, trace, config["hardware"], config["sim"]["shape"],
+                          np.random.default_rng(config["seed"])).summary
+        row.update({objective: served[objective], SERVING_OBJECTIVES[objective]: bool(served[SERVING_OBJECTIVES[objective]])})
+    return row
+
+
 def tune_job(config: dict, out_dir: Path) -> dict:
     check_config(config)  # every config error (tune included) before the first (slow) fit
     tune = config["tune"]
@@ -75,6 +95,9 @@ def tune_job(config: dict, out_dir: Path) -> dict:
     space = (tune.get("space") or {}).get(mode)
     if not space:
         raise ConfigError(f"tune.space has no grid for attention mode {mode!r}; add tune.space.{mode}.")
+    if tune["objective"] in SERVING_OBJECTIVES and not config.get("sim"):
+        raise ConfigError(f"tune.objective={tune['objective']} is measured in serving: add sim=default or a serving "
+                          "experiment (e.g. experiment=serve_dp_arena).")
     defaults = current_values(config, space)
     candidates = grid(space)
     if defaults not in candidates:
@@ -86,12 +109,12 @@ def tune_job(config: dict, out_dir: Path) -> dict:
     profile, validate = build_traces(validate_cfg)
     rows = []
     for candidate in candidates:  # the defaults first
-        summary, _, _ = fit_and_evaluate(with_values(validate_cfg, candidate), profile, validate)
-        rows.append({**candidate, **{m: summary[m] for m in REPORTED}})
-        log.info("validate %s: %s %.4f", candidate, tune["objective"], summary[tune["objective"]])
+        rows.append({**candidate, **score(with_values(validate_cfg, candidate), profile, validate)})
+        log.info("validate %s: %s %.4f", candidate, tune["objective"], rows[-1][tune["objective"]])
     reference = rows[candidates.index(defaults)]
+    converged = SERVING_OBJECTIVES.get(tune["objective"])
     for row in rows:
-        row["feasible"] = feasible(row, tune["constraints"], reference)
+        row["feasible"] = feasible(row, tune["constraints"], reference) and (converged is None or row[converged])
     table = pd.DataFrame(rows)
     ok = table[table["feasible"]]
     if ok.empty:
@@ -104,12 +127,13 @@ def tune_job(config: dict, out_dir: Path) -> dict:
     evaluate_cfg = dict(config, evaluate_split="evaluate")
     profile, evaluation = build_traces(evaluate_cfg)
     scores = {}
+    reported = [m for m in table.columns if m in REPORTED or m in SERVING_OBJECTIVES or m == converged]
     for label, values in (("default", defaults), ("chosen", chosen)):
-        summary, _, _ = fit_and_evaluate(with_values(evaluate_cfg, values), profile, evaluation)
+        evaluated = score(with_values(evaluate_cfg, values), profile, evaluation)
         scores[label] = {
             "values": values,
-            "validate": {m: rows[candidates.index(values)][m] for m in REPORTED},
-            "evaluate": {m: summary[m] for m in REPORTED},
+            "validate": {m: rows[candidates.index(values)][m] for m in reported},
+            "evaluate": {m: evaluated[m] for m in reported},
             "feasible_on_validate": bool(rows[candidates.index(values)]["feasible"]),
         }
     result = {

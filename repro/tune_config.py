@@ -7,7 +7,11 @@ from __future__ import annotations
 from repro.errors import ConfigError, check_known_keys
 
 REPORTED = ("lar", "a2a_bytes", "token_imbalance_max_mean", "expert_load_imbalance_max_mean")
-OBJECTIVES = ("lar",)  # maximised: higher is better
+# serving objectives (a config with `sim`, e.g. experiment=serve_dp_arena): the simulator's mean over seeds of the
+# highest rate meeting the rule, and the summary key saying whether every seed's value converged
+SERVING_OBJECTIVES = {"capacity_rps": "converged_capacity", "throughput_under_ttft_slo_rps": "converged_ttft",
+                      "goodput_distserve_rps": "converged_distserve"}
+OBJECTIVES = ("lar", *SERVING_OBJECTIVES)  # maximised: higher is better
 CAPPED = ("a2a_bytes", "token_imbalance_max_mean", "expert_load_imbalance_max_mean")  # constraints: metric <= cap
 ATTENTION_MODES = ("dp", "tp")
 

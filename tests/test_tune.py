@@ -55,7 +55,7 @@ def test_choice_is_made_on_validate_and_blind_to_the_evaluate_split(tmp_path):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("tune.objective=a2a_bytes", "tune.objective must be one of ['lar']"),
+    ("tune.objective=a2a_bytes", "tune.objective must be one of ['lar', 'capacity_rps'"),
     ("+tune.constraints.nope=1.5", "tune.constraints.nope is not a metric"),
     ("tune.space.tp={system.params.lookback:[]}", "tune.space.tp.system.params.lookback must be a non-empty list"),
     ("parallel.devices=abc", "parallel.devices must be an integer"),
@@ -77,3 +77,28 @@ def test_the_default_tune_config_is_sound():
     from repro.tune_config import check_tune_config
 
     check_tune_config(tune_config("/nonexistent/trace")["tune"])
+
+
+def test_a_serving_objective_is_measured_by_the_simulator_on_validate(tmp_path):
+    """tune.objective=capacity_rps serves every candidate (here two DP slack values of the load-aware Sem-MoE) on the
+    validate split; only converged candidates are feasible, and the choice is the highest converged capacity."""
+    trace_dir = synthetic_trace_dir(tmp_path / "t")
+    config = tune_config(
+        trace_dir, "parallel.attention=dp", "parallel.devices=4", "sim=default", "sim.routing_map=trace",
+        "sim.rates=[20,2000]", "sim.seeds=1", "sim.duration_s=1", "sim.min_requests=40", "sim.warmup_s=0.2",
+        "sim.cooldown_s=0.1", "sim.drain_s=1", "sim.max_duration_s=2", "sim.output_len=4",
+        "tune.objective=capacity_rps", "tune.constraints={}",
+        "system.params.dp_scheduler=load", "system.params.dp_balance_weight=0", "system.params.n_starts=1",
+        "system.params.polish_rounds=0",
+        "~tune.space.dp", "+tune.space.dp={system.params.dp_load_slack:[1.0,0.0]}",
+    )
+    result = tune_job(config, tmp_path / "a")
+    table = pd.read_csv(tmp_path / "a" / "candidates.csv")
+    assert list(table["system.params.dp_load_slack"]) == [1.0, 0.0]
+    assert table["capacity_rps"].gt(0).all() and "converged_capacity" in table
+    feasible = table[table["feasible"]]
+    assert feasible["converged_capacity"].all()
+    assert result["chosen"]["validate"]["capacity_rps"] == feasible["capacity_rps"].max()
+    assert result["chosen"]["evaluate"]["capacity_rps"] > 0
+    with pytest.raises(Exception, match="measured in serving"):
+        tune_job(tune_config(trace_dir, "tune.objective=capacity_rps"), tmp_path / "b")
