@@ -163,3 +163,12 @@ def test_load_aware_semmoe_keeps_locality_at_light_load_and_sheds_it_under_a_bac
         backlog[favourite] = queued
         busy = RankLoad(idle.running, idle.waiting, backlog.copy(), idle.decoding, idle.kv_used_tokens, 10**6, budget)
         assert (int(plan.assign_requests(*args, load=busy)[0]) == favourite) == stays
+
+
+def test_wait_counts_the_slot_a_request_waits_for_at_the_running_cap():
+    """Rank 0 has fewer queued tokens but is at its running-request cap with requests waiting: a request there waits
+    for finishes first, so `wait` prefers rank 1, which token-only rules (minimum_tokens) do not."""
+    at_cap = RankLoad(np.array([4, 2]), np.array([2, 0]), np.array([20, 200]), np.array([4, 2]), np.array([100, 400]),
+                      10**6, 100, 4)
+    assert np.argmin(rank_load(at_cap, "wait", 10, 10 + 64)) == 1
+    assert np.argmin(rank_load(at_cap, "minimum_tokens", 10, 10 + 64)) == 0

@@ -64,9 +64,11 @@ def parse_metrics(text: str, engine: str, num_ranks: int, rank: int | None = Non
 class LiveLoad:
     """The last snapshot of the engines' gauges plus the router's dispatches since, as a RankLoad."""
 
-    def __init__(self, num_ranks: int, kv_capacity_tokens: int, max_batched_tokens: int):
+    def __init__(self, num_ranks: int, kv_capacity_tokens: int, max_batched_tokens: int,
+                 max_running_requests: int = 1 << 62):
         self.num_ranks = num_ranks
         self.kv_capacity_tokens, self.max_batched_tokens = int(kv_capacity_tokens), int(max_batched_tokens)
+        self.max_running_requests = int(max_running_requests)
         self.running = np.zeros(num_ranks, dtype=np.int64)
         self.waiting = np.zeros(num_ranks, dtype=np.int64)
         self.kv_used = np.zeros(num_ranks, dtype=np.int64)
@@ -97,4 +99,4 @@ class LiveLoad:
         mean_prompt = self.sent_tokens / np.maximum(self.sent_requests, 1)
         queued = np.rint(self.waiting * mean_prompt).astype(np.int64) + self.pending_tokens
         return RankLoad(self.running.copy(), self.waiting + self.pending, queued, self.running.copy(),
-                        self.kv_used.copy(), self.kv_capacity_tokens, self.max_batched_tokens)
+                        self.kv_used.copy(), self.kv_capacity_tokens, self.max_batched_tokens, self.max_running_requests)

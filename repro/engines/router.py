@@ -646,6 +646,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a load-reading plan: KV-cache tokens per rank (the engine reports a fraction)")
     p.add_argument("--max-batched-tokens", type=int, default=8192,
                    help="a load-reading plan: the engine's per-rank token budget per iteration (chunked prefill size)")
+    p.add_argument("--max-running-requests", type=int, default=256,
+                   help="a load-reading plan: the engine's per-rank running-request cap (SGLang max_running_requests, "
+                        "vLLM max_num_seqs)")
     return p
 
 
@@ -664,9 +667,9 @@ def make_router(args) -> tuple[SemanticRouter, object]:
     if not name:
         raise ConfigError("the job config names no tokenizer; pass the model's with --tokenizer.")
     tokenizer = load_tokenizer(name)
-    if args.kv_capacity_tokens < 1 or args.max_batched_tokens < 1:
-        raise ConfigError("--kv-capacity-tokens and --max-batched-tokens must be integers >= 1.")
-    live = LiveLoad(plan.parallel.devices, args.kv_capacity_tokens, args.max_batched_tokens)
+    if min(args.kv_capacity_tokens, args.max_batched_tokens, args.max_running_requests) < 1:
+        raise ConfigError("--kv-capacity-tokens, --max-batched-tokens and --max-running-requests must be integers >= 1.")
+    live = LiveLoad(plan.parallel.devices, args.kv_capacity_tokens, args.max_batched_tokens, args.max_running_requests)
     return SemanticRouter(plan, tokenizer, live), tokenizer
 
 

@@ -203,7 +203,8 @@ class Engine:
         """The ranks' state as of the last committed iteration (copies: the plan must not change the engine's)."""
         waiting = np.array([len(queue) for queue in self.waiting], dtype=np.int64)
         return RankLoad(self.running.copy(), waiting, self.prefill_backlog.copy(), self.decoding_count.copy(),
-                        self.kv_used.copy(), self.cfg.kv_capacity_tokens, self.cfg.max_batched_tokens)
+                        self.kv_used.copy(), self.cfg.kv_capacity_tokens, self.cfg.max_batched_tokens,
+                        self.cfg.max_running_requests)
 
     def _admissible(self, g: int) -> bool:
         if not self.waiting[g] or self.running[g] >= self.cfg.max_running_requests:

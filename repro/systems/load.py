@@ -21,9 +21,13 @@ rank id, as SGLang's `list.index(min(...))` and vLLM's first-minimum scan do):
                    piecewise-linear price that is the utilisation up to a safe margin (0.9) and rises 10x faster
                    past it; the two prices summed. The paper's exact coefficients are not public here: margin and
                    slope are this suite's, stated.
-  wait             estimated iterations before this request's first token on the rank: (queued prefill tokens +
-                   its prompt) / (the token budget left after the rank's decodes); the load term of the suite's
-                   load-aware Sem-MoE (beyond any engine).
+  wait             estimated iterations before this request's first token on the rank: the wait for a request
+                   slot when the rank is at its running-request cap (the requests ahead of it beyond the free
+                   slots, over the finishes per iteration: decoding requests / expected output tokens) plus its
+                   prefill behind the queued prompt tokens ((queued prefill + its prompt) / the token budget left
+                   after the rank's decodes); the load term of the suite's load-aware Sem-MoE (beyond any engine).
+                   Near capacity the running-request cap binds first, so a rule blind to it (minimum_tokens) piles
+                   short requests on ranks that cannot admit them.
 
 Legend: D Attention-DP ranks.
 """
@@ -48,8 +52,8 @@ class RankLoad:
     running: requests admitted (prefilling or decoding); waiting: requests queued, not admitted;
     queued_prefill_tokens: prompt tokens not yet prefilled (waiting requests and unfinished chunks);
     decoding: requests in decode (each feeds one token to every iteration); kv_used_tokens: KV cache tokens
-    the rank's admission counts as used; kv_capacity_tokens and max_batched_tokens (ints): the rank's KV
-    capacity and per-iteration token budget (the engine's config).
+    the rank's admission counts as used; kv_capacity_tokens, max_batched_tokens and max_running_requests (ints):
+    the rank's KV capacity, per-iteration token budget and running-request cap (the engine's config).
     """
 
     running: np.ndarray
@@ -59,15 +63,17 @@ class RankLoad:
     kv_used_tokens: np.ndarray
     kv_capacity_tokens: int
     max_batched_tokens: int
+    max_running_requests: int = 1 << 62
 
     @property
     def num_ranks(self) -> int:
         return len(self.running)
 
     @classmethod
-    def idle(cls, num_ranks: int, kv_capacity_tokens: int, max_batched_tokens: int) -> RankLoad:
+    def idle(cls, num_ranks: int, kv_capacity_tokens: int, max_batched_tokens: int,
+             max_running_requests: int = 1 << 62) -> RankLoad:
         zeros = np.zeros(num_ranks, dtype=np.int64)
-        return cls(zeros, zeros, zeros, zeros, zeros, kv_capacity_tokens, max_batched_tokens)
+        return cls(zeros, zeros, zeros, zeros, zeros, kv_capacity_tokens, max_batched_tokens, max_running_requests)
 
 
 def rank_load(view: RankLoad, rule: str, prompt_len: int, request_tokens: int) -> np.ndarray:
@@ -84,7 +90,9 @@ def rank_load(view: RankLoad, rule: str, prompt_len: int, request_tokens: int) -
         return 4.0 * waiting + running
     budget_left = np.maximum(view.max_batched_tokens - view.decoding, 1).astype(np.float64)
     if rule == "wait":
-        return (view.queued_prefill_tokens + prompt_len) / budget_left
+        ahead = np.maximum(waiting + 1 - np.maximum(view.max_running_requests - running, 0), 0)
+        finishes = np.maximum(view.decoding, 1) / max(request_tokens - prompt_len, 1)  # per iteration
+        return ahead / finishes + (view.queued_prefill_tokens + prompt_len) / budget_left
     if rule == "balance_route":
         kv = (view.kv_used_tokens + request_tokens) / max(view.kv_capacity_tokens, 1)
         tokens = (view.decoding + view.queued_prefill_tokens + prompt_len) / max(view.max_batched_tokens, 1)
