@@ -25,6 +25,7 @@ from repro.figures.paper import paper_section  # noqa: E402
 from repro.figures.render import FRACTIONS, markdown_table, metric_axis, save_png  # noqa: E402
 from repro.figures.replication import replication_section  # noqa: E402
 from repro.figures.table2 import table2_section  # noqa: E402
+from repro.figures.serving import gain_split_section, sign_section  # noqa: E402
 from repro.figures.trust import trust_section  # noqa: E402
 from repro.figures.verdict import verdict_section  # noqa: E402
 
@@ -437,6 +438,8 @@ def write_report(runs_dir: str | Path, out_dir: str | Path) -> Path:
     lines += breakeven_section(runs_dir, out_dir, summary)
     lines += trust_section(runs_dir)
     lines += convergence_section(summary)
+    lines += gain_split_section(summary)
+    lines += sign_section(summary)
     for experiment, runs in summary.groupby("experiment", sort=True):
         layers = per_layer[per_layer["experiment"] == experiment] if len(per_layer) else per_layer
         lines += experiment_section(experiment, runs, layers, out_dir, partial.get(experiment, ""))

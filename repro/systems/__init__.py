@@ -18,6 +18,7 @@ REGISTRY: dict[str, str] = {
     "vllm_dp": "repro.systems.dp_balance:VllmDP",
     "balance_route": "repro.systems.dp_balance:BalanceRoute",
     "gimbal": "repro.systems.dp_balance:Gimbal",
+    "least_wait": "repro.systems.dp_balance:LeastWait",  # Sem-MoE dp_scheduler=load's load rule without affinity
     "semmoe": "repro.systems.semmoe:SemMoE",
     # the paper's Attention-DP scheduler (Algorithm 2) for the reproduction verdict; semmoe defaults to dp_scheduler=time
     "semmoe_paper": "repro.systems.semmoe:SemMoEPaper",

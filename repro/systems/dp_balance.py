@@ -8,6 +8,8 @@ a load rule picks from the engine's live state at its arrival (repro/systems/loa
     system=gimbal           Gimbal-style (arXiv 2606.15177): a rank's per-iteration tokens plus its expert
                             pressure, i.e. the share of every rank's tokens its experts serve (profile expert
                             load of the placement), so a rank hosting hot experts takes fewer requests
+    system=least_wait       the suite's `wait` rule (iterations before the first token, running cap included):
+                            the locality-free twin of Sem-MoE's load-aware scheduler (dp_scheduler=load)
     system=round_robin      today's `ep` (no state read)
 
 No locality term: these are what a locality-free router with the engine's view reaches, the reference for what
@@ -35,6 +37,7 @@ BALANCERS = {
     "vllm_dp": "vllm",
     "balance_route": "balance_route",
     "gimbal": "gimbal",
+    "least_wait": "wait",
 }
 
 
@@ -124,3 +127,7 @@ class BalanceRoute(LoadBalancedEP):
 
 class Gimbal(LoadBalancedEP):
     name = "gimbal"
+
+
+class LeastWait(LoadBalancedEP):
+    name = "least_wait"
