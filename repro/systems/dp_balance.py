@@ -90,7 +90,8 @@ class LoadBalancedPlan(Plan):
             else:
                 cost = rank_load(view, self.rule, prompt, request_tokens)
             ranks[r] = int(np.argmin(cost))
-            self.handed_out.add(int(ranks[r]), prompt, request_tokens)
+            if load is None:  # with a live view the plan's own count is never read
+                self.handed_out.add(int(ranks[r]), prompt, request_tokens)
         return ranks
 
 

@@ -77,9 +77,9 @@ class RankLoad:
 
 
 def rank_load(view: RankLoad, rule: str, prompt_len: int, request_tokens: int) -> np.ndarray:
-    """float64[D] the load `rule` gives each rank for a request of prompt_len prompt tokens and request_tokens
+    """float[D] (int64 for the request-count rules) the load `rule` gives each rank for a request of prompt_len prompt tokens and request_tokens
     tokens of KV (prompt + expected output); lower is better (module docstring)."""
-    running, waiting = view.running.astype(np.float64), view.waiting.astype(np.float64)
+    running, waiting = view.running, view.waiting
     if rule == "shortest_queue":
         return running + waiting
     if rule == "minimum_tokens":
@@ -87,8 +87,8 @@ def rank_load(view: RankLoad, rule: str, prompt_len: int, request_tokens: int) -
         tokens = view.kv_used_tokens + view.queued_prefill_tokens
         return tokens + (running + waiting) / (running.sum() + waiting.sum() + 1.0)
     if rule == "vllm":
-        return 4.0 * waiting + running
-    budget_left = np.maximum(view.max_batched_tokens - view.decoding, 1).astype(np.float64)
+        return 4 * waiting + running
+    budget_left = np.maximum(view.max_batched_tokens - view.decoding, 1)
     if rule == "wait":
         ahead = np.maximum(waiting + 1 - np.maximum(view.max_running_requests - running, 0), 0)
         finishes = np.maximum(view.decoding, 1) / max(request_tokens - prompt_len, 1)  # per iteration

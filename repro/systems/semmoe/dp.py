@@ -109,6 +109,10 @@ def request_votes(
     of the folded score table, looked up per id once at plan build). One bincount per chunk of requests, so
     the cost is a few nanoseconds per token (the >= 50k requests/s path for 1k-token prompts).
     """
+    if len(offsets) == 2:  # one request (an arrival in the engine or the router): one gather and one bincount
+        tokens = token_ids[int(offsets[0]) : int(offsets[0]) + int(prefill_len[0])]
+        votes = np.bincount(vocab_device[tokens], weights=vocab_weight[tokens], minlength=num_devices)
+        return (votes.astype(np.float32) / np.float32(max(len(tokens), 1)))[None, :]  # the batch path's rounding
     offsets = np.asarray(offsets, dtype=np.int64)
     prefill_len = np.asarray(prefill_len, dtype=np.int64)
     num_requests = len(offsets) - 1

@@ -267,7 +267,8 @@ class SemMoEPlan(Plan):
             request_tokens = int(prompt + self.dp_decode_tokens)
             cost = rank_load(view, self.dp_load_rule, prompt, request_tokens)
             ranks[r] = slack_argmax(scores[r], cost, self.dp_load_slack)
-            self._handed_out.add(int(ranks[r]), prompt, request_tokens)
+            if load is None:  # with a live view the plan's own count is never read
+                self._handed_out.add(int(ranks[r]), prompt, request_tokens)
         self._assigned_requests += len(ranks)
         return ranks
 
