@@ -35,6 +35,7 @@ COMMANDS = {
     "python -m repro.run trace=path/to/trace_dir system=ep": "config",
     "python -m repro.run system=semmoe evaluate_split=validate": "config",
     "python -m repro.tune -m": "config",
+    "python -m repro.tune --config-name tune_serving experiment=serve_dp_arena": "config",
     "python -m repro.traces.import routing.parquet --out traces/mine": "flags",
     "python -m repro.run -m hydra/launcher=submitit_slurm ...": "skip: needs the submitit plugin and a SLURM cluster",
     "python -m repro.affinity.count_job -m trace=traces/day 'shard=range(0,24)' out_dir=parts "
@@ -126,9 +127,12 @@ def sweep(overrides: list[str], multirun: bool, sweeper_params: dict) -> list[li
 @pytest.mark.parametrize("command", command_rows("config"))
 def test_documented_config_is_valid(command):
     words = command.split()
-    config_name = {"repro.run": "config", "repro.tune": "tune"}[words[2]]
-    multirun = "-m" in words[3:]
-    overrides = [w for w in words[3:] if w != "-m" and w != "logger=none"] + ["logger=none"]
+    config_name, rest = {"repro.run": "config", "repro.tune": "tune"}[words[2]], words[3:]
+    if "--config-name" in rest:  # another primary config of the same app (conf/tune_serving.yaml)
+        at = rest.index("--config-name")
+        config_name, rest = rest[at + 1], rest[:at] + rest[at + 2 :]
+    multirun = "-m" in rest
+    overrides = [w for w in rest if w != "-m" and w != "logger=none"] + ["logger=none"]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         first = [o.split(",")[0] for o in overrides]  # the base config a multirun starts from
         base = compose(config_name, overrides=first, return_hydra_config=True)
