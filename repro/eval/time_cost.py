@@ -7,10 +7,14 @@ prices that with the serving simulator's own cost model: `moe_layer_seconds` han
 of its iterations with, and keeps the MoE components (dispatch, experts, combine). The evaluator, the simulator and
 any system that wants to optimise time thus share one pricing.
 
-The evaluated trace is served as a sequence of steps (`time_estimate`): in Attention-DP each rank works through
-its own queue (its requests' tokens in arrival order), `step_tokens` tokens per step, so a rank holding more tokens
-needs more steps and the other ranks wait for it; in Attention-TP a step is `step_tokens` consecutive trace tokens
-(the steps `home_devices` reshuffles), split into the reduce-scatter's slices. A step's layer takes the busiest
+The evaluated trace is served as a sequence of steps (`time_estimate`), as continuous batching serves a stream
+in steady state: in Attention-DP a step holds the tokens that arrive in one window of D x `step_tokens`
+consecutive trace tokens (trace order = arrival order), each on its request's rank, so a step pays for the
+imbalance of what arrived in it (the busiest rank sets the layer's pace) but no backlog carries over from step to
+step: below capacity each iteration serves what arrived during it. (Until issue 32 each rank worked through its
+whole queue, `step_tokens` per step, which charged round robin for a whole-split token imbalance that continuous
+batching, admitting new requests every iteration, does not show.) In Attention-TP a step is `step_tokens`
+consecutive trace tokens (the steps `home_devices` reshuffles), split into the reduce-scatter's slices. A step's layer takes the busiest
 rank's time for each component (as in the simulator); the estimate is the sum over steps and MoE layers. It is a
 makespan of serving the trace as a batch, not a latency under load (that is what repro.sim measures).
 
@@ -131,17 +135,10 @@ def moe_layer_seconds(cost: CostModel, traffic: BatchTraffic, tokens_KD: np.ndar
     return {part: moe[:, :, COMPONENTS.index(part)] for part in PARTS}
 
 
-def dp_steps(home_N: np.ndarray, step_tokens: int) -> np.ndarray:
-    """int64[N] step of each token when every rank serves its own tokens in trace order, step_tokens per step.
-
-    home_N int[N] the rank of each token (its request's DP rank).
-    """
-    home_N = np.asarray(home_N, dtype=np.int64)
-    order = np.argsort(home_N, kind="stable")
-    rank_start = np.searchsorted(home_N[order], home_N[order], side="left")
-    position = np.empty(len(home_N), dtype=np.int64)
-    position[order] = np.arange(len(home_N)) - rank_start
-    return position // step_tokens
+def dp_steps(num_tokens: int, step_tokens: int, devices: int) -> np.ndarray:
+    """int64[N] step of each token: the window of devices x step_tokens consecutive trace tokens it arrives in
+    (each token is then served on its request's rank in that step)."""
+    return np.arange(num_tokens, dtype=np.int64) // (step_tokens * devices)
 
 
 def time_estimate(model: TimeModel, home_NL: np.ndarray, experts_NLk: np.ndarray, attention: str) -> dict[str, np.ndarray]:
@@ -154,7 +151,7 @@ def time_estimate(model: TimeModel, home_NL: np.ndarray, experts_NLk: np.ndarray
     num_tokens, num_layers = home_NL.shape
     devices = model.cost.devices
     if attention == "dp":
-        step_N = dp_steps(home_NL[:, 0], model.step_tokens)
+        step_N = dp_steps(num_tokens, model.step_tokens, devices)
     else:
         step_N = np.arange(num_tokens, dtype=np.int64) // model.step_tokens
     num_steps = int(step_N.max()) + 1 if num_tokens else 0
