@@ -7,11 +7,12 @@ import pytest
 from repro.figures.serving import gain_split_section, serving_ratios, sign_disagreements, sign_section
 
 
-def job(system, capacity, estimate, converged=True, dp_scheduler=None, run_dir=None):
+def job(system, capacity, estimate, converged=True, dp_scheduler=None, run_dir=None, dp_load_rule=None):
     return {"experiment": "serve", "devices": 8, "evaluate_split": "validate", "attention": "dp", "system": system,
             "run_dir": run_dir or f"runs/serve/{system}", "capacity_rps_per_seed": capacity,
             "throughput_under_ttft_slo_rps_per_seed": capacity, "converged_capacity": converged,
-            "converged_ttft": converged, "slo_rel_tol": 0.0, "time_estimate_s": estimate, "dp_scheduler": dp_scheduler}
+            "converged_ttft": converged, "slo_rel_tol": 0.0, "time_estimate_s": estimate, "dp_scheduler": dp_scheduler,
+            "dp_load_rule": dp_load_rule}
 
 
 @pytest.fixture
@@ -19,7 +20,7 @@ def summary():
     return pd.DataFrame([
         job("ep", [100.0, 110.0, 90.0], 1.0),
         job("least_wait", [110.0, 121.0, 99.0], 1.1),  # 1.1x in serving, offline says slower: a disagreement
-        job("semmoe", [121.0, 133.1, 108.9], 0.8, dp_scheduler="load"),  # 1.21x = 1.1 (load) x 1.1 (locality)
+        job("semmoe", [121.0, 133.1, 108.9], 0.8, dp_scheduler="load", dp_load_rule="wait"),  # 1.21x = 1.1 (load) x 1.1 (locality)
         job("minimum_tokens", [80.0, 88.0, 72.0], 0.9),  # offline faster, serving 0.8x: a disagreement
         job("gimbal", [200.0, 1.0, 5.0], 0.9, converged=False),  # unconverged: never judged
     ])

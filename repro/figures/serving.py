@@ -5,9 +5,9 @@ Ratios are paired per seed (same arrivals and requests) against the `ep` job of 
 and evaluate split (repro.sim.metrics.ratio_interval, widened by the bisection's rel_tol); only values converged on
 every seed are used, others read "unconverged".
 
-Gain split: a load-aware Sem-MoE (dp_scheduler=load) is compared with `least_wait`, the locality-free router with
-the same load rule and no slack (vanilla EP placement, the same engine view): the twin's ratio is the part a load
-balancer gets, and the system's ratio over the twin's is the rest (locality, placement included). Any other
+Gain split: a load-aware Sem-MoE (dp_scheduler=load) is compared with its twin, the locality-free router with the
+same load rule and no slack (`TWINS`: vanilla EP placement, the same engine view): the twin's ratio is the part a
+load balancer gets, and the system's ratio over the twin's is the rest (locality, placement included). Any other
 system is split against the best locality-free load balancer of the experiment.
 """
 
@@ -21,6 +21,9 @@ from repro.sim.metrics import ratio_interval
 RULES = {"capacity": "capacity_rps_per_seed", "ttft": "throughput_under_ttft_slo_rps_per_seed"}
 LOAD_BALANCERS = ("round_robin", "shortest_queue", "minimum_tokens", "vllm_dp", "balance_route", "gimbal", "least_wait")
 GROUP = ("experiment", "devices", "evaluate_split")
+# Sem-MoE dp_load_rule -> the system that applies the same rule without affinity (repro/systems/dp_balance.py)
+TWINS = {"shortest_queue": "shortest_queue", "minimum_tokens": "minimum_tokens", "vllm": "vllm_dp",
+         "balance_route": "balance_route", "wait": "least_wait"}
 
 
 def _label(job) -> str:
@@ -45,7 +48,8 @@ def serving_ratios(summary: pd.DataFrame) -> pd.DataFrame:
         group = group.assign(_variants=group.groupby("system")["system"].transform("size"))
         for _, job in group.iterrows():
             row = {key: job[key] for key in GROUP} | {"system": job["system"], "label": _label(job),
-                                                       "dp_scheduler": job.get("dp_scheduler")}
+                                                       "dp_scheduler": job.get("dp_scheduler"),
+                                                       "twin": TWINS.get(job.get("dp_load_rule"))}
             for rule, key in RULES.items():
                 converged = _true(job.get(f"converged_{rule}")) and _true(ep.get(f"converged_{rule}"))
                 interval = ratio_interval(job[key], ep[key], resolution=float(job.get("slo_rel_tol", 0.0) or 0.0))
@@ -76,19 +80,19 @@ def gain_split_section(summary: pd.DataFrame) -> list[str]:
         return []
     lines = ["## Where the serving gains come from (Attention-DP, vs round-robin EP)", "",
              "Capacity (highest rate with a stable queue) and TTFT-SLO throughput of each system over `ep`'s, paired "
-             "per seed with 95 % intervals. *Load part*: the locality-free router's ratio (`least_wait` for a "
-             "load-aware Sem-MoE, its own load rule without slack; else the best load balancer of the experiment); "
+             "per seed with 95 % intervals. *Load part*: the locality-free router's ratio (for a load-aware Sem-MoE "
+             "the system applying its load rule without affinity; else the best load balancer of the experiment); "
              "*locality part*: the system's ratio over that router's (placement and affinity together).", "",
              "| experiment | D | split | system | capacity vs ep | TTFT-SLO vs ep | load part (router) | locality part | "
              "offline estimate vs ep |", "|---" * 9 + "|"]
     for key, group in ratios.groupby(list(GROUP), dropna=False):
         balancers = group[group["system"].isin(LOAD_BALANCERS) & np.isfinite(group["capacity_mean"])]
         best = balancers.loc[balancers["capacity_mean"].idxmax()] if len(balancers) else None
-        twin = group[group["system"] == "least_wait"]
         for _, row in group.sort_values("label").iterrows():
             router = None
             if row["system"] not in LOAD_BALANCERS and row["system"] != "ep":
-                router = twin.iloc[0] if row["dp_scheduler"] == "load" and len(twin) else best
+                twin = group[group["system"] == row["twin"]] if row["dp_scheduler"] == "load" else group.iloc[:0]
+                router = twin.iloc[0] if len(twin) else best
             load = "-" if router is None else f"{_cell(router, 'capacity')} ({router['label']})"
             judged = router is not None and np.isfinite(row["capacity_mean"]) and np.isfinite(router["capacity_mean"])
             locality = f"{row['capacity_mean'] / router['capacity_mean']:.3f}" if judged else "-"
