@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 
 from repro.errors import ConfigError
@@ -175,6 +176,85 @@ class CostModel:
             # heads split over the TP ranks; GQA KV heads too (down to one per rank), MLA's latent is read whole
             self.tp_kv_split = min(devices, a["num_kv_heads"]) if a["kind"] == "gqa" else 1
         self.bytes_el = b
+        self._compiled = self._compiled_inputs()
+
+    def _compiled_inputs(self) -> dict | None:
+        """What `price` hands the compiled kernels: the constants as float64 (every integer in them is exact), the
+        tables, the backends' phases; None where `price` must fall back to `block` (a measured table whose sizes
+        repeat: np.interp's tie rule is not reproduced)."""
+        s, hw, d, tp = self.shape, self.hw, self.devices, self.mode == "tp"
+        c = np.zeros(_C_COUNT)
+        c[_C_BYTES_EL], c[_C_HIDDEN], c[_C_FLOOR] = self.bytes_el, s.hidden_size, hw.kernel_floor
+        c[_C_GEMM_FLOPS], c[_C_MEM_BW], c[_C_ATTN_FLOPS] = hw.gemm_flops, hw.memory_bandwidth, hw.attention_flops
+        c[_C_PAIR_PREFILL] = s.attention_flops_per_pair(False)
+        c[_C_PAIR_DECODE] = s.attention_flops_per_pair(True)
+        c[_C_KV_BYTES], c[_C_TP_KV_SPLIT] = self.kv_bytes, self.tp_kv_split if tp else 1
+        c[_C_ATTN_PARAMS] = self.attn_params // d if tp else self.attn_params
+        c[_C_EXPERT_PARAMS], c[_C_SHARED_PARAMS] = self.expert_params, self.shared_params
+        c[_C_DENSE_PARAMS] = self.dense_params // d if tp else self.dense_params
+        c[_C_HEAD_PARAMS] = self.head_params // d if tp else self.head_params
+        c[_C_GATE_PARAMS], c[_C_FIRST_DENSE], c[_C_LAYER_WEIGHT] = self.gate_params, s.first_dense_layers, self.map.layer_weight
+        c[_C_TILE], c[_C_COLL_LATENCY], c[_C_DEVICES] = hw.gemm_tile_tokens, hw.collective_latency, d
+        c[_C_COLL_BW] = hw.collective_nvlink if d <= hw.devices_per_node else hw.collective_rdma
+        if any(float(v) != v or abs(v) >= 2**53 for v in (self.attn_params, self.expert_params, self.shared_params,
+                                                          self.dense_params, self.gate_params, self.head_params)):
+            return None
+        names = ("deepep_normal", "deepep_low_latency") if self.backend == "deepep_auto" else (self.backend, self.backend)
+        tables = [self.expert_table, self.gate_table]
+        phase_params = np.zeros((2, 2, 4))
+        phase_bytes = np.zeros((2, 2))
+        measured = []
+        for b, name in enumerate(names):
+            backend = hw.backends[name]
+            phase_bytes[b] = backend.bytes_per_token(s.hidden_size)
+            for direction, phase in enumerate((backend.dispatch, backend.combine)):
+                phase_params[b, direction] = (phase.latency, phase.peer_half_bytes, phase.nvlink_bandwidth,
+                                              phase.rdma_bandwidth)
+                measured.append(_NO_TABLE if phase.measured is None else np.ascontiguousarray(phase.measured, np.float64))
+                tables.append(phase.measured)
+        if any(t is not None and not np.all(np.diff(np.asarray(t)[:, 0]) > 0) for t in tables):
+            return None
+        node = np.arange(d) // hw.devices_per_node
+        same = node[:, None] == node[None, :]
+        return {
+            "c": c, "kinds": np.array([_BACKEND_KIND[names[0]], 3 + _BACKEND_KIND[names[1]]], dtype=np.int64),
+            "expert_table": _NO_TABLE if self.expert_table is None else np.ascontiguousarray(self.expert_table, np.float64),
+            "gate_table": _NO_TABLE if self.gate_table is None else np.ascontiguousarray(self.gate_table, np.float64),
+            "phase_params": phase_params, "phase_bytes": phase_bytes, "measured": measured,
+            "nvlink_mask": (same & ~np.eye(d, dtype=bool)).astype(np.int64), "rdma_mask": (~same).astype(np.int64),
+            "one_node": bool(same.all()), "nodes": d // hw.devices_per_node,
+        }
+
+    def price(self, seg: dict, traffic: BatchTraffic, tokens_KD: np.ndarray | None, slice_KLD: np.ndarray | None,
+              has_prefill_K: np.ndarray) -> dict:
+        """`block`, bit for bit, in compiled code (the engine's per-block path; same arguments and result). Falls
+        back to `block` where the kernels do not reproduce it (see `_compiled_inputs`) and to raise its errors."""
+        inputs = self._compiled
+        node_copies = traffic.node_copies
+        if inputs is None or (node_copies is not None and node_copies.shape[3] != inputs["nodes"]):
+            return self.block(seg, traffic, tokens_KD, slice_KLD, has_prefill_K)
+        num_k, num_layers = traffic.slot_tokens.shape[:2]
+        if node_copies is None:
+            node_copies = np.zeros(traffic.copies.shape[:3] + (0,), dtype=np.int64)
+        kinds = inputs["kinds"]
+        kinds_K = np.where(np.asarray(has_prefill_K, dtype=bool), kinds[0], kinds[1]) if self.backend == "deepep_auto" \
+            else np.full(num_k, kinds[0], dtype=np.int64)
+        dispatch, combine = np.empty((num_k, num_layers)), np.empty((num_k, num_layers))
+        m = inputs["measured"]
+        ok = _a2a_block(traffic.activations, traffic.copies, node_copies, kinds_K, inputs["nvlink_mask"],
+                        inputs["rdma_mask"], inputs["one_node"], self.hw.devices_per_node, inputs["phase_params"],
+                        inputs["phase_bytes"], m[0], m[1], m[2], m[3], dispatch, combine)
+        if not ok:
+            return self.block(seg, traffic, tokens_KD, slice_KLD, has_prefill_K)
+        total, dense, head = np.empty(num_k), np.empty(num_k), np.empty(num_k)
+        moe = np.empty((num_k, num_layers, len(COMPONENTS)))
+        tp = self.mode == "tp"
+        slices = np.ascontiguousarray(slice_KLD, dtype=np.int64) if tp else _NO_SLICES
+        f64 = lambda a: np.ascontiguousarray(a, dtype=np.float64)  # noqa: E731
+        _price_block(tp, f64(seg["pairs_prefill"]), f64(seg["pairs_decode"]), f64(seg["kv_read"]), f64(seg["tokens"]),
+                     f64(seg["samples"]), slices, np.ascontiguousarray(traffic.slot_tokens, dtype=np.int64),
+                     inputs["c"], inputs["expert_table"], inputs["gate_table"], dispatch, combine, total, dense, head, moe)
+        return {"total": total, "dense": dense, "head": head, "moe": moe}
 
     def _gemm(self, tokens: np.ndarray, params: int) -> np.ndarray:
         """A dense GEMM over `tokens` rows with `params` weights (weights read once when there is a row)."""
@@ -276,3 +356,365 @@ class CostModel:
         low = a2a_seconds(traffic, self.hw.backends["deepep_low_latency"], hidden, dpn)
         pick = has_prefill_K[:, None]
         return np.where(pick, normal[0], low[0]), np.where(pick, normal[1], low[1])
+
+
+# ---- the compiled pricing of one block (the engine's hot path) ---------------------------------------------------
+#
+# `CostModel.price` computes what `CostModel.block` computes, bit for bit, in one compiled call instead of ~60 numpy
+# calls on small arrays (the simulator priced ~7k blocks of a few iterations per second of light load, almost all of
+# it numpy call overhead). Every float operation is written in `block`'s order: elementwise expressions as numpy
+# evaluates them left to right, maxima in any order (exact), and the two float sums numpy takes over a contiguous
+# axis (a rank's slots in `experts`, the MoE layers in the total) with numpy's own pairwise summation
+# (`_pairwise_sum`). tests/test_sim_speed.py checks `price` against `block` and whole runs against the old engine.
+
+_BACKEND_KIND = {"nccl": 0, "deepep_normal": 1, "deepep_low_latency": 2}
+_NO_TABLE = np.zeros((0, 2))
+_NO_SLICES = np.zeros((0, 0, 0), dtype=np.int64)
+# indices into the float64 constants vector `CostModel._consts` (all integers in it are exact in float64)
+(_C_BYTES_EL, _C_HIDDEN, _C_FLOOR, _C_GEMM_FLOPS, _C_MEM_BW, _C_ATTN_FLOPS, _C_PAIR_PREFILL, _C_PAIR_DECODE,
+ _C_KV_BYTES, _C_TP_KV_SPLIT, _C_ATTN_PARAMS, _C_EXPERT_PARAMS, _C_SHARED_PARAMS, _C_DENSE_PARAMS, _C_GATE_PARAMS,
+ _C_HEAD_PARAMS, _C_FIRST_DENSE, _C_LAYER_WEIGHT, _C_TILE, _C_COLL_LATENCY, _C_COLL_BW, _C_DEVICES,
+ _C_COUNT) = range(23)
+
+
+@numba.njit(cache=True, nogil=True)
+def _pairwise_block(a, lo, n):  # pragma: no cover (compiled)
+    """numpy's pairwise_sum of float64 for n <= 128 (8 accumulators, combined as a tree, then the tail)."""
+    if n < 8:
+        res = 0.0
+        for i in range(n):
+            res += a[lo + i]
+        return res
+    r0, r1, r2, r3 = a[lo], a[lo + 1], a[lo + 2], a[lo + 3]
+    r4, r5, r6, r7 = a[lo + 4], a[lo + 5], a[lo + 6], a[lo + 7]
+    i = 8
+    while i < n - (n % 8):
+        r0 += a[lo + i]
+        r1 += a[lo + i + 1]
+        r2 += a[lo + i + 2]
+        r3 += a[lo + i + 3]
+        r4 += a[lo + i + 4]
+        r5 += a[lo + i + 5]
+        r6 += a[lo + i + 6]
+        r7 += a[lo + i + 7]
+        i += 8
+    res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+    while i < n:
+        res += a[lo + i]
+        i += 1
+    return res
+
+
+@numba.njit(cache=True, nogil=True)
+def _pairwise_sum(a, lo, n):  # pragma: no cover (compiled)
+    """numpy's float64 add.reduce over a contiguous run a[lo:lo + n]: 0.0 + pairwise_sum (numpy's loops: blocks of
+    up to 128 summed by `_pairwise_block`, longer runs split in two at a multiple of 8 and the halves added). The
+    split is walked with an explicit stack (a recursive compiled function does not survive numba's cache)."""
+    if n <= 128:
+        return 0.0 + _pairwise_block(a, lo, n)
+    seg_lo = np.empty(128, dtype=np.int64)
+    seg_n = np.empty(128, dtype=np.int64)
+    seg_joined = np.zeros(128, dtype=np.bool_)
+    values = np.empty(128)
+    top, vtop = 1, 0
+    seg_lo[0], seg_n[0] = lo, n
+    while top > 0:
+        t = top - 1
+        if seg_n[t] <= 128:
+            values[vtop] = _pairwise_block(a, seg_lo[t], seg_n[t])
+            vtop += 1
+            top -= 1
+        elif seg_joined[t]:
+            values[vtop - 2] = values[vtop - 2] + values[vtop - 1]
+            vtop -= 1
+            top -= 1
+        else:
+            half = seg_n[t] // 2
+            half -= half % 8
+            seg_joined[t] = True
+            seg_lo[t + 1], seg_n[t + 1], seg_joined[t + 1] = seg_lo[t] + half, seg_n[t] - half, False  # right, after
+            seg_lo[t + 2], seg_n[t + 2], seg_joined[t + 2] = seg_lo[t], half, False  # left, first
+            top += 2
+    return 0.0 + values[0]
+
+
+@numba.njit(cache=True, nogil=True)
+def _interpolate(table, x):  # pragma: no cover (compiled)
+    """hardware.interpolate at one point (np.interp's rule; the table's sizes strictly increase, see `price`)."""
+    n = table.shape[0]
+    last = table[n - 1, 0]
+    if x > last:
+        slope = (table[n - 1, 1] - table[n - 2, 1]) / max(last - table[n - 2, 0], 1e-30)
+        return table[n - 1, 1] + (x - last) * slope
+    if x < table[0, 0]:
+        return table[0, 1]
+    lo, hi = 0, n - 1  # the last j with table[j, 0] <= x
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if table[mid, 0] <= x:
+            lo = mid
+        else:
+            hi = mid
+    j = hi if table[hi, 0] <= x else lo
+    if j == n - 1 or table[j, 0] == x:
+        return table[j, 1]
+    slope = (table[j + 1, 1] - table[j, 1]) / (table[j + 1, 0] - table[j, 0])
+    y = slope * (x - table[j, 0]) + table[j, 1]
+    if np.isnan(y):
+        y = slope * (x - table[j + 1, 0]) + table[j + 1, 1]
+        if np.isnan(y) and table[j, 1] == table[j + 1, 1]:
+            y = table[j, 1]
+    return y
+
+
+@numba.njit(cache=True, nogil=True)
+def _gemm1(tokens, params, c):  # pragma: no cover (compiled)
+    """CostModel._gemm at one point."""
+    if params == 0.0:
+        return 0.0
+    weights = params * c[_C_BYTES_EL] if tokens > 0 else 0.0
+    flops = (2.0 * params) * tokens
+    moved = weights + ((2.0 * tokens) * c[_C_HIDDEN]) * c[_C_BYTES_EL]
+    seconds = max(flops / c[_C_GEMM_FLOPS], moved / c[_C_MEM_BW])
+    return max(seconds, c[_C_FLOOR]) if tokens > 0 else 0.0
+
+
+@numba.njit(cache=True, nogil=True)
+def _gate1(tokens, c, gate_table):  # pragma: no cover (compiled)
+    """CostModel.gate at one point."""
+    if gate_table.shape[0] == 0:
+        return _gemm1(tokens, c[_C_GATE_PARAMS], c)
+    return _interpolate(gate_table, tokens) if tokens > 0 else 0.0
+
+
+@numba.njit(cache=True, nogil=True)
+def _level_seconds(m, nvlink, bytes_per_token, half_bytes, bandwidth, measured, busiest_int):  # pragma: no cover
+    """One link level of phase_seconds for a source x destination count matrix m[S, D] restricted to the level's
+    pairs (nvlink: same node, off-diagonal; else across nodes; `nvlink` holds that mask as an int matrix where 1
+    keeps a pair). With a measured table, adds each rank's max(sent, received) into busiest_int[D] and returns 0;
+    else returns the busiest rank's ramped seconds (-1.0 when the bandwidth is 0 and a rank sends)."""
+    num = m.shape[0]
+    busiest = 0.0
+    for r in range(num):
+        send = 0
+        recv = 0
+        send_peers = 0
+        recv_peers = 0
+        for o in range(num):
+            if nvlink[r, o]:
+                v = m[r, o]
+                send += v
+                send_peers += v > 0
+            if nvlink[o, r]:
+                v = m[o, r]
+                recv += v
+                recv_peers += v > 0
+        if measured:
+            busiest_int[r] += max(send, recv)
+        else:
+            ramped = max(send * bytes_per_token + send_peers * half_bytes,
+                         recv * bytes_per_token + recv_peers * half_bytes)
+            busiest = max(busiest, ramped)
+    if measured:
+        return 0.0
+    if bandwidth > 0:
+        return busiest / bandwidth
+    return -1.0 if busiest > 0 else -2.0
+
+
+@numba.njit(cache=True, nogil=True)
+def _normal_loads(copies, node_copies, dpn, out):  # pragma: no cover (compiled)
+    """_deepep_normal_load across nodes for one (iteration, layer): out int64[2 levels, 4, D] (send, recv,
+    send_peers, recv_peers) per level, NVLink forwarding then RDMA."""
+    num = copies.shape[0]
+    nodes = num // dpn
+    out[:] = 0
+    for lf in range(dpn):
+        for md in range(nodes):
+            for ld in range(dpn):
+                if lf == ld:
+                    continue
+                flow = 0
+                for ms in range(nodes):
+                    flow += copies[ms * dpn + lf, md * dpn + ld]
+                out[0, 0, md * dpn + lf] += flow
+                out[0, 1, md * dpn + ld] += flow
+                out[0, 2, md * dpn + lf] += flow > 0
+                out[0, 3, md * dpn + ld] += flow > 0
+    for s in range(num):
+        for m in range(nodes):
+            if s // dpn == m:
+                continue
+            v = node_copies[s, m]
+            out[1, 0, s] += v
+            out[1, 2, s] += v > 0
+            out[1, 1, m * dpn + s % dpn] += v
+            out[1, 3, m * dpn + s % dpn] += v > 0
+
+
+@numba.njit(cache=True, nogil=True)
+def _loads_seconds(loads, bytes_per_token, params, measured):  # pragma: no cover (compiled)
+    """phase_seconds from explicit per-rank loads[levels, 4, D] (see _normal_loads); NaN flags a missing rdma."""
+    levels, _, num = loads.shape
+    if measured.shape[0] > 0:
+        busiest = 0
+        for r in range(num):
+            total = 0
+            for v in range(levels):
+                total += max(loads[v, 0, r], loads[v, 1, r])
+            busiest = max(busiest, total)
+        return _interpolate(measured, busiest * bytes_per_token)
+    time = 0.0
+    for v in range(levels):
+        busiest = 0.0
+        for r in range(num):
+            busiest = max(busiest, max(loads[v, 0, r] * bytes_per_token + loads[v, 2, r] * params[1],
+                                       loads[v, 1, r] * bytes_per_token + loads[v, 3, r] * params[1]))
+        bandwidth = params[2 + v]
+        if bandwidth > 0:
+            time = max(time, busiest / bandwidth)
+        elif busiest > 0:
+            return np.nan
+    return params[0] + time
+
+
+@numba.njit(cache=True, nogil=True)
+def _flat_seconds(m, nvlink_mask, rdma_mask, one_node, bytes_per_token, params, measured, busiest_int):  # pragma: no cover
+    """phase_seconds of a flat all-to-all of the count matrix m[S, D] (the masks: int64[S, D] 1 where a pair
+    crosses NVLink, resp. RDMA); NaN flags a missing rdma bandwidth."""
+    is_measured = measured.shape[0] > 0
+    busiest_int[:] = 0
+    nv = _level_seconds(m, nvlink_mask, bytes_per_token, params[1], params[2], is_measured, busiest_int)
+    time = 0.0
+    if nv == -1.0:
+        return np.nan
+    if nv >= 0.0:
+        time = nv
+    if not one_node:
+        rd = _level_seconds(m, rdma_mask, bytes_per_token, params[1], params[3], is_measured, busiest_int)
+        if rd == -1.0:
+            return np.nan
+        if rd >= 0.0:
+            time = max(time, rd) if nv >= 0.0 else rd
+    if is_measured:
+        return _interpolate(measured, busiest_int.max() * bytes_per_token)
+    return params[0] + time
+
+
+@numba.njit(cache=True, nogil=True)
+def _a2a_block(activations, copies, node_copies, kinds_K, nvlink_mask, rdma_mask, one_node, dpn, phase_params, phase_bytes,
+               measured_0d, measured_0c, measured_1d, measured_1c, dispatch_KL, combine_KL):  # pragma: no cover
+    """Dispatch and combine seconds per (iteration, layer); kinds_K[k] the backend kind of iteration k (0 nccl,
+    1 deepep_normal, 2 deepep_low_latency) and which of the two priced backends (phase_params[b], b = 0 unless
+    deepep_auto picked its low-latency one, b = 1) prices it. Returns False where a rank sends across nodes
+    without rdma bandwidth."""
+    num_k, num_layers, num = copies.shape[0], copies.shape[1], copies.shape[2]
+    busiest_int = np.zeros(num, dtype=np.int64)
+    loads = np.zeros((2, 4, num), dtype=np.int64)
+    for k in range(num_k):
+        kind = kinds_K[k] % 3
+        b = kinds_K[k] // 3
+        md = measured_0d if b == 0 else measured_1d
+        mc = measured_0c if b == 0 else measured_1c
+        for layer in range(num_layers):
+            if kind == 1 and node_copies.shape[3] > 0:
+                _normal_loads(copies[k, layer], node_copies[k, layer], dpn, loads)
+                d = _loads_seconds(loads, phase_bytes[b, 0], phase_params[b, 0], md)
+                c = _loads_seconds(loads, phase_bytes[b, 1], phase_params[b, 1], mc)
+            else:
+                m = activations[k, layer] if kind == 2 else copies[k, layer]
+                d = _flat_seconds(m, nvlink_mask, rdma_mask, one_node, phase_bytes[b, 0], phase_params[b, 0], md, busiest_int)
+                c = _flat_seconds(m, nvlink_mask, rdma_mask, one_node, phase_bytes[b, 1], phase_params[b, 1], mc, busiest_int)
+            if np.isnan(d) or np.isnan(c):
+                return False
+            dispatch_KL[k, layer] = d
+            combine_KL[k, layer] = c
+    return True
+
+
+@numba.njit(cache=True, nogil=True)
+def _attention1(pairs_prefill, pairs_decode, kv_read, tokens, tp, c):  # pragma: no cover (compiled)
+    """CostModel.attention at one (iteration, attention rank)."""
+    flops = pairs_prefill * c[_C_PAIR_PREFILL] + pairs_decode * c[_C_PAIR_DECODE]
+    moved = (kv_read + tokens) * c[_C_KV_BYTES]
+    if tp:
+        flops, moved = flops / c[_C_DEVICES], moved / c[_C_TP_KV_SPLIT]
+    proj = _gemm1(tokens, c[_C_ATTN_PARAMS], c)
+    core = max(flops / c[_C_ATTN_FLOPS], moved / c[_C_MEM_BW])
+    core = max(core, c[_C_FLOOR]) if tokens > 0 else 0.0
+    return core + proj
+
+
+@numba.njit(cache=True, nogil=True)
+def _price_block(tp, pairs_prefill, pairs_decode, kv_read, tokens, samples, slice_KLD, slot_tokens, c,
+                 expert_table, gate_table, dispatch_KL, combine_KL, total_K, dense_K, head_K, moe_KLC):  # pragma: no cover
+    """CostModel.block's compute and totals for K iterations, given the all-to-all seconds (see `price`)."""
+    num_k, num_layers, num_slots = slot_tokens.shape
+    num = int(c[_C_DEVICES])
+    spd = num_slots // num
+    per_slot = np.empty(num_slots)
+    routed = np.empty(num)
+    moe_time = np.empty(num_layers)
+    groups = tokens.shape[1]
+    attn = np.empty(groups)
+    for k in range(num_k):
+        for r in range(groups):
+            attn[r] = _attention1(pairs_prefill[k, r], pairs_decode[k, r], kv_read[k, r], tokens[k, r], tp, c)
+        attention = attn.max()
+        if tp:
+            total_tokens = tokens[k, 0]
+            half = 0.0
+            if num > 1:
+                message = (total_tokens * c[_C_HIDDEN]) * c[_C_BYTES_EL]
+                half = c[_C_COLL_LATENCY] + ((num - 1) / num) * message / c[_C_COLL_BW]
+            mlp = _gemm1(total_tokens, c[_C_DENSE_PARAMS], c)
+            dense = c[_C_FIRST_DENSE] * ((attention + mlp) + 4 * half)
+            head = _gemm1(samples[k, 0], c[_C_HEAD_PARAMS], c)
+            gate_part = 0.0
+            tp_part = 2 * half
+        else:
+            gate_part = -np.inf
+            dense = -np.inf
+            head = -np.inf
+            for r in range(groups):
+                gate_part = max(gate_part, attn[r] + _gate1(tokens[k, r], c, gate_table))
+                dense = max(dense, attn[r] + _gemm1(tokens[k, r], c[_C_DENSE_PARAMS], c))
+                head = max(head, _gemm1(samples[k, r], c[_C_HEAD_PARAMS], c))
+            gate_part = gate_part - attention
+            dense = c[_C_FIRST_DENSE] * dense
+            tp_part = 0.0
+        for layer in range(num_layers):
+            for p in range(num_slots):
+                n = float(slot_tokens[k, layer, p])
+                if expert_table.shape[0] > 0:
+                    per_slot[p] = _interpolate(expert_table, n) if n > 0 else 0.0
+                else:
+                    padded = np.ceil(n / c[_C_TILE]) * c[_C_TILE]
+                    flops = (2.0 * c[_C_EXPERT_PARAMS]) * padded
+                    weights = c[_C_EXPERT_PARAMS] * c[_C_BYTES_EL] if n > 0 else 0.0
+                    moved = weights + ((2.0 * n) * c[_C_HIDDEN]) * c[_C_BYTES_EL]
+                    per_slot[p] = max(flops / c[_C_GEMM_FLOPS], moved / c[_C_MEM_BW])
+            for d in range(num):
+                seconds = _pairwise_sum(per_slot, d * spd, spd)
+                routed[d] = max(seconds, c[_C_FLOOR]) if seconds > 0 else 0.0
+            experts = -np.inf
+            if tp:
+                gate_part = -np.inf
+                for d in range(num):
+                    t = float(slice_KLD[k, layer, d])
+                    gate_part = max(gate_part, _gate1(t, c, gate_table))
+                    experts = max(experts, routed[d] + _gemm1(t, c[_C_SHARED_PARAMS], c))
+            else:
+                for d in range(num):
+                    experts = max(experts, routed[d] + _gemm1(tokens[k, d], c[_C_SHARED_PARAMS], c))
+            row = moe_KLC[k, layer]
+            row[0] = attention
+            row[1] = gate_part
+            row[2] = dispatch_KL[k, layer]
+            row[3] = experts
+            row[4] = combine_KL[k, layer]
+            row[5] = tp_part
+            moe_time[layer] = 0.0 + row[0] + row[1] + row[2] + row[3] + row[4] + row[5]
+        total_K[k] = (dense + c[_C_LAYER_WEIGHT] * _pairwise_sum(moe_time, 0, num_layers)) + head
+        dense_K[k] = dense
+        head_K[k] = head
