@@ -68,3 +68,54 @@ def count_rows(group_N, home_NL, experts_NLk, slot_table_LDE, device_table_LDE, 
                 for m in range(num_nodes):
                     node_row[m] += node_reached[m]
     return -1
+
+
+@numba.njit(cache=True, nogil=True)
+def count_rows_at(rows_N, group_N, home_NL, experts_RLk, slot_table_LDE, device_table_LDE, devices_per_node,
+                  activations_GLDD, copies_GLDD, node_copies_GLDM, slot_tokens_GLP, stats_G3):  # pragma: no cover
+    """`count_rows` over the rows experts_RLk[rows_N] (the simulator's stream rows, read in place instead of
+    gathered first), same tables, same return value; also stats_G3[g] += (activations, local activations, remote
+    copies) of group g. A row's distinct devices and nodes are found by stamping (O(k) per token-layer instead of
+    O(D)); the counts are the same integers."""
+    num_rows = rows_N.shape[0]
+    num_layers, top_k = experts_RLk.shape[1], experts_RLk.shape[2]
+    num_devices, num_experts = slot_table_LDE.shape[1], slot_table_LDE.shape[2]
+    num_nodes = node_copies_GLDM.shape[3]
+    count_slots = slot_tokens_GLP.shape[2] > 0
+    mark = np.full(num_devices, -1, dtype=np.int64)
+    node_mark = np.full(max(1, num_nodes), -1, dtype=np.int64)
+    stamp = 0
+    for n in range(num_rows):
+        g = group_N[n]
+        row = rows_N[n]
+        local = 0
+        remote = 0
+        for layer in range(num_layers):
+            s = home_NL[n, layer]
+            if s < 0 or s >= num_devices:
+                return n
+            stamp += 1
+            for j in range(top_k):
+                e = experts_RLk[row, layer, j]
+                if e < 0 or e >= num_experts:
+                    return n
+                d = device_table_LDE[layer, s, e]
+                if count_slots:
+                    slot_tokens_GLP[g, layer, slot_table_LDE[layer, s, e]] += 1
+                activations_GLDD[g, layer, s, d] += 1
+                if d == s:
+                    local += 1
+                if mark[d] != stamp:
+                    mark[d] = stamp
+                    copies_GLDD[g, layer, s, d] += 1
+                    if d != s:
+                        remote += 1
+                    if num_nodes > 0:
+                        m = d // devices_per_node
+                        if node_mark[m] != stamp:
+                            node_mark[m] = stamp
+                            node_copies_GLDM[g, layer, s, m] += 1
+        stats_G3[g, 0] += num_layers * top_k
+        stats_G3[g, 1] += local
+        stats_G3[g, 2] += remote
+    return -1

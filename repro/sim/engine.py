@@ -36,7 +36,7 @@ import numpy as np
 from repro.errors import ConfigError, ReproError
 from repro.sim.costs import COMPONENTS, CostModel
 from repro.sim.events import ARRIVAL, STEP_END, EventQueue
-from repro.sim.traffic import batch_traffic
+from repro.sim.traffic import stream_traffic
 from repro.systems.base import Plan
 
 SCHEDULES = ("mixed", "prefill_first")
@@ -332,27 +332,24 @@ class Engine:
             seg["samples"][0, g] += ctx + q == req.prompt_len[r]
         rows_N = np.concatenate(rows)
         group_N = np.concatenate(row_group)
-        experts_NLk = req.experts[rows_N]
-        num_layers = experts_NLk.shape[1]
+        num_layers = req.experts.shape[1]
         slices = None
         if self.dp:
             home_N = np.concatenate(row_home)
             home_NL = np.broadcast_to(home_N[:, None], (len(home_N), num_layers))
             tokens_KD = seg["tokens"]
         else:
-            home_NL, slices = self._tp_homes(rows_N, group_N, experts_NLk, num_k)
+            home_NL, slices = self._tp_homes(rows_N, group_N, req.experts[rows_N], num_k)
             tokens_KD = None
-        traffic = batch_traffic(group_N, home_NL, experts_NLk, self.slot_table, self.spd, num_k, self.dpn)
+        traffic, counted = stream_traffic(rows_N, group_N, home_NL, req.experts, self.slot_table, self._device_table(),
+                                          self.spd, num_k, self.dpn)
         has_prefill = np.zeros(num_k, dtype=bool)
         has_prefill[0] = bool(segments)
-        priced = self.cost.block(seg, traffic, tokens_KD, slices, has_prefill)
-        activations = traffic.activations
-        local = np.trace(activations, axis1=2, axis2=3).sum(axis=1)
-        copies = traffic.copies.sum(axis=(1, 2, 3)) - np.trace(traffic.copies, axis1=2, axis2=3).sum(axis=1)
+        priced = self.cost.price(seg, traffic, tokens_KD, slices, has_prefill)
         stats = {
-            "local_activations": local,
-            "total_activations": activations.sum(axis=(1, 2, 3)),
-            "remote_copies": copies,
+            "local_activations": counted[:, 1],
+            "total_activations": counted[:, 0],
+            "remote_copies": counted[:, 2],
             "tokens": np.bincount(group_N, minlength=num_k),
         }
         return priced["total"] + self.cfg.iteration_overhead, priced["moe"], stats
@@ -387,3 +384,10 @@ class Engine:
                 home[idx[perm], layer] = np.repeat(ranks, counts)
                 slices[k, layer] = counts
         return home, slices
+
+    def _device_table(self) -> np.ndarray:
+        """int[L, D, E] the device of each dispatch slot (slot_table // slots_per_device), computed once."""
+        table = getattr(self, "_device_table_LDE", None)
+        if table is None or table.shape != self.slot_table.shape:
+            table = self._device_table_LDE = self.slot_table // self.spd
+        return table

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import numpy as np
 
 from repro.errors import ConfigError
-from repro.eval.counting import count_rows
+from repro.eval.counting import count_rows, count_rows_at
 from repro.systems.base import Placement
 
 
@@ -85,3 +85,26 @@ def batch_traffic(
                           f"({slot_table_LDE.shape[2]} experts, {num_devices} devices); check the trace's model.")
     return BatchTraffic(activations=activations, copies=copies,
                         node_copies=node_copies if num_nodes > 1 else None, slot_tokens=slot_tokens)
+
+
+def stream_traffic(rows_N: np.ndarray, group_N: np.ndarray, home_NL: np.ndarray, experts_RLk: np.ndarray,
+                   slot_table_LDE: np.ndarray, device_table_LDE: np.ndarray, slots_per_device: int, num_groups: int,
+                   devices_per_node: int) -> tuple[BatchTraffic, np.ndarray]:
+    """`batch_traffic` of the rows experts_RLk[rows_N] (rows_N int64[N]; read in place), device_table_LDE the slot
+    table's devices (slot_table_LDE // slots_per_device, computed once by the caller), and int64[G, 3] per group:
+    activations, local activations, remote copies (what the engine reports)."""
+    num_layers, num_devices, _ = slot_table_LDE.shape
+    num_nodes = -(-num_devices // devices_per_node)
+    activations = np.zeros((num_groups, num_layers, num_devices, num_devices), dtype=np.int64)
+    copies = np.zeros_like(activations)
+    node_copies = np.zeros((num_groups, num_layers, num_devices, num_nodes if num_nodes > 1 else 0), dtype=np.int64)
+    slot_tokens = np.zeros((num_groups, num_layers, num_devices * slots_per_device), dtype=np.int64)
+    stats = np.zeros((num_groups, 3), dtype=np.int64)
+    bad_row = count_rows_at(rows_N, group_N, home_NL, experts_RLk, slot_table_LDE, device_table_LDE, devices_per_node,
+                            activations, copies, node_copies, slot_tokens, stats)
+    if bad_row >= 0:
+        raise ConfigError(f"token row {bad_row} of the batch has an expert id or home device outside the placement "
+                          f"({slot_table_LDE.shape[2]} experts, {num_devices} devices); check the trace's model.")
+    traffic = BatchTraffic(activations=activations, copies=copies, node_copies=node_copies if num_nodes > 1 else None,
+                           slot_tokens=slot_tokens)
+    return traffic, stats

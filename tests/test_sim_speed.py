@@ -1,0 +1,230 @@
+"""The simulator's fast path (issue 33 item 1) gives the numbers of the straightforward one, bit for bit.
+
+The engine prices a block with `traffic.stream_traffic` (rows counted in place, distinct devices by stamping) and
+`CostModel.price` (compiled); the reference below is the engine's pricing as it was before (gathered rows,
+`traffic.batch_traffic`, numpy `CostModel.block`), kept verbatim. Whole runs are compared field by field with exact
+equality over prefill-heavy and decode-heavy traffic, Attention-DP and Attention-TP, light and saturated load, both
+schedules, replicated experts, one node and two (DeepEP normal kernels across nodes), and measured all-to-all tables.
+
+Legend: R requests, L MoE layers, k experts per token, E experts, D devices, K iterations in a block.
+"""
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+from repro.parallel import ParallelConfig
+from repro.sim import ModelShape, load_hardware
+from repro.sim.costs import A2A_BACKENDS, CostModel
+from repro.sim.engine import Engine, EngineConfig
+from repro.sim.shapes import RoutingMap
+from repro.sim.simulate import build_requests
+from repro.sim.traffic import BatchTraffic, batch_traffic, dispatch_slots
+from repro.systems.base import Placement, Plan
+from repro.systems.ep import contiguous_placement
+from repro.traces import TraceMeta, make_trace
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_yaml(*parts) -> dict:
+    return OmegaConf.to_container(OmegaConf.load(ROOT.joinpath("conf", *parts)), resolve=True)
+
+
+class ReferenceEngine(Engine):
+    """The engine with its pricing as before the fast path (the straightforward reference)."""
+
+    def _cost_block(self, dec, segments, num_k):
+        req, groups = self.req, self.groups
+        arange_k = np.arange(num_k)
+        dec_group = self.rank[dec] if self.dp else np.zeros(len(dec), dtype=np.int64)
+        dec_pos = self.pos[dec]
+        rows = [req.stream[(req.stream_start[dec] + dec_pos)[None, :] + arange_k[:, None]].ravel()]
+        row_group = [np.repeat(arange_k, len(dec))]
+        row_home = [np.tile(dec_group, num_k)]
+        count = np.bincount(dec_group, minlength=groups).astype(np.float64)
+        base_pairs = np.bincount(dec_group, weights=dec_pos + 1, minlength=groups)
+        seg = {
+            "pairs_decode": base_pairs[None, :] + arange_k[:, None] * count[None, :],
+            "kv_read": (base_pairs - count)[None, :] + arange_k[:, None] * count[None, :],
+            "pairs_prefill": np.zeros((num_k, groups)),
+            "tokens": np.tile(count, (num_k, 1)),
+            "samples": np.tile(count, (num_k, 1)),
+        }
+        for r, q in segments:
+            g = int(self.rank[r]) if self.dp else 0
+            ctx = int(self.pos[r])
+            start = req.stream_start[r] + ctx
+            rows.append(req.stream[start : start + q])
+            row_group.append(np.zeros(q, dtype=np.int64))
+            row_home.append(np.full(q, g, dtype=np.int64))
+            seg["pairs_prefill"][0, g] += q * ctx + q * (q + 1) / 2
+            seg["kv_read"][0, g] += ctx
+            seg["tokens"][0, g] += q
+            seg["samples"][0, g] += ctx + q == req.prompt_len[r]
+        rows_N = np.concatenate(rows)
+        group_N = np.concatenate(row_group)
+        experts_NLk = req.experts[rows_N]
+        num_layers = experts_NLk.shape[1]
+        slices = None
+        if self.dp:
+            home_N = np.concatenate(row_home)
+            home_NL = np.broadcast_to(home_N[:, None], (len(home_N), num_layers))
+            tokens_KD = seg["tokens"]
+        else:
+            home_NL, slices = self._tp_homes(rows_N, group_N, experts_NLk, num_k)
+            tokens_KD = None
+        traffic = batch_traffic(group_N, home_NL, experts_NLk, self.slot_table, self.spd, num_k, self.dpn)
+        has_prefill = np.zeros(num_k, dtype=bool)
+        has_prefill[0] = bool(segments)
+        priced = self.cost.block(seg, traffic, tokens_KD, slices, has_prefill)
+        activations = traffic.activations
+        local = np.trace(activations, axis1=2, axis2=3).sum(axis=1)
+        copies = traffic.copies.sum(axis=(1, 2, 3)) - np.trace(traffic.copies, axis1=2, axis2=3).sum(axis=1)
+        stats = {
+            "local_activations": local,
+            "total_activations": activations.sum(axis=(1, 2, 3)),
+            "remote_copies": copies,
+            "tokens": np.bincount(group_N, minlength=num_k),
+        }
+        return priced["total"] + self.cfg.iteration_overhead, priced["moe"], stats
+
+
+class ScatterPlan(Plan):
+    """TP token scheduler that hands each layer's tokens to ranks in a layer-dependent order (homes vary by layer)."""
+
+    def shuffle_tokens(self, token_ids, layer, prev_experts):
+        perm = np.argsort((np.asarray(token_ids, np.int64) * 7919 + layer * 31) % 101, kind="stable")
+        return perm, np.bincount(np.arange(len(perm)) % self.parallel.devices, minlength=self.parallel.devices)
+
+
+def random_trace(rng, num_requests, prompt, output, num_layers, num_experts, top_k):
+    """Prompts of `prompt` = (lo, hi) tokens and `output` generated tokens (captured decode routing)."""
+    prompts = rng.integers(prompt[0], prompt[1] + 1, num_requests)
+    outputs = rng.integers(output[0], output[1] + 1, num_requests)
+    lengths = prompts + outputs
+    n = int(lengths.sum())
+    # skewed routing (a few hot experts), k distinct per token
+    scores = rng.random((n, num_layers, num_experts)) * np.linspace(1.0, 3.0, num_experts)
+    experts = np.argsort(-scores, axis=2)[:, :, :top_k].astype(np.int16)
+    meta = TraceMeta(model="toy", num_experts=num_experts, top_k=top_k, layer_ids=tuple(range(num_layers)),
+                     vocab_size=500)
+    return make_trace(meta, np.concatenate([[0], np.cumsum(lengths)]), rng.integers(0, 500, n), experts,
+                      prefill_len=prompts)
+
+
+def replicated_placement(rng, num_layers, num_experts, devices):
+    """Every expert once plus `devices` hot experts a second time, one extra slot per device."""
+    spd = num_experts // devices + 1
+    rows = []
+    for _ in range(num_layers):
+        base = rng.permutation(num_experts).reshape(devices, -1)
+        extra = rng.choice(num_experts, devices, replace=False)[:, None]
+        rows.append(np.concatenate([base, extra], axis=1).ravel())
+    return Placement(np.stack(rows), devices, num_experts), spd
+
+
+CASES = {
+    # name: (hardware, devices, attention, backend, schedule, prompt, output, rate per s, replicated)
+    "dp_prefill_heavy_light": ("h200", 8, "dp", "deepep_auto", "mixed", (150, 400), (1, 3), 50.0, False),
+    "dp_decode_heavy_saturated": ("h200", 8, "dp", "nccl", "mixed", (4, 20), (40, 90), 1e6, False),
+    "dp_prefill_first_replicated": ("h200", 8, "dp", "deepep_low_latency", "prefill_first", (20, 120), (5, 40), 2e3, True),
+    "dp_two_nodes_normal": ("h100_2x8_ib", 16, "dp", "deepep_normal", "mixed", (30, 200), (5, 30), 1e6, False),
+    "dp_two_nodes_auto": ("h100_2x8_ib", 16, "dp", "deepep_auto", "mixed", (10, 60), (10, 60), 300.0, True),
+    "dp_measured_a2a": ("cpu_vm_4ranks", 4, "dp", "nccl", "mixed", (10, 100), (5, 40), 20.0, False),
+    "tp_prefill_heavy_saturated": ("h200", 8, "tp", "deepep_auto", "mixed", (150, 400), (1, 3), 1e6, False),
+    "tp_decode_heavy_light": ("h200", 8, "tp", "nccl", "mixed", (4, 20), (40, 90), 30.0, True),
+    "tp_two_nodes": ("h100_2x8_ib", 16, "tp", "deepep_normal", "prefill_first", (20, 80), (10, 40), 1e6, False),
+}
+SHAPE = ModelShape.from_config(load_yaml("sim", "shape", "deepseek_v2_lite.yaml"))
+
+
+def run_both(name, num_requests=60):
+    hardware, devices, attention, backend, schedule, prompt, output, rate, replicated = CASES[name]
+    rng = np.random.default_rng(sorted(CASES).index(name))
+    num_layers, num_experts, top_k = 4, 32, 4
+    trace = random_trace(rng, num_requests, prompt, output, num_layers, num_experts, top_k)
+    hw = load_hardware(load_yaml("hardware", f"{hardware}.yaml"))
+    if replicated:
+        placement, _ = replicated_placement(rng, num_layers, num_experts, devices)
+    else:
+        placement = contiguous_placement(num_layers, num_experts, devices)
+    parallel = ParallelConfig(devices=devices, attention=attention, devices_per_node=hw.devices_per_node)
+    plan = (ScatterPlan if attention == "tp" else Plan)(placement, parallel)
+    mapping = RoutingMap("trace", num_layers, num_experts, top_k, SHAPE.num_moe_layers / num_layers,
+                         SHAPE.moe_intermediate_size * SHAPE.top_k // top_k, "test")
+    cost = CostModel(SHAPE, hw, mapping, devices, attention, backend)
+    requests, _, _ = build_requests(trace, np.arange(num_requests), 1, "captured", rng, rng)
+    config = EngineConfig(512, 16, schedule, 100_000, 64, 1e-5, 2)
+    arrivals = np.sort(rng.exponential(1.0 / rate, num_requests).cumsum())
+    runs = []
+    for engine_type in (Engine, ReferenceEngine):
+        engine = engine_type(plan, requests, cost, dispatch_slots(placement), config)
+        runs.append(engine.run(arrivals, window=(float(arrivals[num_requests // 4]), float(arrivals[-1]) + 0.05)))
+    return runs
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_fast_engine_equals_the_reference_bit_for_bit(name):
+    fast, reference = run_both(name)
+    assert fast.window_iterations.sum() > 0 and np.isfinite(fast.finish).all()
+    for field in dataclasses.fields(reference):
+        got, want = getattr(fast, field.name), getattr(reference, field.name)
+        if isinstance(want, np.ndarray):
+            assert got.dtype == want.dtype and np.array_equal(got, want, equal_nan=True), field.name
+        else:
+            assert type(got) is type(want) and got == want, field.name
+
+
+def test_the_cases_cover_what_they_claim():
+    """Prefill-heavy and decode-heavy, light and saturated, as named (the reference's own counts)."""
+    light = run_both("dp_prefill_heavy_light")[1]
+    saturated = run_both("dp_decode_heavy_saturated")[1]
+    assert light.tokens / light.iterations < 0.3 * 512  # few tokens per iteration
+    assert saturated.tokens / saturated.iterations > 40  # most of the 60 requests decode together
+    assert light.prefill_iterations > 0.3 * light.iterations
+    assert saturated.prefill_iterations < 0.2 * saturated.iterations
+
+
+@pytest.mark.parametrize("hardware", ["h200", "h100_2x8_ib", "cpu_vm_4ranks"])
+@pytest.mark.parametrize("attention", ["dp", "tp"])
+def test_price_equals_block_on_random_blocks(hardware, attention):
+    """CostModel.price against CostModel.block on random count tables, every backend, every iteration mix, with
+    the profile's measured tables and with expert-GEMM and gate tables put in."""
+    rng = np.random.default_rng(7)
+    hw = load_hardware(load_yaml("hardware", f"{hardware}.yaml"))
+    tables = hw.measured_expert_gemm.get("exec_cpu"), hw.measured_gate.get("exec_cpu")
+    devices, num_layers, num_experts = hw.num_devices, 5, 64
+    nodes = devices // hw.devices_per_node
+    for backend in A2A_BACKENDS:
+        for spd in (8, 9, 130 // devices + 1):
+            mapping = RoutingMap("trace", num_layers, num_experts, 6, 27 / 5, 1408, "test")
+            cost = CostModel(SHAPE, hw, mapping, devices, attention, backend)
+            if tables[0] is not None and spd == 9:
+                cost.expert_table, cost.gate_table = tables
+                cost._compiled = cost._compiled_inputs()
+            assert cost._compiled is not None
+            for _ in range(3):
+                k, scale = int(rng.integers(1, 5)), int(10 ** rng.integers(0, 4))
+                activations = rng.integers(0, scale + 1, (k, num_layers, devices, devices))
+                activations *= rng.random(activations.shape) < 0.6
+                copies = np.minimum(activations, rng.integers(0, scale + 1, activations.shape))
+                node_copies = rng.integers(0, scale + 1, (k, num_layers, devices, nodes)) if nodes > 1 else None
+                slot_tokens = rng.integers(0, 3 * scale + 1, (k, num_layers, devices * spd))
+                slot_tokens *= rng.random(slot_tokens.shape) < 0.7
+                traffic = BatchTraffic(activations, copies, node_copies, slot_tokens)
+                groups = devices if attention == "dp" else 1
+                tokens = rng.integers(0, 3000, (k, groups)).astype(float) * (rng.random((k, groups)) < 0.8)
+                seg = {"pairs_prefill": rng.random((k, groups)) * 1e6 * (tokens > 0),
+                       "pairs_decode": rng.random((k, groups)) * 1e4, "kv_read": tokens * 7.0, "tokens": tokens,
+                       "samples": rng.integers(0, 5, (k, groups)).astype(float)}
+                slices = rng.integers(0, 3000, (k, num_layers, devices)) if attention == "tp" else None
+                has_prefill = rng.random(k) < 0.5
+                tokens_KD = tokens if attention == "dp" else None
+                want = cost.block(seg, traffic, tokens_KD, slices, has_prefill)
+                got = cost.price(seg, traffic, tokens_KD, slices, has_prefill)
+                for key in want:
+                    assert np.array_equal(got[key], want[key]), (backend, spd, key)
