@@ -71,20 +71,28 @@ def count_rows(group_N, home_NL, experts_NLk, slot_table_LDE, device_table_LDE, 
 
 
 @numba.njit(cache=True, nogil=True)
-def count_rows_at(rows_N, group_N, home_NL, experts_RLk, slot_table_LDE, device_table_LDE, devices_per_node,
-                  activations_GLDD, copies_GLDD, node_copies_GLDM, slot_tokens_GLP, stats_G3):  # pragma: no cover
+def count_rows_at(rows_N, group_N, home_NL, experts_RLk, slot_table_LDE, device_table_LDE, device_bits_LDE,
+                  devices_per_node, activations_GLDD, copies_GLDD, node_copies_GLDM, slot_tokens_GLP,
+                  stats_G3):  # pragma: no cover (compiled)
     """`count_rows` over the rows experts_RLk[rows_N] (the simulator's stream rows, read in place instead of
-    gathered first), same tables, same return value; also stats_G3[g] += (activations, local activations, remote
-    copies) of group g. A row's distinct devices and nodes are found by stamping (O(k) per token-layer instead of
-    O(D)); the counts are the same integers."""
+    gathered first): same tables, same return value; also stats_G3[g] += (activations, local activations, remote
+    copies) of group g. device_bits_LDE uint64[L, D, E]: 1 << (the slot's device), for D <= 64 (else size 0: the
+    devices are then marked word by word as `count_rows` does).
+
+    When the rows hold more activations than a [G, L, D, E] table has cells, activations are first counted per
+    (group, layer, home, expert), one increment each, and then spread to slots and devices per cell (the same
+    integers, fewer scattered writes); otherwise each activation goes straight to its slot and device.
+    """
     num_rows = rows_N.shape[0]
+    num_groups = activations_GLDD.shape[0]
     num_layers, top_k = experts_RLk.shape[1], experts_RLk.shape[2]
     num_devices, num_experts = slot_table_LDE.shape[1], slot_table_LDE.shape[2]
     num_nodes = node_copies_GLDM.shape[3]
     count_slots = slot_tokens_GLP.shape[2] > 0
-    mark = np.full(num_devices, -1, dtype=np.int64)
-    node_mark = np.full(max(1, num_nodes), -1, dtype=np.int64)
-    stamp = 0
+    aggregate = num_rows * top_k >= num_groups * num_devices * num_experts and device_bits_LDE.shape[0] > 0
+    by_expert = np.zeros((num_groups if aggregate else 0, num_layers, num_devices, num_experts), dtype=np.int64)
+    reached = np.zeros((num_devices + 63) // 64, dtype=np.uint64)
+    node_reached = np.zeros(max(1, num_nodes), dtype=np.int64)
     for n in range(num_rows):
         g = group_N[n]
         row = rows_N[n]
@@ -94,28 +102,54 @@ def count_rows_at(rows_N, group_N, home_NL, experts_RLk, slot_table_LDE, device_
             s = home_NL[n, layer]
             if s < 0 or s >= num_devices:
                 return n
-            stamp += 1
-            for j in range(top_k):
-                e = experts_RLk[row, layer, j]
-                if e < 0 or e >= num_experts:
-                    return n
-                d = device_table_LDE[layer, s, e]
-                if count_slots:
-                    slot_tokens_GLP[g, layer, slot_table_LDE[layer, s, e]] += 1
-                activations_GLDD[g, layer, s, d] += 1
-                if d == s:
-                    local += 1
-                if mark[d] != stamp:
-                    mark[d] = stamp
-                    copies_GLDD[g, layer, s, d] += 1
-                    if d != s:
-                        remote += 1
-                    if num_nodes > 0:
-                        m = d // devices_per_node
-                        if node_mark[m] != stamp:
-                            node_mark[m] = stamp
-                            node_copies_GLDM[g, layer, s, m] += 1
+            if aggregate:  # one increment per activation; slots and devices per cell below
+                bits = np.uint64(0)
+                for j in range(top_k):
+                    e = experts_RLk[row, layer, j]
+                    if e < 0 or e >= num_experts:
+                        return n
+                    bits |= device_bits_LDE[layer, s, e]
+                    by_expert[g, layer, s, e] += 1
+                reached[0] = bits
+            else:
+                reached[:] = 0
+                for j in range(top_k):
+                    e = experts_RLk[row, layer, j]
+                    if e < 0 or e >= num_experts:
+                        return n
+                    d = device_table_LDE[layer, s, e]
+                    if count_slots:
+                        slot_tokens_GLP[g, layer, slot_table_LDE[layer, s, e]] += 1
+                    activations_GLDD[g, layer, s, d] += 1
+                    local += d == s
+                    reached[d >> 6] |= np.uint64(1) << np.uint64(d & 63)
+            copies_row = copies_GLDD[g, layer, s]
+            for d in range(num_devices):
+                bit = np.int64((reached[d >> 6] >> np.uint64(d & 63)) & np.uint64(1))
+                copies_row[d] += bit
+                remote += bit
+            remote -= np.int64((reached[s >> 6] >> np.uint64(s & 63)) & np.uint64(1))  # the home's own "copy"
+            if num_nodes > 0:
+                node_reached[:] = 0
+                for d in range(num_devices):
+                    node_reached[d // devices_per_node] |= (reached[d >> 6] >> np.uint64(d & 63)) & np.uint64(1)
+                node_row = node_copies_GLDM[g, layer, s]
+                for m in range(num_nodes):
+                    node_row[m] += node_reached[m]
         stats_G3[g, 0] += num_layers * top_k
         stats_G3[g, 1] += local
         stats_G3[g, 2] += remote
+    if aggregate:
+        for g in range(num_groups):
+            for layer in range(num_layers):
+                for s in range(num_devices):
+                    for e in range(num_experts):
+                        c = by_expert[g, layer, s, e]
+                        if c:
+                            d = device_table_LDE[layer, s, e]
+                            if count_slots:
+                                slot_tokens_GLP[g, layer, slot_table_LDE[layer, s, e]] += c
+                            activations_GLDD[g, layer, s, d] += c
+                            if d == s:
+                                stats_G3[g, 1] += c
     return -1

@@ -215,14 +215,13 @@ class CostModel:
         if any(t is not None and not np.all(np.diff(np.asarray(t)[:, 0]) > 0) for t in tables):
             return None
         node = np.arange(d) // hw.devices_per_node
-        same = node[:, None] == node[None, :]
+        expert_table = _NO_TABLE if self.expert_table is None else np.ascontiguousarray(self.expert_table, np.float64)
         return {
             "c": c, "kinds": np.array([_BACKEND_KIND[names[0]], 3 + _BACKEND_KIND[names[1]]], dtype=np.int64),
-            "expert_table": _NO_TABLE if self.expert_table is None else np.ascontiguousarray(self.expert_table, np.float64),
+            "expert_table": expert_table, "slot_seconds": _slot_seconds_table(_SLOT_SECONDS, c, expert_table),
             "gate_table": _NO_TABLE if self.gate_table is None else np.ascontiguousarray(self.gate_table, np.float64),
             "phase_params": phase_params, "phase_bytes": phase_bytes, "measured": measured,
-            "nvlink_mask": (same & ~np.eye(d, dtype=bool)).astype(np.int64), "rdma_mask": (~same).astype(np.int64),
-            "one_node": bool(same.all()), "nodes": d // hw.devices_per_node,
+            "node": node.astype(np.int64), "one_node": bool(node.max() == 0), "nodes": d // hw.devices_per_node,
         }
 
     def price(self, seg: dict, traffic: BatchTraffic, tokens_KD: np.ndarray | None, slice_KLD: np.ndarray | None,
@@ -241,8 +240,8 @@ class CostModel:
             else np.full(num_k, kinds[0], dtype=np.int64)
         dispatch, combine = np.empty((num_k, num_layers)), np.empty((num_k, num_layers))
         m = inputs["measured"]
-        ok = _a2a_block(traffic.activations, traffic.copies, node_copies, kinds_K, inputs["nvlink_mask"],
-                        inputs["rdma_mask"], inputs["one_node"], self.hw.devices_per_node, inputs["phase_params"],
+        ok = _a2a_block(traffic.activations, traffic.copies, node_copies, kinds_K, inputs["node"],
+                        inputs["one_node"], self.hw.devices_per_node, inputs["phase_params"],
                         inputs["phase_bytes"], m[0], m[1], m[2], m[3], dispatch, combine)
         if not ok:
             return self.block(seg, traffic, tokens_KD, slice_KLD, has_prefill_K)
@@ -253,7 +252,8 @@ class CostModel:
         f64 = lambda a: np.ascontiguousarray(a, dtype=np.float64)  # noqa: E731
         _price_block(tp, f64(seg["pairs_prefill"]), f64(seg["pairs_decode"]), f64(seg["kv_read"]), f64(seg["tokens"]),
                      f64(seg["samples"]), slices, np.ascontiguousarray(traffic.slot_tokens, dtype=np.int64),
-                     inputs["c"], inputs["expert_table"], inputs["gate_table"], dispatch, combine, total, dense, head, moe)
+                     inputs["c"], inputs["expert_table"], inputs["slot_seconds"], inputs["gate_table"], dispatch, combine, total,
+                     dense, head, moe)
         return {"total": total, "dense": dense, "head": head, "moe": moe}
 
     def _gemm(self, tokens: np.ndarray, params: int) -> np.ndarray:
@@ -370,6 +370,7 @@ class CostModel:
 _BACKEND_KIND = {"nccl": 0, "deepep_normal": 1, "deepep_low_latency": 2}
 _NO_TABLE = np.zeros((0, 2))
 _NO_SLICES = np.zeros((0, 0, 0), dtype=np.int64)
+_SLOT_SECONDS = 4096  # per-slot expert seconds looked up below this many tokens (32 KiB per CostModel)
 # indices into the float64 constants vector `CostModel._consts` (all integers in it are exact in float64)
 (_C_BYTES_EL, _C_HIDDEN, _C_FLOOR, _C_GEMM_FLOPS, _C_MEM_BW, _C_ATTN_FLOPS, _C_PAIR_PREFILL, _C_PAIR_DECODE,
  _C_KV_BYTES, _C_TP_KV_SPLIT, _C_ATTN_PARAMS, _C_EXPERT_PARAMS, _C_SHARED_PARAMS, _C_DENSE_PARAMS, _C_GATE_PARAMS,
@@ -488,38 +489,21 @@ def _gate1(tokens, c, gate_table):  # pragma: no cover (compiled)
 
 
 @numba.njit(cache=True, nogil=True)
-def _level_seconds(m, nvlink, bytes_per_token, half_bytes, bandwidth, measured, busiest_int):  # pragma: no cover
-    """One link level of phase_seconds for a source x destination count matrix m[S, D] restricted to the level's
-    pairs (nvlink: same node, off-diagonal; else across nodes; `nvlink` holds that mask as an int matrix where 1
-    keeps a pair). With a measured table, adds each rank's max(sent, received) into busiest_int[D] and returns 0;
-    else returns the busiest rank's ramped seconds (-1.0 when the bandwidth is 0 and a rank sends)."""
+def _flat_loads(m, node, out):  # pragma: no cover (compiled)
+    """_flat_load for one (iteration, layer): out int64[2 levels, 4, D] (send, recv, send_peers, recv_peers) of the
+    count matrix m[S, D] split by node[D] into NVLink (same node, off-diagonal) and RDMA (across nodes)."""
     num = m.shape[0]
-    busiest = 0.0
-    for r in range(num):
-        send = 0
-        recv = 0
-        send_peers = 0
-        recv_peers = 0
-        for o in range(num):
-            if nvlink[r, o]:
-                v = m[r, o]
-                send += v
-                send_peers += v > 0
-            if nvlink[o, r]:
-                v = m[o, r]
-                recv += v
-                recv_peers += v > 0
-        if measured:
-            busiest_int[r] += max(send, recv)
-        else:
-            ramped = max(send * bytes_per_token + send_peers * half_bytes,
-                         recv * bytes_per_token + recv_peers * half_bytes)
-            busiest = max(busiest, ramped)
-    if measured:
-        return 0.0
-    if bandwidth > 0:
-        return busiest / bandwidth
-    return -1.0 if busiest > 0 else -2.0
+    out[:] = 0
+    for s in range(num):
+        for d in range(num):
+            if s == d:
+                continue
+            v = m[s, d]
+            level = 0 if node[s] == node[d] else 1
+            out[level, 0, s] += v
+            out[level, 1, d] += v
+            out[level, 2, s] += v > 0
+            out[level, 3, d] += v > 0
 
 
 @numba.njit(cache=True, nogil=True)
@@ -579,38 +563,16 @@ def _loads_seconds(loads, bytes_per_token, params, measured):  # pragma: no cove
 
 
 @numba.njit(cache=True, nogil=True)
-def _flat_seconds(m, nvlink_mask, rdma_mask, one_node, bytes_per_token, params, measured, busiest_int):  # pragma: no cover
-    """phase_seconds of a flat all-to-all of the count matrix m[S, D] (the masks: int64[S, D] 1 where a pair
-    crosses NVLink, resp. RDMA); NaN flags a missing rdma bandwidth."""
-    is_measured = measured.shape[0] > 0
-    busiest_int[:] = 0
-    nv = _level_seconds(m, nvlink_mask, bytes_per_token, params[1], params[2], is_measured, busiest_int)
-    time = 0.0
-    if nv == -1.0:
-        return np.nan
-    if nv >= 0.0:
-        time = nv
-    if not one_node:
-        rd = _level_seconds(m, rdma_mask, bytes_per_token, params[1], params[3], is_measured, busiest_int)
-        if rd == -1.0:
-            return np.nan
-        if rd >= 0.0:
-            time = max(time, rd) if nv >= 0.0 else rd
-    if is_measured:
-        return _interpolate(measured, busiest_int.max() * bytes_per_token)
-    return params[0] + time
-
-
-@numba.njit(cache=True, nogil=True)
-def _a2a_block(activations, copies, node_copies, kinds_K, nvlink_mask, rdma_mask, one_node, dpn, phase_params, phase_bytes,
+def _a2a_block(activations, copies, node_copies, kinds_K, node, one_node, dpn, phase_params, phase_bytes,
                measured_0d, measured_0c, measured_1d, measured_1c, dispatch_KL, combine_KL):  # pragma: no cover
     """Dispatch and combine seconds per (iteration, layer); kinds_K[k] the backend kind of iteration k (0 nccl,
-    1 deepep_normal, 2 deepep_low_latency) and which of the two priced backends (phase_params[b], b = 0 unless
-    deepep_auto picked its low-latency one, b = 1) prices it. Returns False where a rank sends across nodes
-    without rdma bandwidth."""
+    1 deepep_normal, 2 deepep_low_latency) plus 3 where deepep_auto picked its low-latency backend (the second
+    of the two priced, phase_params[1]). node[D] each rank's node (hardware's devices_per_node), one_node when all
+    share one (then there is no rdma level). Returns False where a rank sends across nodes without rdma
+    bandwidth (`block` raises there)."""
     num_k, num_layers, num = copies.shape[0], copies.shape[1], copies.shape[2]
-    busiest_int = np.zeros(num, dtype=np.int64)
     loads = np.zeros((2, 4, num), dtype=np.int64)
+    levels = 1 if one_node else 2
     for k in range(num_k):
         kind = kinds_K[k] % 3
         b = kinds_K[k] // 3
@@ -619,17 +581,38 @@ def _a2a_block(activations, copies, node_copies, kinds_K, nvlink_mask, rdma_mask
         for layer in range(num_layers):
             if kind == 1 and node_copies.shape[3] > 0:
                 _normal_loads(copies[k, layer], node_copies[k, layer], dpn, loads)
-                d = _loads_seconds(loads, phase_bytes[b, 0], phase_params[b, 0], md)
-                c = _loads_seconds(loads, phase_bytes[b, 1], phase_params[b, 1], mc)
+                used = loads
             else:
-                m = activations[k, layer] if kind == 2 else copies[k, layer]
-                d = _flat_seconds(m, nvlink_mask, rdma_mask, one_node, phase_bytes[b, 0], phase_params[b, 0], md, busiest_int)
-                c = _flat_seconds(m, nvlink_mask, rdma_mask, one_node, phase_bytes[b, 1], phase_params[b, 1], mc, busiest_int)
+                _flat_loads(activations[k, layer] if kind == 2 else copies[k, layer], node, loads)
+                used = loads[:levels]
+            d = _loads_seconds(used, phase_bytes[b, 0], phase_params[b, 0], md)
+            c = _loads_seconds(used, phase_bytes[b, 1], phase_params[b, 1], mc)
             if np.isnan(d) or np.isnan(c):
                 return False
             dispatch_KL[k, layer] = d
             combine_KL[k, layer] = c
     return True
+
+
+@numba.njit(cache=True, nogil=True)
+def _slot_seconds(n, c, expert_table):  # pragma: no cover (compiled)
+    """CostModel.experts' per-slot seconds for n tokens (before the rank's sum)."""
+    if expert_table.shape[0] > 0:
+        return _interpolate(expert_table, n) if n > 0 else 0.0
+    padded = np.ceil(n / c[_C_TILE]) * c[_C_TILE]
+    flops = (2.0 * c[_C_EXPERT_PARAMS]) * padded
+    weights = c[_C_EXPERT_PARAMS] * c[_C_BYTES_EL] if n > 0 else 0.0
+    moved = weights + ((2.0 * n) * c[_C_HIDDEN]) * c[_C_BYTES_EL]
+    return max(flops / c[_C_GEMM_FLOPS], moved / c[_C_MEM_BW])
+
+
+@numba.njit(cache=True, nogil=True)
+def _slot_seconds_table(count, c, expert_table):  # pragma: no cover (compiled)
+    """float64[count]: _slot_seconds(n) for n < count (what `_price_block` looks up)."""
+    out = np.empty(count)
+    for n in range(count):
+        out[n] = _slot_seconds(float(n), c, expert_table)
+    return out
 
 
 @numba.njit(cache=True, nogil=True)
@@ -647,8 +630,10 @@ def _attention1(pairs_prefill, pairs_decode, kv_read, tokens, tp, c):  # pragma:
 
 @numba.njit(cache=True, nogil=True)
 def _price_block(tp, pairs_prefill, pairs_decode, kv_read, tokens, samples, slice_KLD, slot_tokens, c,
-                 expert_table, gate_table, dispatch_KL, combine_KL, total_K, dense_K, head_K, moe_KLC):  # pragma: no cover
-    """CostModel.block's compute and totals for K iterations, given the all-to-all seconds (see `price`)."""
+                 expert_table, slot_table, gate_table, dispatch_KL, combine_KL, total_K, dense_K, head_K,
+                 moe_KLC):  # pragma: no cover (compiled)
+    """CostModel.block's compute and totals for K iterations, given the all-to-all seconds (see `price`);
+    slot_table: `_slot_seconds_table`, the per-slot seconds of small token counts."""
     num_k, num_layers, num_slots = slot_tokens.shape
     num = int(c[_C_DEVICES])
     spd = num_slots // num
@@ -685,15 +670,8 @@ def _price_block(tp, pairs_prefill, pairs_decode, kv_read, tokens, samples, slic
             tp_part = 0.0
         for layer in range(num_layers):
             for p in range(num_slots):
-                n = float(slot_tokens[k, layer, p])
-                if expert_table.shape[0] > 0:
-                    per_slot[p] = _interpolate(expert_table, n) if n > 0 else 0.0
-                else:
-                    padded = np.ceil(n / c[_C_TILE]) * c[_C_TILE]
-                    flops = (2.0 * c[_C_EXPERT_PARAMS]) * padded
-                    weights = c[_C_EXPERT_PARAMS] * c[_C_BYTES_EL] if n > 0 else 0.0
-                    moved = weights + ((2.0 * n) * c[_C_HIDDEN]) * c[_C_BYTES_EL]
-                    per_slot[p] = max(flops / c[_C_GEMM_FLOPS], moved / c[_C_MEM_BW])
+                n = slot_tokens[k, layer, p]
+                per_slot[p] = slot_table[n] if n < slot_table.shape[0] else _slot_seconds(float(n), c, expert_table)
             for d in range(num):
                 seconds = _pairwise_sum(per_slot, d * spd, spd)
                 routed[d] = max(seconds, c[_C_FLOOR]) if seconds > 0 else 0.0

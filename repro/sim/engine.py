@@ -36,7 +36,7 @@ import numpy as np
 from repro.errors import ConfigError, ReproError
 from repro.sim.costs import COMPONENTS, CostModel
 from repro.sim.events import ARRIVAL, STEP_END, EventQueue
-from repro.sim.traffic import stream_traffic
+from repro.sim.traffic import device_tables, stream_traffic
 from repro.systems.base import Plan
 
 SCHEDULES = ("mixed", "prefill_first")
@@ -341,7 +341,7 @@ class Engine:
         else:
             home_NL, slices = self._tp_homes(rows_N, group_N, req.experts[rows_N], num_k)
             tokens_KD = None
-        traffic, counted = stream_traffic(rows_N, group_N, home_NL, req.experts, self.slot_table, self._device_table(),
+        traffic, counted = stream_traffic(rows_N, group_N, home_NL, req.experts, self.slot_table, self._device_tables(),
                                           self.spd, num_k, self.dpn)
         has_prefill = np.zeros(num_k, dtype=bool)
         has_prefill[0] = bool(segments)
@@ -385,9 +385,9 @@ class Engine:
                 slices[k, layer] = counts
         return home, slices
 
-    def _device_table(self) -> np.ndarray:
-        """int[L, D, E] the device of each dispatch slot (slot_table // slots_per_device), computed once."""
-        table = getattr(self, "_device_table_LDE", None)
-        if table is None or table.shape != self.slot_table.shape:
-            table = self._device_table_LDE = self.slot_table // self.spd
-        return table
+    def _device_tables(self) -> tuple[np.ndarray, np.ndarray]:
+        """traffic.device_tables of the slot table, computed once (2 x 8 bytes per (layer, device, expert))."""
+        tables = getattr(self, "_device_tables_LDE", None)
+        if tables is None or tables[0].shape != self.slot_table.shape:
+            tables = self._device_tables_LDE = device_tables(self.slot_table, self.spd)
+        return tables
