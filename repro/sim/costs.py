@@ -39,6 +39,7 @@ from repro.sim.shapes import ModelShape, RoutingMap
 from repro.sim.traffic import BatchTraffic
 
 A2A_BACKENDS = ("nccl", "deepep_normal", "deepep_low_latency", "deepep_auto")
+SEG_KEYS = ("pairs_prefill", "pairs_decode", "kv_read", "tokens", "samples")  # CostModel.block's seg, in price_arrays' order
 COMPONENTS = ("attention", "gate", "dispatch", "experts", "combine", "tp_collectives")
 
 
@@ -226,35 +227,40 @@ class CostModel:
 
     def price(self, seg: dict, traffic: BatchTraffic, tokens_KD: np.ndarray | None, slice_KLD: np.ndarray | None,
               has_prefill_K: np.ndarray) -> dict:
-        """`block`, bit for bit, in compiled code (the engine's per-block path; same arguments and result). Falls
-        back to `block` where the kernels do not reproduce it (see `_compiled_inputs`) and to raise its errors."""
+        """`block`, bit for bit, in compiled code (same arguments and result). Falls back to `block` where the
+        kernels do not reproduce it (see `_compiled_inputs`) and to raise its errors."""
+        seg5 = np.stack([np.asarray(seg[key], dtype=np.float64) for key in SEG_KEYS])
+        priced = self.price_arrays(seg5, traffic, slice_KLD, has_prefill_K)
+        if priced is None:
+            return self.block(seg, traffic, tokens_KD, slice_KLD, has_prefill_K)
+        return dict(zip(("total", "dense", "head", "moe"), priced, strict=True))
+
+    def price_arrays(self, seg5: np.ndarray, traffic: BatchTraffic, slice_KLD: np.ndarray | None,
+                     has_prefill_K: np.ndarray) -> tuple | None:
+        """`price` for the engine: seg5 float64[5, K, R] the seg entries in SEG_KEYS order (DP: tokens are
+        tokens_KD). Returns (total, dense, head, moe), or None where `block` must price the block instead."""
         inputs = self._compiled
         node_copies = traffic.node_copies
         if inputs is None or (node_copies is not None and node_copies.shape[3] != inputs["nodes"]):
-            return self.block(seg, traffic, tokens_KD, slice_KLD, has_prefill_K)
+            return None
         num_k, num_layers = traffic.slot_tokens.shape[:2]
         if node_copies is None:
             node_copies = np.zeros(traffic.copies.shape[:3] + (0,), dtype=np.int64)
         kinds = inputs["kinds"]
-        kinds_K = np.where(np.asarray(has_prefill_K, dtype=bool), kinds[0], kinds[1]) if self.backend == "deepep_auto" \
-            else np.full(num_k, kinds[0], dtype=np.int64)
-        dispatch, combine = np.empty((num_k, num_layers)), np.empty((num_k, num_layers))
-        m = inputs["measured"]
-        ok = _a2a_block(traffic.activations, traffic.copies, node_copies, kinds_K, inputs["node"],
-                        inputs["one_node"], self.hw.devices_per_node, inputs["phase_params"],
-                        inputs["phase_bytes"], m[0], m[1], m[2], m[3], dispatch, combine)
-        if not ok:
-            return self.block(seg, traffic, tokens_KD, slice_KLD, has_prefill_K)
+        if self.backend == "deepep_auto":
+            kinds_K = np.where(np.asarray(has_prefill_K, dtype=bool), kinds[0], kinds[1])
+        else:
+            kinds_K = np.full(num_k, kinds[0], dtype=np.int64)
         total, dense, head = np.empty(num_k), np.empty(num_k), np.empty(num_k)
         moe = np.empty((num_k, num_layers, len(COMPONENTS)))
-        tp = self.mode == "tp"
-        slices = np.ascontiguousarray(slice_KLD, dtype=np.int64) if tp else _NO_SLICES
-        f64 = lambda a: np.ascontiguousarray(a, dtype=np.float64)  # noqa: E731
-        _price_block(tp, f64(seg["pairs_prefill"]), f64(seg["pairs_decode"]), f64(seg["kv_read"]), f64(seg["tokens"]),
-                     f64(seg["samples"]), slices, np.ascontiguousarray(traffic.slot_tokens, dtype=np.int64),
-                     inputs["c"], inputs["expert_table"], inputs["slot_seconds"], inputs["gate_table"], dispatch, combine, total,
-                     dense, head, moe)
-        return {"total": total, "dense": dense, "head": head, "moe": moe}
+        slices = np.ascontiguousarray(slice_KLD, dtype=np.int64) if self.mode == "tp" else _NO_SLICES
+        m = inputs["measured"]
+        ok = _price_all(self.mode == "tp", np.ascontiguousarray(seg5, dtype=np.float64), slices,
+                        np.ascontiguousarray(traffic.slot_tokens, dtype=np.int64), traffic.activations, traffic.copies,
+                        node_copies, kinds_K, inputs["node"], inputs["one_node"], self.hw.devices_per_node,
+                        inputs["phase_params"], inputs["phase_bytes"], m[0], m[1], m[2], m[3], inputs["c"],
+                        inputs["expert_table"], inputs["slot_seconds"], inputs["gate_table"], total, dense, head, moe)
+        return (total, dense, head, moe) if ok else None
 
     def _gemm(self, tokens: np.ndarray, params: int) -> np.ndarray:
         """A dense GEMM over `tokens` rows with `params` weights (weights read once when there is a row)."""
@@ -629,13 +635,14 @@ def _attention1(pairs_prefill, pairs_decode, kv_read, tokens, tp, c):  # pragma:
 
 
 @numba.njit(cache=True, nogil=True)
-def _price_block(tp, pairs_prefill, pairs_decode, kv_read, tokens, samples, slice_KLD, slot_tokens, c,
-                 expert_table, slot_table, gate_table, dispatch_KL, combine_KL, total_K, dense_K, head_K,
-                 moe_KLC):  # pragma: no cover (compiled)
+def _price_block(tp, seg5, slice_KLD, slot_tokens, c, expert_table, slot_table, gate_table, dispatch_KL, combine_KL,
+                 total_K, dense_K, head_K, moe_KLC):  # pragma: no cover (compiled)
     """CostModel.block's compute and totals for K iterations, given the all-to-all seconds (see `price`);
     slot_table: `_slot_seconds_table`, the per-slot seconds of small token counts."""
+    pairs_prefill, pairs_decode, kv_read, tokens, samples = seg5[0], seg5[1], seg5[2], seg5[3], seg5[4]
     num_k, num_layers, num_slots = slot_tokens.shape
     num = int(c[_C_DEVICES])
+    shared = np.empty(num)
     spd = num_slots // num
     per_slot = np.empty(num_slots)
     routed = np.empty(num)
@@ -668,6 +675,8 @@ def _price_block(tp, pairs_prefill, pairs_decode, kv_read, tokens, samples, slic
             gate_part = gate_part - attention
             dense = c[_C_FIRST_DENSE] * dense
             tp_part = 0.0
+            for d in range(num):
+                shared[d] = _gemm1(tokens[k, d], c[_C_SHARED_PARAMS], c)
         for layer in range(num_layers):
             for p in range(num_slots):
                 n = slot_tokens[k, layer, p]
@@ -684,7 +693,7 @@ def _price_block(tp, pairs_prefill, pairs_decode, kv_read, tokens, samples, slic
                     experts = max(experts, routed[d] + _gemm1(t, c[_C_SHARED_PARAMS], c))
             else:
                 for d in range(num):
-                    experts = max(experts, routed[d] + _gemm1(tokens[k, d], c[_C_SHARED_PARAMS], c))
+                    experts = max(experts, routed[d] + shared[d])
             row = moe_KLC[k, layer]
             row[0] = attention
             row[1] = gate_part
@@ -696,3 +705,19 @@ def _price_block(tp, pairs_prefill, pairs_decode, kv_read, tokens, samples, slic
         total_K[k] = (dense + c[_C_LAYER_WEIGHT] * _pairwise_sum(moe_time, 0, num_layers)) + head
         dense_K[k] = dense
         head_K[k] = head
+
+
+@numba.njit(cache=True, nogil=True)
+def _price_all(tp, seg5, slice_KLD, slot_tokens, activations, copies, node_copies, kinds_K, node, one_node, dpn,
+               phase_params, phase_bytes, measured_0d, measured_0c, measured_1d, measured_1c, c, expert_table,
+               slot_table, gate_table, total_K, dense_K, head_K, moe_KLC):  # pragma: no cover (compiled)
+    """`_a2a_block` then `_price_block` in one call; False where `_a2a_block` is."""
+    num_k, num_layers = slot_tokens.shape[0], slot_tokens.shape[1]
+    dispatch = np.empty((num_k, num_layers))
+    combine = np.empty((num_k, num_layers))
+    if not _a2a_block(activations, copies, node_copies, kinds_K, node, one_node, dpn, phase_params, phase_bytes,
+                      measured_0d, measured_0c, measured_1d, measured_1c, dispatch, combine):
+        return False
+    _price_block(tp, seg5, slice_KLD, slot_tokens, c, expert_table, slot_table, gate_table, dispatch, combine, total_K,
+                 dense_K, head_K, moe_KLC)
+    return True

@@ -31,10 +31,11 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 
 from repro.errors import ConfigError, ReproError
-from repro.sim.costs import COMPONENTS, CostModel
+from repro.sim.costs import COMPONENTS, SEG_KEYS, CostModel
 from repro.sim.events import ARRIVAL, STEP_END, EventQueue
 from repro.sim.traffic import device_tables, stream_traffic
 from repro.systems.base import Plan
@@ -301,58 +302,41 @@ class Engine:
     # ---- pricing ------------------------------------------------------------------------------------------------
 
     def _cost_block(self, dec: np.ndarray, segments: list[tuple[int, int]], num_k: int):
-        """(total float64[K] seconds per iteration, moe float64[K, L, C], stats {name: int64[K]})."""
-        req, groups = self.req, self.groups
-        arange_k = np.arange(num_k)
-        # decode rows: request b's input at iteration i is stream position pos[b] + i
+        """(total float64[K] seconds per iteration, moe float64[K, L, C], stats {name: int64[K]}).
+
+        Rows: decode request b's input at iteration i is stream position pos[b] + i; a prefill segment's rows are
+        the next q prompt positions. Counted in place by `stream_traffic`, priced by `CostModel.price_arrays`
+        (compiled; `CostModel.block` where it declines): the numbers of the numpy pricing, bit for bit
+        (tests/test_sim_speed.py keeps it as the reference)."""
+        req = self.req
         dec_group = self.rank[dec] if self.dp else np.zeros(len(dec), dtype=np.int64)
-        dec_pos = self.pos[dec]
-        rows = [req.stream[(req.stream_start[dec] + dec_pos)[None, :] + arange_k[:, None]].ravel()]
-        row_group = [np.repeat(arange_k, len(dec))]
-        row_home = [np.tile(dec_group, num_k)]
-        count = np.bincount(dec_group, minlength=groups).astype(np.float64)
-        base_pairs = np.bincount(dec_group, weights=dec_pos + 1, minlength=groups)
-        seg = {
-            "pairs_decode": base_pairs[None, :] + arange_k[:, None] * count[None, :],
-            "kv_read": (base_pairs - count)[None, :] + arange_k[:, None] * count[None, :],
-            "pairs_prefill": np.zeros((num_k, groups)),
-            "tokens": np.tile(count, (num_k, 1)),
-            "samples": np.tile(count, (num_k, 1)),
-        }
-        for r, q in segments:
-            g = int(self.rank[r]) if self.dp else 0
-            ctx = int(self.pos[r])
-            start = req.stream_start[r] + ctx
-            rows.append(req.stream[start : start + q])
-            row_group.append(np.zeros(q, dtype=np.int64))
-            row_home.append(np.full(q, g, dtype=np.int64))
-            seg["pairs_prefill"][0, g] += q * ctx + q * (q + 1) / 2
-            seg["kv_read"][0, g] += ctx
-            seg["tokens"][0, g] += q
-            seg["samples"][0, g] += ctx + q == req.prompt_len[r]
-        rows_N = np.concatenate(rows)
-        group_N = np.concatenate(row_group)
+        seg_r = np.fromiter((r for r, _ in segments), dtype=np.int64, count=len(segments))
+        seg_q = np.fromiter((q for _, q in segments), dtype=np.int64, count=len(segments))
+        seg_g = self.rank[seg_r] if self.dp else np.zeros(len(segments), dtype=np.int64)
+        rows_N, group_N, home_N, seg5, tokens_K = _block_rows(req.stream, req.stream_start, req.prompt_len, self.pos,
+                                                             dec, dec_group, seg_r, seg_q, seg_g, num_k, self.groups)
         num_layers = req.experts.shape[1]
         slices = None
         if self.dp:
-            home_N = np.concatenate(row_home)
             home_NL = np.broadcast_to(home_N[:, None], (len(home_N), num_layers))
-            tokens_KD = seg["tokens"]
         else:
             home_NL, slices = self._tp_homes(rows_N, group_N, req.experts[rows_N], num_k)
-            tokens_KD = None
         traffic, counted = stream_traffic(rows_N, group_N, home_NL, req.experts, self.slot_table, self._device_tables(),
                                           self.spd, num_k, self.dpn)
         has_prefill = np.zeros(num_k, dtype=bool)
         has_prefill[0] = bool(segments)
-        priced = self.cost.price(seg, traffic, tokens_KD, slices, has_prefill)
+        priced = self.cost.price_arrays(seg5, traffic, slices, has_prefill)
+        if priced is None:
+            seg = dict(zip(SEG_KEYS, seg5, strict=True))
+            block = self.cost.block(seg, traffic, seg["tokens"] if self.dp else None, slices, has_prefill)
+            priced = (block["total"], None, None, block["moe"])
         stats = {
             "local_activations": counted[:, 1],
             "total_activations": counted[:, 0],
             "remote_copies": counted[:, 2],
-            "tokens": np.bincount(group_N, minlength=num_k),
+            "tokens": tokens_K,
         }
-        return priced["total"] + self.cfg.iteration_overhead, priced["moe"], stats
+        return priced[0] + self.cfg.iteration_overhead, priced[3], stats
 
     def _tp_homes(self, rows_N, group_N, experts_NLk, num_k):
         """(home int64[N, L], slice sizes int64[K, L, D]) from plan.shuffle_tokens per iteration and layer."""
@@ -391,3 +375,51 @@ class Engine:
         if tables is None or tables[0].shape != self.slot_table.shape:
             tables = self._device_tables_LDE = device_tables(self.slot_table, self.spd)
         return tables
+
+
+@numba.njit(cache=True, nogil=True)
+def _block_rows(stream, stream_start, prompt_len, pos, dec, dec_group, seg_r, seg_q, seg_g, num_k, groups):
+    """A block's token rows and attention sums (the engine's rule, in `_cost_block`'s former numpy form, float
+    operations in its order): rows int64[N] compact rows (decode rows iteration-major, then the prefill segments'),
+    group int64[N] iteration, home int64[N] attention group, seg5 float64[5, K, G] (costs.SEG_KEYS), tokens int64[K].
+    """  # pragma: no cover (compiled)
+    num_dec = dec.shape[0]
+    num_rows = num_dec * num_k + seg_q.sum()
+    rows = np.empty(num_rows, dtype=np.int64)
+    group = np.empty(num_rows, dtype=np.int64)
+    home = np.empty(num_rows, dtype=np.int64)
+    for i in range(num_k):
+        for b in range(num_dec):
+            r = dec[b]
+            rows[i * num_dec + b] = stream[stream_start[r] + pos[r] + i]
+            group[i * num_dec + b] = i
+            home[i * num_dec + b] = dec_group[b]
+    count = np.zeros(groups)
+    base_pairs = np.zeros(groups)
+    for b in range(num_dec):
+        count[dec_group[b]] += 1.0
+        base_pairs[dec_group[b]] += float(pos[dec[b]] + 1)
+    seg5 = np.zeros((5, num_k, groups))
+    tokens = np.full(num_k, num_dec, dtype=np.int64)
+    for i in range(num_k):
+        for g in range(groups):
+            seg5[1, i, g] = base_pairs[g] + float(i) * count[g]
+            seg5[2, i, g] = (base_pairs[g] - count[g]) + float(i) * count[g]
+            seg5[3, i, g] = count[g]
+            seg5[4, i, g] = count[g]
+    n = num_dec * num_k
+    for j in range(seg_r.shape[0]):
+        r, q, g = seg_r[j], seg_q[j], seg_g[j]
+        ctx = pos[r]
+        start = stream_start[r] + ctx
+        for t in range(q):
+            rows[n + t] = stream[start + t]
+            group[n + t] = 0
+            home[n + t] = g
+        n += q
+        seg5[0, 0, g] += q * ctx + q * (q + 1) / 2
+        seg5[2, 0, g] += ctx
+        seg5[3, 0, g] += q
+        seg5[4, 0, g] += 1.0 if ctx + q == prompt_len[r] else 0.0
+        tokens[0] += q
+    return rows, group, home, seg5, tokens
