@@ -71,64 +71,124 @@ def count_rows(group_N, home_NL, experts_NLk, slot_table_LDE, device_table_LDE, 
 
 
 @numba.njit(cache=True, nogil=True)
-def count_rows_at(rows_N, group_N, home_NL, experts_RLk, slot_table_LDE, device_table_LDE, device_bits_LDE,
+def _first_bad_row(idx_M, rows_N, home_NL, experts_RLk, num_devices, num_experts):  # pragma: no cover (compiled)
+    """The first batch row in idx_M's order whose home or an expert id lies outside the placement, or -1."""
+    for i in range(idx_M.shape[0]):
+        n = idx_M[i]
+        for layer in range(experts_RLk.shape[1]):
+            s = home_NL[n, layer]
+            if s < 0 or s >= num_devices:
+                return n
+            for j in range(experts_RLk.shape[2]):
+                e = experts_RLk[rows_N[n], layer, j]
+                if e < 0 or e >= num_experts:
+                    return n
+    return -1
+
+
+@numba.njit(cache=True, nogil=True)
+def count_rows_at(idx_M, rows_N, group_N, home_NL, experts_RLk, slot_table_LDE, device_table_LDE, device_bits_LDE,
                   devices_per_node, activations_GLDD, copies_GLDD, node_copies_GLDM, slot_tokens_GLP,
                   stats_G3):  # pragma: no cover (compiled)
-    """`count_rows` over the rows experts_RLk[rows_N] (the simulator's stream rows, read in place instead of
-    gathered first): same tables, same return value; also stats_G3[g] += (activations, local activations, remote
-    copies) of group g. device_bits_LDE uint64[L, D, E]: 1 << (the slot's device), for D <= 64 (else size 0: the
-    devices are then marked word by word as `count_rows` does).
+    """`count_rows` over the batch rows n in idx_M (int[M]), whose experts are experts_RLk[rows_N[n]] (the
+    simulator's stream rows, read in place instead of gathered first), home home_NL[n] and group group_N[n]:
+    same tables, same return value (the first bad row in idx_M's order); also stats_G3[g] += (activations, local
+    activations, remote copies) of group g. device_table_LDE int[L, D, E] the slot's device; device_bits_LDE
+    uint64[L, D, E] 1 << that device, for D <= 64 (else size 0: devices are then marked word by word).
 
-    When the rows hold more activations than a [G, L, D, E] table has cells, activations are first counted per
-    (group, layer, home, expert), one increment each, and then spread to slots and devices per cell (the same
-    integers, fewer scattered writes); otherwise each activation goes straight to its slot and device.
+    Layer by layer (one layer's tables stay in the L1 cache; the counts are sums, so the order does not matter).
+    When the rows hold more activations than a [G, D, E] table has cells, a layer's activations are first counted
+    per (group, home, expert), one increment each, then spread to slots and devices per cell (the same integers,
+    fewer scattered writes); otherwise each activation goes straight to its slot and device.
     """
-    num_rows = rows_N.shape[0]
+    num_rows = idx_M.shape[0]
     num_groups = activations_GLDD.shape[0]
     num_layers, top_k = experts_RLk.shape[1], experts_RLk.shape[2]
     num_devices, num_experts = slot_table_LDE.shape[1], slot_table_LDE.shape[2]
     num_nodes = node_copies_GLDM.shape[3]
     count_slots = slot_tokens_GLP.shape[2] > 0
-    aggregate = num_rows * top_k >= num_groups * num_devices * num_experts and device_bits_LDE.shape[0] > 0
-    by_expert = np.zeros((num_groups if aggregate else 0, num_layers, num_devices, num_experts), dtype=np.int64)
+    one_word = device_bits_LDE.shape[0] > 0
+    aggregate = num_rows * top_k >= num_groups * num_devices * num_experts and one_word
+    # per-device counts of a token-layer packed in one uint64 (8 bits a device up to 8 devices, 4 up to 16)
+    lane_bits = 8 if num_devices <= 8 and top_k < 256 else (4 if num_devices <= 16 and top_k < 16 else 0)
+    lane_mask = np.uint64((1 << lane_bits) - 1)
+    by_expert = np.zeros((num_groups if aggregate else 0, num_devices, num_experts), dtype=np.int64)
     reached = np.zeros((num_devices + 63) // 64, dtype=np.uint64)
     node_reached = np.zeros(max(1, num_nodes), dtype=np.int64)
-    for n in range(num_rows):
-        g = group_N[n]
-        row = rows_N[n]
-        local = 0
-        remote = 0
-        for layer in range(num_layers):
+    local = 0
+    remote = 0
+    bad = False
+    for layer in range(num_layers):
+        experts_layer = experts_RLk[:, layer]
+        slots_layer = slot_table_LDE[layer]
+        device_layer = device_table_LDE[layer]
+        if aggregate:
+            by_expert[:] = 0
+        for i in range(num_rows):
+            n = idx_M[i]
+            g = group_N[n]
+            row = rows_N[n]
             s = home_NL[n, layer]
             if s < 0 or s >= num_devices:
-                return n
+                bad = True
+                break
+            local = 0
             if aggregate:  # one increment per activation; slots and devices per cell below
                 bits = np.uint64(0)
+                bits_layer = device_bits_LDE[layer, s]
                 for j in range(top_k):
-                    e = experts_RLk[row, layer, j]
+                    e = experts_layer[row, j]
                     if e < 0 or e >= num_experts:
-                        return n
-                    bits |= device_bits_LDE[layer, s, e]
-                    by_expert[g, layer, s, e] += 1
+                        bad = True
+                        break
+                    bits |= bits_layer[e]
+                    by_expert[g, s, e] += 1
+                reached[0] = bits
+            elif lane_bits > 0:  # a row-layer's per-device counts in one register, lane_bits bits per device
+                lanes = np.uint64(0)
+                for j in range(top_k):
+                    e = experts_layer[row, j]
+                    if e < 0 or e >= num_experts:
+                        bad = True
+                        break
+                    if count_slots:
+                        slot_tokens_GLP[g, layer, slots_layer[s, e]] += 1
+                    lanes += np.uint64(1) << np.uint64(lane_bits * device_layer[s, e])
+                if bad:
+                    break
+                activations_row = activations_GLDD[g, layer, s]
+                copies_row = copies_GLDD[g, layer, s]
+                bits = np.uint64(0)
+                for d in range(num_devices):
+                    c = np.int64((lanes >> np.uint64(lane_bits * d)) & lane_mask)
+                    activations_row[d] += c
+                    bits |= np.uint64(c > 0) << np.uint64(d)
+                local = np.int64((lanes >> np.uint64(lane_bits * s)) & lane_mask)
                 reached[0] = bits
             else:
                 reached[:] = 0
                 for j in range(top_k):
-                    e = experts_RLk[row, layer, j]
+                    e = experts_layer[row, j]
                     if e < 0 or e >= num_experts:
-                        return n
-                    d = device_table_LDE[layer, s, e]
+                        bad = True
+                        break
+                    d = device_layer[s, e]
                     if count_slots:
-                        slot_tokens_GLP[g, layer, slot_table_LDE[layer, s, e]] += 1
+                        slot_tokens_GLP[g, layer, slots_layer[s, e]] += 1
                     activations_GLDD[g, layer, s, d] += 1
                     local += d == s
                     reached[d >> 6] |= np.uint64(1) << np.uint64(d & 63)
+            if bad:
+                break
             copies_row = copies_GLDD[g, layer, s]
+            remote = 0
             for d in range(num_devices):
                 bit = np.int64((reached[d >> 6] >> np.uint64(d & 63)) & np.uint64(1))
                 copies_row[d] += bit
                 remote += bit
             remote -= np.int64((reached[s >> 6] >> np.uint64(s & 63)) & np.uint64(1))  # the home's own "copy"
+            stats_G3[g, 1] += local
+            stats_G3[g, 2] += remote
             if num_nodes > 0:
                 node_reached[:] = 0
                 for d in range(num_devices):
@@ -136,20 +196,20 @@ def count_rows_at(rows_N, group_N, home_NL, experts_RLk, slot_table_LDE, device_
                 node_row = node_copies_GLDM[g, layer, s]
                 for m in range(num_nodes):
                     node_row[m] += node_reached[m]
-        stats_G3[g, 0] += num_layers * top_k
-        stats_G3[g, 1] += local
-        stats_G3[g, 2] += remote
-    if aggregate:
-        for g in range(num_groups):
-            for layer in range(num_layers):
+        if bad:
+            return _first_bad_row(idx_M, rows_N, home_NL, experts_RLk, num_devices, num_experts)
+        if aggregate:
+            for g in range(num_groups):
                 for s in range(num_devices):
                     for e in range(num_experts):
-                        c = by_expert[g, layer, s, e]
+                        c = by_expert[g, s, e]
                         if c:
-                            d = device_table_LDE[layer, s, e]
+                            d = device_layer[s, e]
                             if count_slots:
-                                slot_tokens_GLP[g, layer, slot_table_LDE[layer, s, e]] += c
+                                slot_tokens_GLP[g, layer, slots_layer[s, e]] += c
                             activations_GLDD[g, layer, s, d] += c
                             if d == s:
                                 stats_G3[g, 1] += c
+    for i in range(num_rows):
+        stats_G3[group_N[idx_M[i]], 0] += num_layers * top_k
     return -1

@@ -34,6 +34,7 @@ import numba
 import numpy as np
 
 from repro.errors import ConfigError
+from repro.eval.counting import count_rows_at
 from repro.sim.hardware import Backend, Hardware, Phase, interpolate
 from repro.sim.shapes import ModelShape, RoutingMap
 from repro.sim.traffic import BatchTraffic
@@ -261,6 +262,38 @@ class CostModel:
                         inputs["phase_params"], inputs["phase_bytes"], m[0], m[1], m[2], m[3], inputs["c"],
                         inputs["expert_table"], inputs["slot_seconds"], inputs["gate_table"], total, dense, head, moe)
         return (total, dense, head, moe) if ok else None
+
+    def count_and_price(self, rows_N: np.ndarray, group_N: np.ndarray, home_NL: np.ndarray, experts_RLk: np.ndarray,
+                        slot_table_LDE: np.ndarray, device_tables: tuple[np.ndarray, np.ndarray], slots_per_device: int,
+                        devices_per_node: int, seg5: np.ndarray, slice_KLD: np.ndarray | None, has_prefill_K: np.ndarray) -> tuple | None:
+        """The engine's block in one compiled call: `traffic.stream_traffic` then `price_arrays`, iteration by
+        iteration (the same integers, the same floats). rows_N, group_N int64[N] and home_NL int[N, L] as
+        stream_traffic takes them (group_N in [0, K)), seg5 and slice_KLD as price_arrays. Returns (total
+        float64[K], moe float64[K, L, C], stats int64[K, 3] as stream_traffic's), or None where the caller must
+        take the two-step path (which prices with `block` or raises the error)."""
+        inputs = self._compiled
+        num_devices = slot_table_LDE.shape[1]
+        num_nodes = -(-num_devices // devices_per_node)
+        if inputs is None or (num_nodes > 1 and num_nodes != inputs["nodes"]) or num_devices != self.devices:
+            return None
+        num_k, num_layers = len(has_prefill_K), slot_table_LDE.shape[0]
+        kinds = inputs["kinds"]
+        if self.backend == "deepep_auto":
+            kinds_K = np.where(np.asarray(has_prefill_K, dtype=bool), kinds[0], kinds[1])
+        else:
+            kinds_K = np.full(num_k, kinds[0], dtype=np.int64)
+        total = np.empty(num_k)
+        moe = np.empty((num_k, num_layers, len(COMPONENTS)))
+        stats = np.zeros((num_k, 3), dtype=np.int64)
+        slices = np.ascontiguousarray(slice_KLD, dtype=np.int64) if self.mode == "tp" else \
+            np.zeros((num_k, 0, 0), dtype=np.int64)
+        m = inputs["measured"]
+        status = _count_price(rows_N, group_N, home_NL, experts_RLk, slot_table_LDE, device_tables[0], device_tables[1],
+                              num_devices * slots_per_device, devices_per_node, num_nodes, self.mode == "tp", np.ascontiguousarray(seg5, np.float64),
+                              slices, kinds_K, inputs["node"], inputs["one_node"], self.hw.devices_per_node,
+                              inputs["phase_params"], inputs["phase_bytes"], m[0], m[1], m[2], m[3], inputs["c"],
+                              inputs["expert_table"], inputs["slot_seconds"], inputs["gate_table"], total, moe, stats)
+        return (total, moe, stats) if status == 0 else None
 
     def _gemm(self, tokens: np.ndarray, params: int) -> np.ndarray:
         """A dense GEMM over `tokens` rows with `params` weights (weights read once when there is a row)."""
@@ -721,3 +754,51 @@ def _price_all(tp, seg5, slice_KLD, slot_tokens, activations, copies, node_copie
     _price_block(tp, seg5, slice_KLD, slot_tokens, c, expert_table, slot_table, gate_table, dispatch, combine, total_K,
                  dense_K, head_K, moe_KLC)
     return True
+
+
+@numba.njit(cache=True, nogil=True)
+def _count_price(rows_N, group_N, home_NL, experts_RLk, slot_table_LDE, device_table_LDE, device_bits_LDE,
+                 num_slots, devices_per_node, num_nodes, tp, seg5, slice_KLD, kinds_K, node, one_node, dpn, phase_params,
+                 phase_bytes, measured_0d, measured_0c, measured_1d, measured_1c, c, expert_table, slot_table,
+                 gate_table, total_K, moe_KLC, stats_K3):  # pragma: no cover (compiled)
+    """Count and price a block iteration by iteration: each iteration's rows counted (`count_rows_at`) into one
+    iteration's tables, which are then priced (`_a2a_block`, `_price_block`) while they are in cache, so the block's
+    [K, L, D, D] tables are never built. Returns 0, 1 for a bad row, 2 where `_a2a_block` declines."""
+    num_k = total_K.shape[0]
+    num_layers, num_devices = slot_table_LDE.shape[0], slot_table_LDE.shape[1]
+    # the rows of each iteration, in batch order (a stable counting sort by iteration)
+    num_rows = rows_N.shape[0]
+    starts = np.zeros(num_k + 1, dtype=np.int64)
+    for n in range(num_rows):
+        starts[group_N[n] + 1] += 1
+    for k in range(num_k):
+        starts[k + 1] += starts[k]
+    order = np.empty(num_rows, dtype=np.int64)
+    fill = starts[:num_k].copy()
+    for n in range(num_rows):
+        order[fill[group_N[n]]] = n
+        fill[group_N[n]] += 1
+    zero_group = np.zeros(num_rows, dtype=np.int64)
+    activations = np.zeros((1, num_layers, num_devices, num_devices), dtype=np.int64)
+    copies = np.zeros((1, num_layers, num_devices, num_devices), dtype=np.int64)
+    node_copies = np.zeros((1, num_layers, num_devices, num_nodes if num_nodes > 1 else 0), dtype=np.int64)
+    slot_tokens = np.zeros((1, num_layers, num_slots), dtype=np.int64)
+    dispatch = np.empty((1, num_layers))
+    combine = np.empty((1, num_layers))
+    dense = np.empty(1)
+    head = np.empty(1)
+    for k in range(num_k):
+        activations[:] = 0
+        copies[:] = 0
+        node_copies[:] = 0
+        slot_tokens[:] = 0
+        if count_rows_at(order[starts[k] : starts[k + 1]], rows_N, zero_group, home_NL, experts_RLk, slot_table_LDE,
+                         device_table_LDE, device_bits_LDE, devices_per_node, activations, copies, node_copies,
+                         slot_tokens, stats_K3[k : k + 1]) >= 0:
+            return 1
+        if not _a2a_block(activations, copies, node_copies, kinds_K[k : k + 1], node, one_node, dpn, phase_params,
+                          phase_bytes, measured_0d, measured_0c, measured_1d, measured_1c, dispatch, combine):
+            return 2
+        _price_block(tp, seg5[:, k : k + 1], slice_KLD[k : k + 1], slot_tokens, c, expert_table, slot_table,
+                     gate_table, dispatch, combine, total_K[k : k + 1], dense, head, moe_KLC[k : k + 1])
+    return 0

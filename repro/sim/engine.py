@@ -321,22 +321,28 @@ class Engine:
             home_NL = np.broadcast_to(home_N[:, None], (len(home_N), num_layers))
         else:
             home_NL, slices = self._tp_homes(rows_N, group_N, req.experts[rows_N], num_k)
-        traffic, counted = stream_traffic(rows_N, group_N, home_NL, req.experts, self.slot_table, self._device_tables(),
-                                          self.spd, num_k, self.dpn)
         has_prefill = np.zeros(num_k, dtype=bool)
         has_prefill[0] = bool(segments)
-        priced = self.cost.price_arrays(seg5, traffic, slices, has_prefill)
-        if priced is None:
-            seg = dict(zip(SEG_KEYS, seg5, strict=True))
-            block = self.cost.block(seg, traffic, seg["tokens"] if self.dp else None, slices, has_prefill)
-            priced = (block["total"], None, None, block["moe"])
+        fused = self.cost.count_and_price(rows_N, group_N, home_NL, req.experts, self.slot_table, self._device_tables(),
+                                          self.spd, self.dpn, seg5, slices, has_prefill)
+        if fused is not None:
+            total, moe, counted = fused
+        else:  # two steps: counting raises a bad row's error, block prices what the compiled kernels decline
+            traffic, counted = stream_traffic(rows_N, group_N, home_NL, req.experts, self.slot_table,
+                                              self._device_tables(), self.spd, num_k, self.dpn)
+            priced = self.cost.price_arrays(seg5, traffic, slices, has_prefill)
+            if priced is None:
+                seg = dict(zip(SEG_KEYS, seg5, strict=True))
+                block = self.cost.block(seg, traffic, seg["tokens"] if self.dp else None, slices, has_prefill)
+                priced = (block["total"], None, None, block["moe"])
+            total, moe = priced[0], priced[3]
         stats = {
             "local_activations": counted[:, 1],
             "total_activations": counted[:, 0],
             "remote_copies": counted[:, 2],
             "tokens": tokens_K,
         }
-        return priced[0] + self.cfg.iteration_overhead, priced[3], stats
+        return total + self.cfg.iteration_overhead, moe, stats
 
     def _tp_homes(self, rows_N, group_N, experts_NLk, num_k):
         """(home int64[N, L], slice sizes int64[K, L, D]) from plan.shuffle_tokens per iteration and layer."""

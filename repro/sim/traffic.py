@@ -109,7 +109,7 @@ def stream_traffic(rows_N: np.ndarray, group_N: np.ndarray, home_NL: np.ndarray,
     node_copies = np.zeros((num_groups, num_layers, num_devices, num_nodes if num_nodes > 1 else 0), dtype=np.int64)
     slot_tokens = np.zeros((num_groups, num_layers, num_devices * slots_per_device), dtype=np.int64)
     stats = np.zeros((num_groups, 3), dtype=np.int64)
-    bad_row = count_rows_at(rows_N, group_N, home_NL, experts_RLk, slot_table_LDE, device_tables_[0], device_tables_[1],
+    bad_row = count_rows_at(np.arange(len(rows_N)), rows_N, group_N, home_NL, experts_RLk, slot_table_LDE, device_tables_[0], device_tables_[1],
                             devices_per_node, activations, copies, node_copies, slot_tokens, stats)
     if bad_row >= 0:
         raise ConfigError(f"token row {bad_row} of the batch has an expert id or home device outside the placement "
