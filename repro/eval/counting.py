@@ -87,6 +87,24 @@ def _first_bad_row(idx_M, rows_N, home_NL, experts_RLk, num_devices, num_experts
 
 
 @numba.njit(cache=True, nogil=True)
+def _flush_lanes(g, s, layer, copy_lanes, node_lanes, lane_count, num_nodes, copies_GLDD, node_copies_GLDM,
+                 stats_G3):  # pragma: no cover (compiled)
+    """Add the byte-lane copy (and node) counts of (group g, home s) into the tables and zero them."""
+    lanes = copy_lanes[g, s]
+    for d in range(copies_GLDD.shape[3]):
+        c = np.int64((lanes >> np.uint64(8 * d)) & np.uint64(255))
+        copies_GLDD[g, layer, s, d] += c
+        if d != s:
+            stats_G3[g, 2] += c
+    lanes = node_lanes[g, s]
+    for m in range(num_nodes):
+        node_copies_GLDM[g, layer, s, m] += np.int64((lanes >> np.uint64(8 * m)) & np.uint64(255))
+    copy_lanes[g, s] = 0
+    node_lanes[g, s] = 0
+    lane_count[g, s] = 0
+
+
+@numba.njit(cache=True, nogil=True)
 def count_rows_at(idx_M, rows_N, group_N, home_NL, experts_RLk, slot_table_LDE, device_table_LDE, device_bits_LDE,
                   devices_per_node, activations_GLDD, copies_GLDD, node_copies_GLDM, slot_tokens_GLP,
                   stats_G3):  # pragma: no cover (compiled)
@@ -113,21 +131,38 @@ def count_rows_at(idx_M, rows_N, group_N, home_NL, experts_RLk, slot_table_LDE, 
     lane_bits = 8 if num_devices <= 8 and top_k < 256 else (4 if num_devices <= 16 and top_k < 16 else 0)
     lane_mask = np.uint64((1 << lane_bits) - 1)
     by_expert = np.zeros((num_groups if aggregate else 0, num_devices, num_experts), dtype=np.int64)
+    # D <= 8: a home's copies summed in byte lanes of one uint64 (spread8[bits]: bit d to byte d), same for nodes
+    lane_copies = aggregate and num_devices <= 8
+    copy_lanes = np.zeros((num_groups, num_devices), dtype=np.uint64)
+    node_lanes = np.zeros((num_groups, num_devices), dtype=np.uint64)
+    lane_count = np.zeros((num_groups, num_devices), dtype=np.int64)
+    spread8 = np.zeros(256, dtype=np.uint64)
+    node_mask = np.zeros(256, dtype=np.int64)
+    if lane_copies:
+        for mask in range(256):
+            for d in range(8):
+                if (mask >> d) & 1:
+                    spread8[mask] |= np.uint64(1) << np.uint64(8 * d)
+                    node_mask[mask] |= 1 << (d // devices_per_node)
     reached = np.zeros((num_devices + 63) // 64, dtype=np.uint64)
     node_reached = np.zeros(max(1, num_nodes), dtype=np.int64)
+    # the rows' experts copied together first: the stream rows lie anywhere in a large array, and a row-by-row copy
+    # overlaps their cache misses where the layer-by-layer loop below would wait on each
+    gathered = np.empty((num_rows, num_layers, top_k), dtype=experts_RLk.dtype)
+    for i in range(num_rows):
+        row = rows_N[idx_M[i]]
+        for layer in range(num_layers):
+            for j in range(top_k):
+                gathered[i, layer, j] = experts_RLk[row, layer, j]
     local = 0
     remote = 0
     bad = False
     for layer in range(num_layers):
-        experts_layer = experts_RLk[:, layer]
-        slots_layer = slot_table_LDE[layer]
-        device_layer = device_table_LDE[layer]
         if aggregate:
             by_expert[:] = 0
         for i in range(num_rows):
             n = idx_M[i]
             g = group_N[n]
-            row = rows_N[n]
             s = home_NL[n, layer]
             if s < 0 or s >= num_devices:
                 bad = True
@@ -135,56 +170,63 @@ def count_rows_at(idx_M, rows_N, group_N, home_NL, experts_RLk, slot_table_LDE, 
             local = 0
             if aggregate:  # one increment per activation; slots and devices per cell below
                 bits = np.uint64(0)
-                bits_layer = device_bits_LDE[layer, s]
                 for j in range(top_k):
-                    e = experts_layer[row, j]
+                    e = gathered[i, layer, j]
                     if e < 0 or e >= num_experts:
                         bad = True
                         break
-                    bits |= bits_layer[e]
+                    bits |= device_bits_LDE[layer, s, e]
                     by_expert[g, s, e] += 1
+                if bad:
+                    break
+                if lane_copies:  # copies in byte lanes: one add per token-layer, flushed every 255
+                    copy_lanes[g, s] += spread8[bits]
+                    if num_nodes > 0:
+                        node_lanes[g, s] += spread8[node_mask[bits]]
+                    lane_count[g, s] += 1
+                    if lane_count[g, s] == 255:
+                        _flush_lanes(g, s, layer, copy_lanes, node_lanes, lane_count, num_nodes, copies_GLDD,
+                                     node_copies_GLDM, stats_G3)
+                    continue
                 reached[0] = bits
             elif lane_bits > 0:  # a row-layer's per-device counts in one register, lane_bits bits per device
                 lanes = np.uint64(0)
                 for j in range(top_k):
-                    e = experts_layer[row, j]
+                    e = gathered[i, layer, j]
                     if e < 0 or e >= num_experts:
                         bad = True
                         break
                     if count_slots:
-                        slot_tokens_GLP[g, layer, slots_layer[s, e]] += 1
-                    lanes += np.uint64(1) << np.uint64(lane_bits * device_layer[s, e])
+                        slot_tokens_GLP[g, layer, slot_table_LDE[layer, s, e]] += 1
+                    lanes += np.uint64(1) << np.uint64(lane_bits * device_table_LDE[layer, s, e])
                 if bad:
                     break
-                activations_row = activations_GLDD[g, layer, s]
-                copies_row = copies_GLDD[g, layer, s]
                 bits = np.uint64(0)
                 for d in range(num_devices):
                     c = np.int64((lanes >> np.uint64(lane_bits * d)) & lane_mask)
-                    activations_row[d] += c
+                    activations_GLDD[g, layer, s, d] += c
                     bits |= np.uint64(c > 0) << np.uint64(d)
                 local = np.int64((lanes >> np.uint64(lane_bits * s)) & lane_mask)
                 reached[0] = bits
             else:
                 reached[:] = 0
                 for j in range(top_k):
-                    e = experts_layer[row, j]
+                    e = gathered[i, layer, j]
                     if e < 0 or e >= num_experts:
                         bad = True
                         break
-                    d = device_layer[s, e]
+                    d = device_table_LDE[layer, s, e]
                     if count_slots:
-                        slot_tokens_GLP[g, layer, slots_layer[s, e]] += 1
+                        slot_tokens_GLP[g, layer, slot_table_LDE[layer, s, e]] += 1
                     activations_GLDD[g, layer, s, d] += 1
                     local += d == s
                     reached[d >> 6] |= np.uint64(1) << np.uint64(d & 63)
             if bad:
                 break
-            copies_row = copies_GLDD[g, layer, s]
             remote = 0
             for d in range(num_devices):
                 bit = np.int64((reached[d >> 6] >> np.uint64(d & 63)) & np.uint64(1))
-                copies_row[d] += bit
+                copies_GLDD[g, layer, s, d] += bit
                 remote += bit
             remote -= np.int64((reached[s >> 6] >> np.uint64(s & 63)) & np.uint64(1))  # the home's own "copy"
             stats_G3[g, 1] += local
@@ -193,20 +235,25 @@ def count_rows_at(idx_M, rows_N, group_N, home_NL, experts_RLk, slot_table_LDE, 
                 node_reached[:] = 0
                 for d in range(num_devices):
                     node_reached[d // devices_per_node] |= (reached[d >> 6] >> np.uint64(d & 63)) & np.uint64(1)
-                node_row = node_copies_GLDM[g, layer, s]
                 for m in range(num_nodes):
-                    node_row[m] += node_reached[m]
+                    node_copies_GLDM[g, layer, s, m] += node_reached[m]
         if bad:
             return _first_bad_row(idx_M, rows_N, home_NL, experts_RLk, num_devices, num_experts)
+        if lane_copies:
+            for g in range(num_groups):
+                for s in range(num_devices):
+                    if lane_count[g, s] > 0:
+                        _flush_lanes(g, s, layer, copy_lanes, node_lanes, lane_count, num_nodes, copies_GLDD,
+                                     node_copies_GLDM, stats_G3)
         if aggregate:
             for g in range(num_groups):
                 for s in range(num_devices):
                     for e in range(num_experts):
                         c = by_expert[g, s, e]
                         if c:
-                            d = device_layer[s, e]
+                            d = device_table_LDE[layer, s, e]
                             if count_slots:
-                                slot_tokens_GLP[g, layer, slots_layer[s, e]] += c
+                                slot_tokens_GLP[g, layer, slot_table_LDE[layer, s, e]] += c
                             activations_GLDD[g, layer, s, d] += c
                             if d == s:
                                 stats_G3[g, 1] += c
