@@ -1,8 +1,8 @@
 """The simulator's fast path (issue 33 item 1) gives the numbers of the straightforward one, bit for bit.
 
-The engine prices a block with `traffic.stream_traffic` (rows counted in place, distinct devices by stamping) and
-`CostModel.price` (compiled); the reference below is the engine's pricing as it was before (gathered rows,
-`traffic.batch_traffic`, numpy `CostModel.block`), kept verbatim. Whole runs are compared field by field with exact
+The engine counts and prices a block in compiled code (`CostModel.count_and_price`: `counting.count_rows_at` and the
+kernels behind `CostModel.price`); the reference is the engine's pricing as it was before (gathered rows,
+`traffic.batch_traffic`, numpy `CostModel.block`), kept verbatim in bench/sim_reference.py. Whole runs are compared field by field with exact
 equality over prefill-heavy and decode-heavy traffic, Attention-DP and Attention-TP, light and saturated load, both
 schedules, replicated experts, one node and two (DeepEP normal kernels across nodes), and measured all-to-all tables.
 
@@ -16,13 +16,14 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
+from bench.sim_reference import ReferenceEngine
 from repro.parallel import ParallelConfig
 from repro.sim import ModelShape, load_hardware
 from repro.sim.costs import A2A_BACKENDS, CostModel
 from repro.sim.engine import Engine, EngineConfig
 from repro.sim.shapes import RoutingMap
 from repro.sim.simulate import build_requests
-from repro.sim.traffic import BatchTraffic, batch_traffic, dispatch_slots
+from repro.sim.traffic import BatchTraffic, dispatch_slots
 from repro.systems.base import Placement, Plan
 from repro.systems.ep import contiguous_placement
 from repro.traces import TraceMeta, make_trace
@@ -32,65 +33,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def load_yaml(*parts) -> dict:
     return OmegaConf.to_container(OmegaConf.load(ROOT.joinpath("conf", *parts)), resolve=True)
-
-
-class ReferenceEngine(Engine):
-    """The engine with its pricing as before the fast path (the straightforward reference)."""
-
-    def _cost_block(self, dec, segments, num_k):
-        req, groups = self.req, self.groups
-        arange_k = np.arange(num_k)
-        dec_group = self.rank[dec] if self.dp else np.zeros(len(dec), dtype=np.int64)
-        dec_pos = self.pos[dec]
-        rows = [req.stream[(req.stream_start[dec] + dec_pos)[None, :] + arange_k[:, None]].ravel()]
-        row_group = [np.repeat(arange_k, len(dec))]
-        row_home = [np.tile(dec_group, num_k)]
-        count = np.bincount(dec_group, minlength=groups).astype(np.float64)
-        base_pairs = np.bincount(dec_group, weights=dec_pos + 1, minlength=groups)
-        seg = {
-            "pairs_decode": base_pairs[None, :] + arange_k[:, None] * count[None, :],
-            "kv_read": (base_pairs - count)[None, :] + arange_k[:, None] * count[None, :],
-            "pairs_prefill": np.zeros((num_k, groups)),
-            "tokens": np.tile(count, (num_k, 1)),
-            "samples": np.tile(count, (num_k, 1)),
-        }
-        for r, q in segments:
-            g = int(self.rank[r]) if self.dp else 0
-            ctx = int(self.pos[r])
-            start = req.stream_start[r] + ctx
-            rows.append(req.stream[start : start + q])
-            row_group.append(np.zeros(q, dtype=np.int64))
-            row_home.append(np.full(q, g, dtype=np.int64))
-            seg["pairs_prefill"][0, g] += q * ctx + q * (q + 1) / 2
-            seg["kv_read"][0, g] += ctx
-            seg["tokens"][0, g] += q
-            seg["samples"][0, g] += ctx + q == req.prompt_len[r]
-        rows_N = np.concatenate(rows)
-        group_N = np.concatenate(row_group)
-        experts_NLk = req.experts[rows_N]
-        num_layers = experts_NLk.shape[1]
-        slices = None
-        if self.dp:
-            home_N = np.concatenate(row_home)
-            home_NL = np.broadcast_to(home_N[:, None], (len(home_N), num_layers))
-            tokens_KD = seg["tokens"]
-        else:
-            home_NL, slices = self._tp_homes(rows_N, group_N, experts_NLk, num_k)
-            tokens_KD = None
-        traffic = batch_traffic(group_N, home_NL, experts_NLk, self.slot_table, self.spd, num_k, self.dpn)
-        has_prefill = np.zeros(num_k, dtype=bool)
-        has_prefill[0] = bool(segments)
-        priced = self.cost.block(seg, traffic, tokens_KD, slices, has_prefill)
-        activations = traffic.activations
-        local = np.trace(activations, axis1=2, axis2=3).sum(axis=1)
-        copies = traffic.copies.sum(axis=(1, 2, 3)) - np.trace(traffic.copies, axis1=2, axis2=3).sum(axis=1)
-        stats = {
-            "local_activations": local,
-            "total_activations": activations.sum(axis=(1, 2, 3)),
-            "remote_copies": copies,
-            "tokens": np.bincount(group_N, minlength=num_k),
-        }
-        return priced["total"] + self.cfg.iteration_overhead, priced["moe"], stats
 
 
 class ScatterPlan(Plan):
