@@ -170,3 +170,59 @@ def test_price_equals_block_on_random_blocks(hardware, attention):
                 got = cost.price(seg, traffic, tokens_KD, slices, has_prefill)
                 for key in want:
                     assert np.array_equal(got[key], want[key]), (backend, spd, key)
+
+
+@pytest.mark.parametrize("devices,devices_per_node,rows,groups", [
+    (4, 4, 40, 3),  # few rows: each activation straight to its slot and device
+    (8, 8, 3000, 2),  # many rows, D <= 8: per-expert counts and byte-lane copies
+    (8, 4, 3000, 1),  # the same across two nodes
+    (16, 8, 4000, 1),  # per-expert counts, copies by bit set (D > 8)
+    (80, 8, 300, 2),  # past 64 devices: bit sets of several words
+])
+def test_stream_traffic_equals_batch_traffic(devices, devices_per_node, rows, groups):
+    """traffic.stream_traffic (the engine's counting: rows read in place, any subset order) against batch_traffic on
+    the gathered rows: the same tables, and the engine's stats (activations, local ones, remote copies)."""
+    from repro.sim.traffic import batch_traffic, device_tables, stream_traffic
+
+    rng = np.random.default_rng(devices + rows)
+    num_layers, top_k = 3, 4
+    placement, spd = replicated_placement(rng, num_layers, 2 * devices, devices)
+    slots = dispatch_slots(placement)
+    experts = np.argsort(rng.random((5000, num_layers, 2 * devices)), axis=2)[:, :, :top_k].astype(np.int16)
+    rows_N = rng.integers(0, 5000, rows)
+    group_N = rng.integers(0, groups, rows)
+    home_NL = rng.integers(0, devices, (rows, num_layers))
+    got, stats = stream_traffic(rows_N, group_N, home_NL, experts, slots, device_tables(slots, spd), spd, groups,
+                                devices_per_node)
+    want = batch_traffic(group_N, home_NL, experts[rows_N], slots, spd, groups, devices_per_node)
+    for name in ("activations", "copies", "node_copies", "slot_tokens"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert (a is None and b is None) or np.array_equal(a, b), name
+    diagonal = np.arange(devices)
+    np.testing.assert_array_equal(stats[:, 0], want.activations.sum(axis=(1, 2, 3)))
+    np.testing.assert_array_equal(stats[:, 1], want.activations[:, :, diagonal, diagonal].sum(axis=(1, 2)))
+    np.testing.assert_array_equal(stats[:, 2], want.copies.sum(axis=(1, 2, 3)) - want.copies[:, :, diagonal, diagonal].sum(axis=(1, 2)))
+
+
+def test_stream_traffic_names_the_first_bad_row():
+    from repro.errors import ConfigError
+    from repro.sim.traffic import device_tables, stream_traffic
+
+    slots = dispatch_slots(contiguous_placement(2, 8, 2))
+    experts = np.zeros((10, 2, 2), dtype=np.int16)
+    experts[:, :, 1] = 1
+    experts[7, 1, 0] = 8  # row 7's second layer names expert 8 of 8
+    home = np.zeros((5, 2), dtype=np.int64)
+    home[4, 0] = 2  # batch row 4 lives on device 2 of 2
+    for rows, bad in ((np.array([0, 1, 7, 2, 3]), 2), (np.array([0, 1, 2, 3, 4]), 4)):
+        with pytest.raises(ConfigError, match=f"token row {bad} "):
+            stream_traffic(rows, np.zeros(5, dtype=np.int64), home, experts, slots, device_tables(slots, 4), 4, 1, 2)
+
+
+def test_declined_blocks_take_the_two_step_path(monkeypatch):
+    """Where the compiled kernels decline (here: every block), the engine counts with stream_traffic and prices with
+    CostModel.block: the same run as the reference."""
+    monkeypatch.setattr(CostModel, "_compiled_inputs", lambda self: None)
+    fast, reference = run_both("dp_two_nodes_auto", num_requests=30)
+    assert np.array_equal(fast.finish, reference.finish) and np.array_equal(fast.moe_seconds, reference.moe_seconds)
+    assert fast.remote_copies == reference.remote_copies and fast.local_activations == reference.local_activations
