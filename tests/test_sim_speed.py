@@ -178,6 +178,7 @@ def test_price_equals_block_on_random_blocks(hardware, attention):
     (8, 4, 3000, 1),  # the same across two nodes
     (16, 8, 4000, 1),  # per-expert counts, copies by bit set (D > 8)
     (80, 8, 300, 2),  # past 64 devices: bit sets of several words
+    (8, 8, 25000, 3),  # more rows than one gathered chunk
 ])
 def test_stream_traffic_equals_batch_traffic(devices, devices_per_node, rows, groups):
     """traffic.stream_traffic (the engine's counting: rows read in place, any subset order) against batch_traffic on

@@ -146,117 +146,120 @@ def count_rows_at(idx_M, rows_N, group_N, home_NL, experts_RLk, slot_table_LDE, 
                     node_mask[mask] |= 1 << (d // devices_per_node)
     reached = np.zeros((num_devices + 63) // 64, dtype=np.uint64)
     node_reached = np.zeros(max(1, num_nodes), dtype=np.int64)
-    # the rows' experts copied together first: the stream rows lie anywhere in a large array, and a row-by-row copy
-    # overlaps their cache misses where the layer-by-layer loop below would wait on each
-    gathered = np.empty((num_rows, num_layers, top_k), dtype=experts_RLk.dtype)
-    for i in range(num_rows):
-        row = rows_N[idx_M[i]]
-        for layer in range(num_layers):
-            for j in range(top_k):
-                gathered[i, layer, j] = experts_RLk[row, layer, j]
+    # rows in chunks of ~256 KiB of experts, each chunk's rows copied together first: the stream rows lie anywhere in
+    # a large array, and a row-by-row copy overlaps their cache misses where the layer-by-layer loop would wait on each
+    chunk = max(64, 262144 // (num_layers * top_k * 2))
+    gathered = np.empty((min(num_rows, chunk), num_layers, top_k), dtype=experts_RLk.dtype)
     local = 0
     remote = 0
     bad = False
-    for layer in range(num_layers):
-        if aggregate:
-            by_expert[:] = 0
-        for i in range(num_rows):
-            n = idx_M[i]
-            g = group_N[n]
-            s = home_NL[n, layer]
-            if s < 0 or s >= num_devices:
-                bad = True
-                break
-            local = 0
-            if aggregate:  # one increment per activation; slots and devices per cell below
-                bits = np.uint64(0)
+    for first in range(0, num_rows, chunk):
+        size = min(chunk, num_rows - first)
+        for i in range(size):
+            row = rows_N[idx_M[first + i]]
+            for layer in range(num_layers):
                 for j in range(top_k):
-                    e = gathered[i, layer, j]
-                    if e < 0 or e >= num_experts:
-                        bad = True
+                    gathered[i, layer, j] = experts_RLk[row, layer, j]
+        for layer in range(num_layers):
+            if aggregate:
+                by_expert[:] = 0
+            for i in range(size):
+                n = idx_M[first + i]
+                g = group_N[n]
+                s = home_NL[n, layer]
+                if s < 0 or s >= num_devices:
+                    bad = True
+                    break
+                local = 0
+                if aggregate:  # one increment per activation; slots and devices per cell below
+                    bits = np.uint64(0)
+                    for j in range(top_k):
+                        e = gathered[i, layer, j]
+                        if e < 0 or e >= num_experts:
+                            bad = True
+                            break
+                        bits |= device_bits_LDE[layer, s, e]
+                        by_expert[g, s, e] += 1
+                    if bad:
                         break
-                    bits |= device_bits_LDE[layer, s, e]
-                    by_expert[g, s, e] += 1
+                    if lane_copies:  # copies in byte lanes: one add per token-layer, flushed every 255
+                        copy_lanes[g, s] += spread8[bits]
+                        if num_nodes > 0:
+                            node_lanes[g, s] += spread8[node_mask[bits]]
+                        lane_count[g, s] += 1
+                        if lane_count[g, s] == 255:
+                            _flush_lanes(g, s, layer, copy_lanes, node_lanes, lane_count, num_nodes, copies_GLDD,
+                                         node_copies_GLDM, stats_G3)
+                        continue
+                    reached[0] = bits
+                elif lane_bits > 0:  # a row-layer's per-device counts in one register, lane_bits bits per device
+                    lanes = np.uint64(0)
+                    for j in range(top_k):
+                        e = gathered[i, layer, j]
+                        if e < 0 or e >= num_experts:
+                            bad = True
+                            break
+                        if count_slots:
+                            slot_tokens_GLP[g, layer, slot_table_LDE[layer, s, e]] += 1
+                        lanes += np.uint64(1) << np.uint64(lane_bits * device_table_LDE[layer, s, e])
+                    if bad:
+                        break
+                    bits = np.uint64(0)
+                    for d in range(num_devices):
+                        c = np.int64((lanes >> np.uint64(lane_bits * d)) & lane_mask)
+                        activations_GLDD[g, layer, s, d] += c
+                        bits |= np.uint64(c > 0) << np.uint64(d)
+                    local = np.int64((lanes >> np.uint64(lane_bits * s)) & lane_mask)
+                    reached[0] = bits
+                else:
+                    reached[:] = 0
+                    for j in range(top_k):
+                        e = gathered[i, layer, j]
+                        if e < 0 or e >= num_experts:
+                            bad = True
+                            break
+                        d = device_table_LDE[layer, s, e]
+                        if count_slots:
+                            slot_tokens_GLP[g, layer, slot_table_LDE[layer, s, e]] += 1
+                        activations_GLDD[g, layer, s, d] += 1
+                        local += d == s
+                        reached[d >> 6] |= np.uint64(1) << np.uint64(d & 63)
                 if bad:
                     break
-                if lane_copies:  # copies in byte lanes: one add per token-layer, flushed every 255
-                    copy_lanes[g, s] += spread8[bits]
-                    if num_nodes > 0:
-                        node_lanes[g, s] += spread8[node_mask[bits]]
-                    lane_count[g, s] += 1
-                    if lane_count[g, s] == 255:
-                        _flush_lanes(g, s, layer, copy_lanes, node_lanes, lane_count, num_nodes, copies_GLDD,
-                                     node_copies_GLDM, stats_G3)
-                    continue
-                reached[0] = bits
-            elif lane_bits > 0:  # a row-layer's per-device counts in one register, lane_bits bits per device
-                lanes = np.uint64(0)
-                for j in range(top_k):
-                    e = gathered[i, layer, j]
-                    if e < 0 or e >= num_experts:
-                        bad = True
-                        break
-                    if count_slots:
-                        slot_tokens_GLP[g, layer, slot_table_LDE[layer, s, e]] += 1
-                    lanes += np.uint64(1) << np.uint64(lane_bits * device_table_LDE[layer, s, e])
-                if bad:
-                    break
-                bits = np.uint64(0)
+                remote = 0
                 for d in range(num_devices):
-                    c = np.int64((lanes >> np.uint64(lane_bits * d)) & lane_mask)
-                    activations_GLDD[g, layer, s, d] += c
-                    bits |= np.uint64(c > 0) << np.uint64(d)
-                local = np.int64((lanes >> np.uint64(lane_bits * s)) & lane_mask)
-                reached[0] = bits
-            else:
-                reached[:] = 0
-                for j in range(top_k):
-                    e = gathered[i, layer, j]
-                    if e < 0 or e >= num_experts:
-                        bad = True
-                        break
-                    d = device_table_LDE[layer, s, e]
-                    if count_slots:
-                        slot_tokens_GLP[g, layer, slot_table_LDE[layer, s, e]] += 1
-                    activations_GLDD[g, layer, s, d] += 1
-                    local += d == s
-                    reached[d >> 6] |= np.uint64(1) << np.uint64(d & 63)
+                    bit = np.int64((reached[d >> 6] >> np.uint64(d & 63)) & np.uint64(1))
+                    copies_GLDD[g, layer, s, d] += bit
+                    remote += bit
+                remote -= np.int64((reached[s >> 6] >> np.uint64(s & 63)) & np.uint64(1))  # the home's own "copy"
+                stats_G3[g, 1] += local
+                stats_G3[g, 2] += remote
+                if num_nodes > 0:
+                    node_reached[:] = 0
+                    for d in range(num_devices):
+                        node_reached[d // devices_per_node] |= (reached[d >> 6] >> np.uint64(d & 63)) & np.uint64(1)
+                    for m in range(num_nodes):
+                        node_copies_GLDM[g, layer, s, m] += node_reached[m]
             if bad:
-                break
-            remote = 0
-            for d in range(num_devices):
-                bit = np.int64((reached[d >> 6] >> np.uint64(d & 63)) & np.uint64(1))
-                copies_GLDD[g, layer, s, d] += bit
-                remote += bit
-            remote -= np.int64((reached[s >> 6] >> np.uint64(s & 63)) & np.uint64(1))  # the home's own "copy"
-            stats_G3[g, 1] += local
-            stats_G3[g, 2] += remote
-            if num_nodes > 0:
-                node_reached[:] = 0
-                for d in range(num_devices):
-                    node_reached[d // devices_per_node] |= (reached[d >> 6] >> np.uint64(d & 63)) & np.uint64(1)
-                for m in range(num_nodes):
-                    node_copies_GLDM[g, layer, s, m] += node_reached[m]
-        if bad:
-            return _first_bad_row(idx_M, rows_N, home_NL, experts_RLk, num_devices, num_experts)
-        if lane_copies:
-            for g in range(num_groups):
-                for s in range(num_devices):
-                    if lane_count[g, s] > 0:
-                        _flush_lanes(g, s, layer, copy_lanes, node_lanes, lane_count, num_nodes, copies_GLDD,
-                                     node_copies_GLDM, stats_G3)
-        if aggregate:
-            for g in range(num_groups):
-                for s in range(num_devices):
-                    for e in range(num_experts):
-                        c = by_expert[g, s, e]
-                        if c:
-                            d = device_table_LDE[layer, s, e]
-                            if count_slots:
-                                slot_tokens_GLP[g, layer, slot_table_LDE[layer, s, e]] += c
-                            activations_GLDD[g, layer, s, d] += c
-                            if d == s:
-                                stats_G3[g, 1] += c
+                return _first_bad_row(idx_M, rows_N, home_NL, experts_RLk, num_devices, num_experts)
+            if lane_copies:
+                for g in range(num_groups):
+                    for s in range(num_devices):
+                        if lane_count[g, s] > 0:
+                            _flush_lanes(g, s, layer, copy_lanes, node_lanes, lane_count, num_nodes, copies_GLDD,
+                                         node_copies_GLDM, stats_G3)
+            if aggregate:
+                for g in range(num_groups):
+                    for s in range(num_devices):
+                        for e in range(num_experts):
+                            c = by_expert[g, s, e]
+                            if c:
+                                d = device_table_LDE[layer, s, e]
+                                if count_slots:
+                                    slot_tokens_GLP[g, layer, slot_table_LDE[layer, s, e]] += c
+                                activations_GLDD[g, layer, s, d] += c
+                                if d == s:
+                                    stats_G3[g, 1] += c
     for i in range(num_rows):
         stats_G3[group_N[idx_M[i]], 0] += num_layers * top_k
     return -1

@@ -417,7 +417,7 @@ _SLOT_SECONDS = 4096  # per-slot expert seconds looked up below this many tokens
  _C_COUNT) = range(23)
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, inline="always")
 def _pairwise_block(a, lo, n):  # pragma: no cover (compiled)
     """numpy's pairwise_sum of float64 for n <= 128 (8 accumulators, combined as a tree, then the tail)."""
     if n < 8:
@@ -478,7 +478,7 @@ def _pairwise_sum(a, lo, n):  # pragma: no cover (compiled)
     return 0.0 + values[0]
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, inline="always")
 def _interpolate(table, x):  # pragma: no cover (compiled)
     """hardware.interpolate at one point (np.interp's rule; the table's sizes strictly increase, see `price`)."""
     n = table.shape[0]
@@ -507,7 +507,7 @@ def _interpolate(table, x):  # pragma: no cover (compiled)
     return y
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, inline="always")
 def _gemm1(tokens, params, c):  # pragma: no cover (compiled)
     """CostModel._gemm at one point."""
     if params == 0.0:
@@ -519,7 +519,7 @@ def _gemm1(tokens, params, c):  # pragma: no cover (compiled)
     return max(seconds, c[_C_FLOOR]) if tokens > 0 else 0.0
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, inline="always")
 def _gate1(tokens, c, gate_table):  # pragma: no cover (compiled)
     """CostModel.gate at one point."""
     if gate_table.shape[0] == 0:
@@ -527,25 +527,34 @@ def _gate1(tokens, c, gate_table):  # pragma: no cover (compiled)
     return _interpolate(gate_table, tokens) if tokens > 0 else 0.0
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, inline="always")
 def _flat_loads(m, node, out):  # pragma: no cover (compiled)
     """_flat_load for one (iteration, layer): out int64[2 levels, 4, D] (send, recv, send_peers, recv_peers) of the
     count matrix m[S, D] split by node[D] into NVLink (same node, off-diagonal) and RDMA (across nodes)."""
     num = m.shape[0]
-    out[:] = 0
-    for s in range(num):
-        for d in range(num):
-            if s == d:
+    for r in range(num):  # rank r as sender (row r) and as receiver (column r), accumulated in registers
+        send_nv = send_rd = recv_nv = recv_rd = 0
+        speers_nv = speers_rd = rpeers_nv = rpeers_rd = 0
+        for o in range(num):
+            if o == r:
                 continue
-            v = m[s, d]
-            level = 0 if node[s] == node[d] else 1
-            out[level, 0, s] += v
-            out[level, 1, d] += v
-            out[level, 2, s] += v > 0
-            out[level, 3, d] += v > 0
+            v = m[r, o]
+            w = m[o, r]
+            if node[r] == node[o]:
+                send_nv += v
+                speers_nv += v > 0
+                recv_nv += w
+                rpeers_nv += w > 0
+            else:
+                send_rd += v
+                speers_rd += v > 0
+                recv_rd += w
+                rpeers_rd += w > 0
+        out[0, 0, r], out[0, 1, r], out[0, 2, r], out[0, 3, r] = send_nv, recv_nv, speers_nv, rpeers_nv
+        out[1, 0, r], out[1, 1, r], out[1, 2, r], out[1, 3, r] = send_rd, recv_rd, speers_rd, rpeers_rd
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, inline="always")
 def _normal_loads(copies, node_copies, dpn, out):  # pragma: no cover (compiled)
     """_deepep_normal_load across nodes for one (iteration, layer): out int64[2 levels, 4, D] (send, recv,
     send_peers, recv_peers) per level, NVLink forwarding then RDMA."""
@@ -575,7 +584,7 @@ def _normal_loads(copies, node_copies, dpn, out):  # pragma: no cover (compiled)
             out[1, 3, m * dpn + s % dpn] += v > 0
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, inline="always")
 def _loads_seconds(loads, bytes_per_token, params, measured):  # pragma: no cover (compiled)
     """phase_seconds from explicit per-rank loads[levels, 4, D] (see _normal_loads); NaN flags a missing rdma."""
     levels, _, num = loads.shape
@@ -633,7 +642,7 @@ def _a2a_block(activations, copies, node_copies, kinds_K, node, one_node, dpn, p
     return True
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, inline="always")
 def _slot_seconds(n, c, expert_table):  # pragma: no cover (compiled)
     """CostModel.experts' per-slot seconds for n tokens (before the rank's sum)."""
     if expert_table.shape[0] > 0:
@@ -654,7 +663,7 @@ def _slot_seconds_table(count, c, expert_table):  # pragma: no cover (compiled)
     return out
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, inline="always")
 def _attention1(pairs_prefill, pairs_decode, kv_read, tokens, tp, c):  # pragma: no cover (compiled)
     """CostModel.attention at one (iteration, attention rank)."""
     flops = pairs_prefill * c[_C_PAIR_PREFILL] + pairs_decode * c[_C_PAIR_DECODE]
