@@ -84,7 +84,7 @@ CASES = {
 SHAPE = ModelShape.from_config(load_yaml("sim", "shape", "deepseek_v2_lite.yaml"))
 
 
-def run_both(name, num_requests=60):
+def run_both(name, num_requests=60, rates=(1.0,)):
     hardware, devices, attention, backend, schedule, prompt, output, rate, replicated = CASES[name]
     rng = np.random.default_rng(sorted(CASES).index(name))
     num_layers, num_experts, top_k = 4, 32, 4
@@ -101,17 +101,18 @@ def run_both(name, num_requests=60):
     cost = CostModel(SHAPE, hw, mapping, devices, attention, backend)
     requests, _, _ = build_requests(trace, np.arange(num_requests), 1, "captured", rng, rng)
     config = EngineConfig(512, 16, schedule, 100_000, 64, 1e-5, 2)
-    arrivals = np.sort(rng.exponential(1.0 / rate, num_requests).cumsum())
+    pattern = np.sort(rng.exponential(1.0 / rate, num_requests).cumsum())
     runs = []
     for engine_type in (Engine, ReferenceEngine):
         engine = engine_type(plan, requests, cost, dispatch_slots(placement), config)
-        runs.append(engine.run(arrivals, window=(float(arrivals[num_requests // 4]), float(arrivals[-1]) + 0.05)))
-    return runs
+        for scale in rates:  # several runs of one engine (as a rate sweep does): the later ones reuse counted prompts
+            arrivals = pattern / scale
+            window = (float(arrivals[num_requests // 4]), float(arrivals[-1]) + 0.05)
+            runs.append(engine.run(arrivals[: num_requests - int(5 * (scale - 1))], window=window))
+    return runs[: len(rates)], runs[len(rates) :]
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_fast_engine_equals_the_reference_bit_for_bit(name):
-    fast, reference = run_both(name)
+def assert_same_run(fast, reference):
     assert fast.window_iterations.sum() > 0 and np.isfinite(fast.finish).all()
     for field in dataclasses.fields(reference):
         got, want = getattr(fast, field.name), getattr(reference, field.name)
@@ -121,10 +122,24 @@ def test_fast_engine_equals_the_reference_bit_for_bit(name):
             assert type(got) is type(want) and got == want, field.name
 
 
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_fast_engine_equals_the_reference_bit_for_bit(name):
+    (fast,), (reference,) = run_both(name)
+    assert_same_run(fast, reference)
+
+
+@pytest.mark.parametrize("name", ["dp_prefill_heavy_light", "dp_two_nodes_normal", "dp_prefill_first_replicated"])
+def test_later_runs_of_an_engine_reuse_counted_prompts_and_stay_equal(name):
+    """Three runs of one engine at three rates (the later ones find most prompts counted, on the same ranks or not)."""
+    fast, reference = run_both(name, rates=(1.0, 1.7, 3.0))
+    for got, want in zip(fast, reference, strict=True):
+        assert_same_run(got, want)
+
+
 def test_the_cases_cover_what_they_claim():
     """Prefill-heavy and decode-heavy, light and saturated, as named (the reference's own counts)."""
-    light = run_both("dp_prefill_heavy_light")[1]
-    saturated = run_both("dp_decode_heavy_saturated")[1]
+    light = run_both("dp_prefill_heavy_light")[1][0]
+    saturated = run_both("dp_decode_heavy_saturated")[1][0]
     assert light.tokens / light.iterations < 0.3 * 512  # few tokens per iteration
     assert saturated.tokens / saturated.iterations > 40  # most of the 60 requests decode together
     assert light.prefill_iterations > 0.3 * light.iterations
@@ -224,6 +239,6 @@ def test_declined_blocks_take_the_two_step_path(monkeypatch):
     """Where the compiled kernels decline (here: every block), the engine counts with stream_traffic and prices with
     CostModel.block: the same run as the reference."""
     monkeypatch.setattr(CostModel, "_compiled_inputs", lambda self: None)
-    fast, reference = run_both("dp_two_nodes_auto", num_requests=30)
+    (fast,), (reference,) = run_both("dp_two_nodes_auto", num_requests=30, rates=(1.0,))
     assert np.array_equal(fast.finish, reference.finish) and np.array_equal(fast.moe_seconds, reference.moe_seconds)
     assert fast.remote_copies == reference.remote_copies and fast.local_activations == reference.local_activations

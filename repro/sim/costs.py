@@ -265,12 +265,15 @@ class CostModel:
 
     def count_and_price(self, rows_N: np.ndarray, group_N: np.ndarray, home_NL: np.ndarray, experts_RLk: np.ndarray,
                         slot_table_LDE: np.ndarray, device_tables: tuple[np.ndarray, np.ndarray], slots_per_device: int,
-                        devices_per_node: int, seg5: np.ndarray, slice_KLD: np.ndarray | None, has_prefill_K: np.ndarray) -> tuple | None:
+                        devices_per_node: int, seg5: np.ndarray, slice_KLD: np.ndarray | None, has_prefill_K: np.ndarray,
+                        counted: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None) -> tuple | None:
         """The engine's block in one compiled call: `traffic.stream_traffic` then `price_arrays`, iteration by
         iteration (the same integers, the same floats). rows_N, group_N int64[N] and home_NL int[N, L] as
         stream_traffic takes them (group_N in [0, K)), seg5 and slice_KLD as price_arrays. Returns (total
         float64[K], moe float64[K, L, C], stats int64[K, 3] as stream_traffic's), or None where the caller must
-        take the two-step path (which prices with `block` or raises the error)."""
+        take the two-step path (which prices with `block` or raises the error). counted: (counts int32[C, L, W],
+        stats int64[C, 3], slots int64[S], homes int64[S]) prompts counted before and added to iteration 0 (see
+        `_count_price`; W = 2 D + M + P with M = 0 in one node)."""
         inputs = self._compiled
         num_devices = slot_table_LDE.shape[1]
         num_nodes = -(-num_devices // devices_per_node)
@@ -288,11 +291,14 @@ class CostModel:
         slices = np.ascontiguousarray(slice_KLD, dtype=np.int64) if self.mode == "tp" else \
             np.zeros((num_k, 0, 0), dtype=np.int64)
         m = inputs["measured"]
+        if counted is None:
+            counted = (_NO_COUNTS, _NO_COUNT_STATS, _NO_HITS, _NO_HITS)
         status = _count_price(rows_N, group_N, home_NL, experts_RLk, slot_table_LDE, device_tables[0], device_tables[1],
                               num_devices * slots_per_device, devices_per_node, num_nodes, self.mode == "tp", np.ascontiguousarray(seg5, np.float64),
                               slices, kinds_K, inputs["node"], inputs["one_node"], self.hw.devices_per_node,
                               inputs["phase_params"], inputs["phase_bytes"], m[0], m[1], m[2], m[3], inputs["c"],
-                              inputs["expert_table"], inputs["slot_seconds"], inputs["gate_table"], total, moe, stats)
+                              inputs["expert_table"], inputs["slot_seconds"], inputs["gate_table"], *counted, total,
+                              moe, stats)
         return (total, moe, stats) if status == 0 else None
 
     def _gemm(self, tokens: np.ndarray, params: int) -> np.ndarray:
@@ -409,6 +415,9 @@ class CostModel:
 _BACKEND_KIND = {"nccl": 0, "deepep_normal": 1, "deepep_low_latency": 2}
 _NO_TABLE = np.zeros((0, 2))
 _NO_SLICES = np.zeros((0, 0, 0), dtype=np.int64)
+_NO_COUNTS = np.zeros((0, 0, 0), dtype=np.int32)
+_NO_COUNT_STATS = np.zeros((0, 3), dtype=np.int64)
+_NO_HITS = np.zeros(0, dtype=np.int64)
 _SLOT_SECONDS = 4096  # per-slot expert seconds looked up below this many tokens (32 KiB per CostModel)
 # indices into the float64 constants vector `CostModel._consts` (all integers in it are exact in float64)
 (_C_BYTES_EL, _C_HIDDEN, _C_FLOOR, _C_GEMM_FLOPS, _C_MEM_BW, _C_ATTN_FLOPS, _C_PAIR_PREFILL, _C_PAIR_DECODE,
@@ -769,10 +778,14 @@ def _price_all(tp, seg5, slice_KLD, slot_tokens, activations, copies, node_copie
 def _count_price(rows_N, group_N, home_NL, experts_RLk, slot_table_LDE, device_table_LDE, device_bits_LDE,
                  num_slots, devices_per_node, num_nodes, tp, seg5, slice_KLD, kinds_K, node, one_node, dpn, phase_params,
                  phase_bytes, measured_0d, measured_0c, measured_1d, measured_1c, c, expert_table, slot_table,
-                 gate_table, total_K, moe_KLC, stats_K3):  # pragma: no cover (compiled)
+                 gate_table, counted_CLW, counted_C3, hit_slot_S, hit_home_S, total_K, moe_KLC,
+                 stats_K3):  # pragma: no cover (compiled)
     """Count and price a block iteration by iteration: each iteration's rows counted (`count_rows_at`) into one
     iteration's tables, which are then priced (`_a2a_block`, `_price_block`) while they are in cache, so the block's
-    [K, L, D, D] tables are never built. Returns 0, 1 for a bad row, 2 where `_a2a_block` declines."""
+    [K, L, D, D] tables are never built. Iteration 0 also gets the counts of prompts counted before (not in rows_N):
+    counted_CLW[hit_slot_S[i]] (per layer: activations and copies to each device, node copies, slot tokens of a
+    prompt living on hit_home_S[i]) and counted_C3 (its stats). Returns 0, 1 for a bad row, 2 where `_a2a_block`
+    declines."""
     num_k = total_K.shape[0]
     num_layers, num_devices = slot_table_LDE.shape[0], slot_table_LDE.shape[1]
     # the rows of each iteration, in batch order (a stable counting sort by iteration)
@@ -796,11 +809,25 @@ def _count_price(rows_N, group_N, home_NL, experts_RLk, slot_table_LDE, device_t
     combine = np.empty((1, num_layers))
     dense = np.empty(1)
     head = np.empty(1)
+    width_nodes = node_copies.shape[3]
     for k in range(num_k):
         activations[:] = 0
         copies[:] = 0
         node_copies[:] = 0
         slot_tokens[:] = 0
+        if k == 0:
+            for i in range(hit_slot_S.shape[0]):
+                slot, s = hit_slot_S[i], hit_home_S[i]
+                for layer in range(num_layers):
+                    for d in range(num_devices):
+                        activations[0, layer, s, d] += counted_CLW[slot, layer, d]
+                        copies[0, layer, s, d] += counted_CLW[slot, layer, num_devices + d]
+                    for m in range(width_nodes):
+                        node_copies[0, layer, s, m] += counted_CLW[slot, layer, 2 * num_devices + m]
+                    for p in range(num_slots):
+                        slot_tokens[0, layer, p] += counted_CLW[slot, layer, 2 * num_devices + width_nodes + p]
+                for j in range(3):
+                    stats_K3[0, j] += counted_C3[slot, j]
         if count_rows_at(order[starts[k] : starts[k + 1]], rows_N, zero_group, home_NL, experts_RLk, slot_table_LDE,
                          device_table_LDE, device_bits_LDE, devices_per_node, activations, copies, node_copies,
                          slot_tokens, stats_K3[k : k + 1]) >= 0:

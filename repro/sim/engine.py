@@ -41,6 +41,7 @@ from repro.sim.traffic import device_tables, stream_traffic
 from repro.systems.base import Plan
 
 SCHEDULES = ("mixed", "prefill_first")
+PROMPT_CACHE_BYTES = 64 << 20  # whole-prompt counts an engine keeps across its runs (Engine._counted_prompts)
 
 
 @dataclass(frozen=True)
@@ -305,16 +306,20 @@ class Engine:
         """(total float64[K] seconds per iteration, moe float64[K, L, C], stats {name: int64[K]}).
 
         Rows: decode request b's input at iteration i is stream position pos[b] + i; a prefill segment's rows are
-        the next q prompt positions. Counted in place by `stream_traffic`, priced by `CostModel.price_arrays`
-        (compiled; `CostModel.block` where it declines): the numbers of the numpy pricing, bit for bit
-        (tests/test_sim_speed.py keeps it as the reference)."""
+        the next q prompt positions (a whole prompt in Attention-DP: its counts kept from an earlier block or run,
+        `_counted_prompts`). Counted and priced in one compiled call (`CostModel.count_and_price`); where it
+        declines, counted by `stream_traffic` and priced by `CostModel.price_arrays` or `CostModel.block`. The
+        numbers of the former numpy pricing, bit for bit (tests/test_sim_speed.py, bench/sim_reference.py)."""
         req = self.req
         dec_group = self.rank[dec] if self.dp else np.zeros(len(dec), dtype=np.int64)
         seg_r = np.fromiter((r for r, _ in segments), dtype=np.int64, count=len(segments))
         seg_q = np.fromiter((q for _, q in segments), dtype=np.int64, count=len(segments))
         seg_g = self.rank[seg_r] if self.dp else np.zeros(len(segments), dtype=np.int64)
+        prompts = self._counted_prompts(seg_r, seg_q, seg_g) if self.dp and len(segments) else None
+        seg_rows = np.ones(len(segments), dtype=np.bool_) if prompts is None else prompts[4]
         rows_N, group_N, home_N, seg5, tokens_K = _block_rows(req.stream, req.stream_start, req.prompt_len, self.pos,
-                                                             dec, dec_group, seg_r, seg_q, seg_g, num_k, self.groups)
+                                                             dec, dec_group, seg_r, seg_q, seg_g, seg_rows, num_k,
+                                                             self.groups)
         num_layers = req.experts.shape[1]
         slices = None
         if self.dp:
@@ -324,10 +329,16 @@ class Engine:
         has_prefill = np.zeros(num_k, dtype=bool)
         has_prefill[0] = bool(segments)
         fused = self.cost.count_and_price(rows_N, group_N, home_NL, req.experts, self.slot_table, self._device_tables(),
-                                          self.spd, self.dpn, seg5, slices, has_prefill)
+                                          self.spd, self.dpn, seg5, slices, has_prefill,
+                                          None if prompts is None else prompts[:4])
         if fused is not None:
             total, moe, counted = fused
         else:  # two steps: counting raises a bad row's error, block prices what the compiled kernels decline
+            if not seg_rows.all():  # the rows of every prompt, counted with the block
+                seg_rows[:] = True
+                rows_N, group_N, home_N, _, _ = _block_rows(req.stream, req.stream_start, req.prompt_len, self.pos, dec,
+                                                            dec_group, seg_r, seg_q, seg_g, seg_rows, num_k, self.groups)
+                home_NL = np.broadcast_to(home_N[:, None], (len(home_N), num_layers))
             traffic, counted = stream_traffic(rows_N, group_N, home_NL, req.experts, self.slot_table,
                                               self._device_tables(), self.spd, num_k, self.dpn)
             priced = self.cost.price_arrays(seg5, traffic, slices, has_prefill)
@@ -375,6 +386,59 @@ class Engine:
                 slices[k, layer] = counts
         return home, slices
 
+    def _counted_prompts(self, seg_r: np.ndarray, seg_q: np.ndarray, seg_g: np.ndarray):
+        """(counts, stats, slots, homes, rows_needed bool[S]) for an Attention-DP block's prefill segments: a segment
+        that is a whole prompt is counted once per (request stream, rank) and kept for later runs of this engine
+        (the rates and probes of a sweep serve the same requests); the others (partial chunks, or a full cache) are
+        counted with the block's rows (rows_needed). Memory: L x (2 D + M + P) int32 + 3 int64 per kept prompt
+        (8.3 KiB at L = 26, D = 8, P = 64), at most PROMPT_CACHE_BYTES per engine."""
+        cache = getattr(self, "_prompt_cache", None)
+        num_layers, num_devices = self.slot_table.shape[:2]
+        nodes = -(-num_devices // self.dpn)
+        width = 2 * num_devices + (nodes if nodes > 1 else 0) + num_devices * self.spd
+        if cache is None or cache["slot_table"] is not self.slot_table:
+            capacity = max(1, PROMPT_CACHE_BYTES // (num_layers * width * 4 + 24))
+            cache = self._prompt_cache = {"slot_table": self.slot_table, "index": {}, "capacity": capacity,
+                                          "counts": np.zeros((min(capacity, 64), num_layers, width), dtype=np.int32),
+                                          "stats": np.zeros((min(capacity, 64), 3), dtype=np.int64)}
+        req, index = self.req, cache["index"]
+        rows_needed = np.ones(len(seg_r), dtype=np.bool_)
+        slots = []
+        homes = []
+        for j in range(len(seg_r)):
+            r, q, g = int(seg_r[j]), int(seg_q[j]), int(seg_g[j])
+            if self.pos[r] != 0 or q != req.prompt_len[r]:
+                continue
+            key = (int(req.stream_start[r]), g)
+            slot = index.get(key)
+            if slot is None:
+                slot = len(index)
+                if slot >= cache["capacity"]:
+                    continue
+                rows = req.stream[req.stream_start[r] : req.stream_start[r] + q]
+                home = np.broadcast_to(np.array([[g]], dtype=np.int64), (q, num_layers))
+                try:
+                    traffic, stats = stream_traffic(rows, np.zeros(q, dtype=np.int64), home, req.experts, self.slot_table,
+                                                    self._device_tables(), self.spd, 1, self.dpn)
+                except ConfigError:  # a bad row: counted with the block, which raises the engine's own error
+                    continue
+                if slot >= len(cache["counts"]):
+                    grow = min(cache["capacity"], 2 * len(cache["counts"]))
+                    cache["counts"] = np.concatenate([cache["counts"], np.zeros_like(cache["counts"][: grow - slot])])
+                    cache["stats"] = np.concatenate([cache["stats"], np.zeros_like(cache["stats"][: grow - slot])])
+                parts = [traffic.activations[0, :, g], traffic.copies[0, :, g]]
+                if traffic.node_copies is not None:
+                    parts.append(traffic.node_copies[0, :, g])
+                parts.append(traffic.slot_tokens[0])
+                cache["counts"][slot] = np.concatenate(parts, axis=1)
+                cache["stats"][slot] = stats[0]
+                index[key] = slot
+            slots.append(slot)
+            homes.append(g)
+            rows_needed[j] = False
+        return (cache["counts"], cache["stats"], np.array(slots, dtype=np.int64), np.array(homes, dtype=np.int64),
+                rows_needed)
+
     def _device_tables(self) -> tuple[np.ndarray, np.ndarray]:
         """traffic.device_tables of the slot table, computed once (2 x 8 bytes per (layer, device, expert))."""
         tables = getattr(self, "_device_tables_LDE", None)
@@ -384,13 +448,17 @@ class Engine:
 
 
 @numba.njit(cache=True, nogil=True)
-def _block_rows(stream, stream_start, prompt_len, pos, dec, dec_group, seg_r, seg_q, seg_g, num_k, groups):
+def _block_rows(stream, stream_start, prompt_len, pos, dec, dec_group, seg_r, seg_q, seg_g, seg_rows, num_k, groups):
     """A block's token rows and attention sums (the engine's rule, in `_cost_block`'s former numpy form, float
-    operations in its order): rows int64[N] compact rows (decode rows iteration-major, then the prefill segments'),
-    group int64[N] iteration, home int64[N] attention group, seg5 float64[5, K, G] (costs.SEG_KEYS), tokens int64[K].
+    operations in its order): rows int64[N] compact rows (decode rows iteration-major, then the rows of the prefill
+    segments with seg_rows set), group int64[N] iteration, home int64[N] attention group, seg5 float64[5, K, G]
+    (costs.SEG_KEYS), tokens int64[K] (every segment's).
     """  # pragma: no cover (compiled)
     num_dec = dec.shape[0]
-    num_rows = num_dec * num_k + seg_q.sum()
+    num_rows = num_dec * num_k
+    for j in range(seg_r.shape[0]):
+        if seg_rows[j]:
+            num_rows += seg_q[j]
     rows = np.empty(num_rows, dtype=np.int64)
     group = np.empty(num_rows, dtype=np.int64)
     home = np.empty(num_rows, dtype=np.int64)
@@ -418,11 +486,12 @@ def _block_rows(stream, stream_start, prompt_len, pos, dec, dec_group, seg_r, se
         r, q, g = seg_r[j], seg_q[j], seg_g[j]
         ctx = pos[r]
         start = stream_start[r] + ctx
-        for t in range(q):
-            rows[n + t] = stream[start + t]
-            group[n + t] = 0
-            home[n + t] = g
-        n += q
+        if seg_rows[j]:
+            for t in range(q):
+                rows[n + t] = stream[start + t]
+                group[n + t] = 0
+                home[n + t] = g
+            n += q
         seg5[0, 0, g] += q * ctx + q * (q + 1) / 2
         seg5[2, 0, g] += ctx
         seg5[3, 0, g] += q
