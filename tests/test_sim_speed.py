@@ -242,3 +242,29 @@ def test_declined_blocks_take_the_two_step_path(monkeypatch):
     (fast,), (reference,) = run_both("dp_two_nodes_auto", num_requests=30, rates=(1.0,))
     assert np.array_equal(fast.finish, reference.finish) and np.array_equal(fast.moe_seconds, reference.moe_seconds)
     assert fast.remote_copies == reference.remote_copies and fast.local_activations == reference.local_activations
+
+
+def test_a_bad_expert_id_raises_the_reference_error():
+    """A prompt naming an expert outside the placement: the engine raises what the reference raises, and keeps
+    no counts for it."""
+    from repro.errors import ConfigError
+
+    rng = np.random.default_rng(3)
+    trace = random_trace(rng, 6, (5, 9), (2, 3), 2, 8, 2)
+    hw = load_hardware(load_yaml("hardware", "h200.yaml"))
+    placement = contiguous_placement(2, 8, 8)
+    plan = Plan(placement, ParallelConfig(devices=8, attention="dp"))
+    cost = CostModel(SHAPE, hw, RoutingMap("trace", 2, 8, 2, 13.0, 1408, "test"), 8, "dp", "nccl")
+    requests, _, _ = build_requests(trace, np.arange(6), 1, "captured", rng, rng)
+    experts = requests.experts.copy()
+    experts[7, 1, 0] = 8  # row 7: in the first or second request (7 to 12 rows each)
+    requests = dataclasses.replace(requests, experts=experts)
+    messages, engines = [], []
+    for engine_type in (Engine, ReferenceEngine):
+        engines.append(engine_type(plan, requests, cost, dispatch_slots(placement),
+                                   EngineConfig(512, 16, "mixed", 10_000, 64, 0.0, 2)))
+        with pytest.raises(ConfigError, match="outside the placement") as error:
+            engines[-1].run(np.zeros(6))
+        messages.append(str(error.value))
+    assert messages[0] == messages[1]
+    assert not engines[0]._prompt_cache["index"]  # the block failed: none of its prompts is kept

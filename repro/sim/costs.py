@@ -266,13 +266,14 @@ class CostModel:
     def count_and_price(self, rows_N: np.ndarray, group_N: np.ndarray, home_NL: np.ndarray, experts_RLk: np.ndarray,
                         slot_table_LDE: np.ndarray, device_tables: tuple[np.ndarray, np.ndarray], slots_per_device: int,
                         devices_per_node: int, seg5: np.ndarray, slice_KLD: np.ndarray | None, has_prefill_K: np.ndarray,
-                        counted: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None) -> tuple | None:
+                        counted: tuple | None = None) -> tuple | None:
         """The engine's block in one compiled call: `traffic.stream_traffic` then `price_arrays`, iteration by
         iteration (the same integers, the same floats). rows_N, group_N int64[N] and home_NL int[N, L] as
         stream_traffic takes them (group_N in [0, K)), seg5 and slice_KLD as price_arrays. Returns (total
         float64[K], moe float64[K, L, C], stats int64[K, 3] as stream_traffic's), or None where the caller must
         take the two-step path (which prices with `block` or raises the error). counted: (counts int32[C, L, W],
-        stats int64[C, 3], slots int64[S], homes int64[S]) prompts counted before and added to iteration 0 (see
+        stats int64[C, 3], slots int64[S], homes int64[S], stream int64[...], and per prompt to count first:
+        start, length, home, slot int64[S']): whole prompts kept by the engine and added to iteration 0 (see
         `_count_price`; W = 2 D + M + P with M = 0 in one node)."""
         inputs = self._compiled
         num_devices = slot_table_LDE.shape[1]
@@ -292,7 +293,8 @@ class CostModel:
             np.zeros((num_k, 0, 0), dtype=np.int64)
         m = inputs["measured"]
         if counted is None:
-            counted = (_NO_COUNTS, _NO_COUNT_STATS, _NO_HITS, _NO_HITS)
+            counted = (_NO_COUNTS, _NO_COUNT_STATS, _NO_HITS, _NO_HITS, _NO_HITS, _NO_HITS, _NO_HITS, _NO_HITS,
+                       _NO_HITS)
         status = _count_price(rows_N, group_N, home_NL, experts_RLk, slot_table_LDE, device_tables[0], device_tables[1],
                               num_devices * slots_per_device, devices_per_node, num_nodes, self.mode == "tp", np.ascontiguousarray(seg5, np.float64),
                               slices, kinds_K, inputs["node"], inputs["one_node"], self.hw.devices_per_node,
@@ -775,19 +777,63 @@ def _price_all(tp, seg5, slice_KLD, slot_tokens, activations, copies, node_copie
 
 
 @numba.njit(cache=True, nogil=True)
+def _count_prompts(stream, miss_start, miss_len, miss_home, miss_slot, experts_RLk, slot_table_LDE, device_table_LDE,
+                   device_bits_LDE, num_slots, devices_per_node, num_nodes, counted_CLW,
+                   counted_C3):  # pragma: no cover (compiled)
+    """Count whole prompts into the engine's kept counts: prompt i is stream[miss_start[i] : + miss_len[i]] living
+    on miss_home[i]; its counts go to counted_CLW[miss_slot[i]] (per layer: activations and copies to each device,
+    node copies, slot tokens) and counted_C3 (stats). False for a bad row."""
+    num_layers, num_devices = slot_table_LDE.shape[0], slot_table_LDE.shape[1]
+    width_nodes = num_nodes if num_nodes > 1 else 0
+    activations = np.zeros((1, num_layers, num_devices, num_devices), dtype=np.int64)
+    copies = np.zeros((1, num_layers, num_devices, num_devices), dtype=np.int64)
+    node_copies = np.zeros((1, num_layers, num_devices, width_nodes), dtype=np.int64)
+    slot_tokens = np.zeros((1, num_layers, num_slots), dtype=np.int64)
+    stats = np.zeros((1, 3), dtype=np.int64)
+    for i in range(miss_slot.shape[0]):
+        q, s, slot = miss_len[i], miss_home[i], miss_slot[i]
+        activations[:] = 0
+        copies[:] = 0
+        node_copies[:] = 0
+        slot_tokens[:] = 0
+        stats[:] = 0
+        rows = stream[miss_start[i] : miss_start[i] + q]
+        home = np.full((q, 1), s, dtype=np.int64)
+        if count_rows_at(np.arange(q), rows, np.zeros(q, dtype=np.int64), home[:, np.zeros(num_layers, np.int64)],
+                         experts_RLk, slot_table_LDE, device_table_LDE, device_bits_LDE, devices_per_node,
+                         activations, copies, node_copies, slot_tokens, stats) >= 0:
+            return False
+        for layer in range(num_layers):
+            for d in range(num_devices):
+                counted_CLW[slot, layer, d] = activations[0, layer, s, d]
+                counted_CLW[slot, layer, num_devices + d] = copies[0, layer, s, d]
+            for m in range(width_nodes):
+                counted_CLW[slot, layer, 2 * num_devices + m] = node_copies[0, layer, s, m]
+            for p in range(num_slots):
+                counted_CLW[slot, layer, 2 * num_devices + width_nodes + p] = slot_tokens[0, layer, p]
+        for j in range(3):
+            counted_C3[slot, j] = stats[0, j]
+    return True
+
+
+@numba.njit(cache=True, nogil=True)
 def _count_price(rows_N, group_N, home_NL, experts_RLk, slot_table_LDE, device_table_LDE, device_bits_LDE,
                  num_slots, devices_per_node, num_nodes, tp, seg5, slice_KLD, kinds_K, node, one_node, dpn, phase_params,
                  phase_bytes, measured_0d, measured_0c, measured_1d, measured_1c, c, expert_table, slot_table,
-                 gate_table, counted_CLW, counted_C3, hit_slot_S, hit_home_S, total_K, moe_KLC,
-                 stats_K3):  # pragma: no cover (compiled)
+                 gate_table, counted_CLW, counted_C3, hit_slot_S, hit_home_S, stream, miss_start, miss_len,
+                 miss_home, miss_slot, total_K, moe_KLC, stats_K3):  # pragma: no cover (compiled)
     """Count and price a block iteration by iteration: each iteration's rows counted (`count_rows_at`) into one
     iteration's tables, which are then priced (`_a2a_block`, `_price_block`) while they are in cache, so the block's
     [K, L, D, D] tables are never built. Iteration 0 also gets the counts of prompts counted before (not in rows_N):
     counted_CLW[hit_slot_S[i]] (per layer: activations and copies to each device, node copies, slot tokens of a
-    prompt living on hit_home_S[i]) and counted_C3 (its stats). Returns 0, 1 for a bad row, 2 where `_a2a_block`
-    declines."""
+    prompt living on hit_home_S[i]) and counted_C3 (its stats), the prompts named by miss_* counted there first
+    (`_count_prompts`). Returns 0, 1 for a bad row, 2 where `_a2a_block` declines."""
     num_k = total_K.shape[0]
     num_layers, num_devices = slot_table_LDE.shape[0], slot_table_LDE.shape[1]
+    if not _count_prompts(stream, miss_start, miss_len, miss_home, miss_slot, experts_RLk, slot_table_LDE,
+                          device_table_LDE, device_bits_LDE, num_slots, devices_per_node, num_nodes, counted_CLW,
+                          counted_C3):
+        return 1
     # the rows of each iteration, in batch order (a stable counting sort by iteration)
     num_rows = rows_N.shape[0]
     starts = np.zeros(num_k + 1, dtype=np.int64)

@@ -316,7 +316,7 @@ class Engine:
         seg_q = np.fromiter((q for _, q in segments), dtype=np.int64, count=len(segments))
         seg_g = self.rank[seg_r] if self.dp else np.zeros(len(segments), dtype=np.int64)
         prompts = self._counted_prompts(seg_r, seg_q, seg_g) if self.dp and len(segments) else None
-        seg_rows = np.ones(len(segments), dtype=np.bool_) if prompts is None else prompts[4]
+        seg_rows = np.ones(len(segments), dtype=np.bool_) if prompts is None else prompts[1]
         rows_N, group_N, home_N, seg5, tokens_K = _block_rows(req.stream, req.stream_start, req.prompt_len, self.pos,
                                                              dec, dec_group, seg_r, seg_q, seg_g, seg_rows, num_k,
                                                              self.groups)
@@ -330,10 +330,13 @@ class Engine:
         has_prefill[0] = bool(segments)
         fused = self.cost.count_and_price(rows_N, group_N, home_NL, req.experts, self.slot_table, self._device_tables(),
                                           self.spd, self.dpn, seg5, slices, has_prefill,
-                                          None if prompts is None else prompts[:4])
+                                          None if prompts is None else prompts[0])
         if fused is not None:
             total, moe, counted = fused
         else:  # two steps: counting raises a bad row's error, block prices what the compiled kernels decline
+            if prompts is not None:  # prompts not counted after all are not kept
+                for key in prompts[2]:
+                    del self._prompt_cache["index"][key]
             if not seg_rows.all():  # the rows of every prompt, counted with the block
                 seg_rows[:] = True
                 rows_N, group_N, home_N, _, _ = _block_rows(req.stream, req.stream_start, req.prompt_len, self.pos, dec,
@@ -387,24 +390,25 @@ class Engine:
         return home, slices
 
     def _counted_prompts(self, seg_r: np.ndarray, seg_q: np.ndarray, seg_g: np.ndarray):
-        """(counts, stats, slots, homes, rows_needed bool[S]) for an Attention-DP block's prefill segments: a segment
-        that is a whole prompt is counted once per (request stream, rank) and kept for later runs of this engine
-        (the rates and probes of a sweep serve the same requests); the others (partial chunks, or a full cache) are
-        counted with the block's rows (rows_needed). Memory: L x (2 D + M + P) int32 + 3 int64 per kept prompt
-        (8.3 KiB at L = 26, D = 8, P = 64), at most PROMPT_CACHE_BYTES per engine."""
+        """(counted: what CostModel.count_and_price adds to iteration 0, rows_needed bool[S], new keys) for an
+        Attention-DP block's prefill segments: a segment that is a whole prompt is counted once per (request stream,
+        rank), in the compiled call, and kept for later blocks and runs of this engine (the rates and probes of a
+        sweep serve the same requests); the others (partial chunks, or a full cache) are counted with the block's
+        rows (rows_needed). Memory: L x (2 D + M + P) int32 + 3 int64 per kept prompt (8.3 KiB at L = 26, D = 8,
+        P = 64), at most PROMPT_CACHE_BYTES per engine."""
         cache = getattr(self, "_prompt_cache", None)
         num_layers, num_devices = self.slot_table.shape[:2]
         nodes = -(-num_devices // self.dpn)
         width = 2 * num_devices + (nodes if nodes > 1 else 0) + num_devices * self.spd
-        if cache is None or cache["slot_table"] is not self.slot_table:
+        if cache is None or cache["slot_table"] is not self.slot_table or cache["requests"] is not self.req:
             capacity = max(1, PROMPT_CACHE_BYTES // (num_layers * width * 4 + 24))
-            cache = self._prompt_cache = {"slot_table": self.slot_table, "index": {}, "capacity": capacity,
+            cache = self._prompt_cache = {"slot_table": self.slot_table, "requests": self.req, "index": {},
+                                          "capacity": capacity,
                                           "counts": np.zeros((min(capacity, 64), num_layers, width), dtype=np.int32),
                                           "stats": np.zeros((min(capacity, 64), 3), dtype=np.int64)}
         req, index = self.req, cache["index"]
         rows_needed = np.ones(len(seg_r), dtype=np.bool_)
-        slots = []
-        homes = []
+        slots, homes, new = [], [], []
         for j in range(len(seg_r)):
             r, q, g = int(seg_r[j]), int(seg_q[j]), int(seg_g[j])
             if self.pos[r] != 0 or q != req.prompt_len[r]:
@@ -412,32 +416,22 @@ class Engine:
             key = (int(req.stream_start[r]), g)
             slot = index.get(key)
             if slot is None:
-                slot = len(index)
-                if slot >= cache["capacity"]:
+                if len(index) >= cache["capacity"]:
                     continue
-                rows = req.stream[req.stream_start[r] : req.stream_start[r] + q]
-                home = np.broadcast_to(np.array([[g]], dtype=np.int64), (q, num_layers))
-                try:
-                    traffic, stats = stream_traffic(rows, np.zeros(q, dtype=np.int64), home, req.experts, self.slot_table,
-                                                    self._device_tables(), self.spd, 1, self.dpn)
-                except ConfigError:  # a bad row: counted with the block, which raises the engine's own error
-                    continue
-                if slot >= len(cache["counts"]):
-                    grow = min(cache["capacity"], 2 * len(cache["counts"]))
-                    cache["counts"] = np.concatenate([cache["counts"], np.zeros_like(cache["counts"][: grow - slot])])
-                    cache["stats"] = np.concatenate([cache["stats"], np.zeros_like(cache["stats"][: grow - slot])])
-                parts = [traffic.activations[0, :, g], traffic.copies[0, :, g]]
-                if traffic.node_copies is not None:
-                    parts.append(traffic.node_copies[0, :, g])
-                parts.append(traffic.slot_tokens[0])
-                cache["counts"][slot] = np.concatenate(parts, axis=1)
-                cache["stats"][slot] = stats[0]
-                index[key] = slot
+                slot = index[key] = len(index)
+                new.append((key, slot, q, g))
             slots.append(slot)
             homes.append(g)
             rows_needed[j] = False
-        return (cache["counts"], cache["stats"], np.array(slots, dtype=np.int64), np.array(homes, dtype=np.int64),
-                rows_needed)
+        if len(index) > len(cache["counts"]):
+            grow = min(cache["capacity"], max(len(index), 2 * len(cache["counts"]))) - len(cache["counts"])
+            cache["counts"] = np.concatenate([cache["counts"], np.zeros((grow,) + cache["counts"].shape[1:], np.int32)])
+            cache["stats"] = np.concatenate([cache["stats"], np.zeros((grow, 3), np.int64)])
+        miss = np.array([(key[0], q, g, slot) for key, slot, q, g in new], dtype=np.int64).reshape(-1, 4).T
+        counted = (cache["counts"], cache["stats"], np.array(slots, dtype=np.int64), np.array(homes, dtype=np.int64),
+                   req.stream, np.ascontiguousarray(miss[0]), np.ascontiguousarray(miss[1]),
+                   np.ascontiguousarray(miss[2]), np.ascontiguousarray(miss[3]))
+        return counted, rows_needed, [key for key, *_ in new]
 
     def _device_tables(self) -> tuple[np.ndarray, np.ndarray]:
         """traffic.device_tables of the slot table, computed once (2 x 8 bytes per (layer, device, expert))."""
