@@ -115,9 +115,10 @@ def count_rows_at(idx_M, rows_N, group_N, home_NL, experts_RLk, slot_table_LDE, 
     uint64[L, D, E] 1 << that device, for D <= 64 (else size 0: devices are then marked word by word).
 
     Layer by layer (one layer's tables stay in the L1 cache; the counts are sums, so the order does not matter).
-    When the rows hold more activations than a [G, D, E] table has cells, a layer's activations are first counted
-    per (group, home, expert), one increment each, then spread to slots and devices per cell (the same integers,
-    fewer scattered writes); otherwise each activation goes straight to its slot and device.
+    When the rows hold at least 2 activations per expert of each (group, home) pair they touch, a layer's
+    activations are first counted per (group, home, expert), one increment each, then spread to slots and devices
+    per touched cell (the same integers, fewer scattered writes); otherwise each activation goes straight to its
+    slot and device.
     """
     num_rows = idx_M.shape[0]
     num_groups = activations_GLDD.shape[0]
@@ -126,7 +127,17 @@ def count_rows_at(idx_M, rows_N, group_N, home_NL, experts_RLk, slot_table_LDE, 
     num_nodes = node_copies_GLDM.shape[3]
     count_slots = slot_tokens_GLP.shape[2] > 0
     one_word = device_bits_LDE.shape[0] > 0
-    aggregate = num_rows * top_k >= num_groups * num_devices * num_experts and one_word
+    # the (group, home) pairs the rows touch: per-expert counting pays when each has several activations per expert
+    touched = np.zeros((num_groups, num_devices), dtype=np.bool_)
+    pairs = 0
+    for i in range(num_rows):
+        n = idx_M[i]
+        for layer in range(num_layers):
+            s = home_NL[n, layer]
+            if 0 <= s < num_devices and not touched[group_N[n], s]:
+                touched[group_N[n], s] = True
+                pairs += 1
+    aggregate = num_rows * top_k >= 2 * pairs * num_experts and one_word
     # per-device counts of a token-layer packed in one uint64 (8 bits a device up to 8 devices, 4 up to 16)
     lane_bits = 8 if num_devices <= 8 and top_k < 256 else (4 if num_devices <= 16 and top_k < 16 else 0)
     lane_mask = np.uint64((1 << lane_bits) - 1)
@@ -161,8 +172,6 @@ def count_rows_at(idx_M, rows_N, group_N, home_NL, experts_RLk, slot_table_LDE, 
                 for j in range(top_k):
                     gathered[i, layer, j] = experts_RLk[row, layer, j]
         for layer in range(num_layers):
-            if aggregate:
-                by_expert[:] = 0
             for i in range(size):
                 n = idx_M[first + i]
                 g = group_N[n]
@@ -251,9 +260,12 @@ def count_rows_at(idx_M, rows_N, group_N, home_NL, experts_RLk, slot_table_LDE, 
             if aggregate:
                 for g in range(num_groups):
                     for s in range(num_devices):
+                        if not touched[g, s]:
+                            continue
                         for e in range(num_experts):
                             c = by_expert[g, s, e]
                             if c:
+                                by_expert[g, s, e] = 0
                                 d = device_table_LDE[layer, s, e]
                                 if count_slots:
                                     slot_tokens_GLP[g, layer, slot_table_LDE[layer, s, e]] += c

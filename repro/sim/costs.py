@@ -790,27 +790,27 @@ def _count_prompts(stream, miss_start, miss_len, miss_home, miss_slot, experts_R
     node_copies = np.zeros((1, num_layers, num_devices, width_nodes), dtype=np.int64)
     slot_tokens = np.zeros((1, num_layers, num_slots), dtype=np.int64)
     stats = np.zeros((1, 3), dtype=np.int64)
+    home = np.empty((miss_len.max() if miss_len.shape[0] else 0, num_layers), dtype=np.int64)
     for i in range(miss_slot.shape[0]):
         q, s, slot = miss_len[i], miss_home[i], miss_slot[i]
-        activations[:] = 0
-        copies[:] = 0
-        node_copies[:] = 0
-        slot_tokens[:] = 0
         stats[:] = 0
-        rows = stream[miss_start[i] : miss_start[i] + q]
-        home = np.full((q, 1), s, dtype=np.int64)
-        if count_rows_at(np.arange(q), rows, np.zeros(q, dtype=np.int64), home[:, np.zeros(num_layers, np.int64)],
-                         experts_RLk, slot_table_LDE, device_table_LDE, device_bits_LDE, devices_per_node,
+        home[:q] = s
+        if count_rows_at(np.arange(q), stream[miss_start[i] : miss_start[i] + q], np.zeros(q, dtype=np.int64),
+                         home, experts_RLk, slot_table_LDE, device_table_LDE, device_bits_LDE, devices_per_node,
                          activations, copies, node_copies, slot_tokens, stats) >= 0:
             return False
-        for layer in range(num_layers):
+        for layer in range(num_layers):  # a prompt lives on one rank: only row s of the tables, zeroed after
             for d in range(num_devices):
                 counted_CLW[slot, layer, d] = activations[0, layer, s, d]
                 counted_CLW[slot, layer, num_devices + d] = copies[0, layer, s, d]
+                activations[0, layer, s, d] = 0
+                copies[0, layer, s, d] = 0
             for m in range(width_nodes):
                 counted_CLW[slot, layer, 2 * num_devices + m] = node_copies[0, layer, s, m]
+                node_copies[0, layer, s, m] = 0
             for p in range(num_slots):
                 counted_CLW[slot, layer, 2 * num_devices + width_nodes + p] = slot_tokens[0, layer, p]
+                slot_tokens[0, layer, p] = 0
         for j in range(3):
             counted_C3[slot, j] = stats[0, j]
     return True

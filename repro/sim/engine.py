@@ -391,18 +391,19 @@ class Engine:
 
     def _counted_prompts(self, seg_r: np.ndarray, seg_q: np.ndarray, seg_g: np.ndarray):
         """(counted: what CostModel.count_and_price adds to iteration 0, rows_needed bool[S], new keys) for an
-        Attention-DP block's prefill segments: a segment that is a whole prompt is counted once per (request stream,
-        rank), in the compiled call, and kept for later blocks and runs of this engine (the rates and probes of a
-        sweep serve the same requests); the others (partial chunks, or a full cache) are counted with the block's
-        rows (rows_needed). Memory: L x (2 D + M + P) int32 + 3 int64 per kept prompt (8.3 KiB at L = 26, D = 8,
-        P = 64), at most PROMPT_CACHE_BYTES per engine."""
+        Attention-DP block's prefill segments: a segment that is a whole prompt seen before on the same rank (a
+        request stream served again: the rates and probes of a sweep serve the same requests) is counted once more,
+        alone, in the compiled call, and kept for later blocks and runs of this engine; the others (first sightings,
+        partial chunks, or a full cache) are counted with the block's rows (rows_needed). Memory: L x (2 D + M + P)
+        int32 + 3 int64 per kept prompt (8.3 KiB at L = 26, D = 8, P = 64), at most PROMPT_CACHE_BYTES per engine,
+        and a set of the (stream, rank) pairs seen (about 100 bytes each)."""
         cache = getattr(self, "_prompt_cache", None)
         num_layers, num_devices = self.slot_table.shape[:2]
         nodes = -(-num_devices // self.dpn)
         width = 2 * num_devices + (nodes if nodes > 1 else 0) + num_devices * self.spd
         if cache is None or cache["slot_table"] is not self.slot_table or cache["requests"] is not self.req:
             capacity = max(1, PROMPT_CACHE_BYTES // (num_layers * width * 4 + 24))
-            cache = self._prompt_cache = {"slot_table": self.slot_table, "requests": self.req, "index": {},
+            cache = self._prompt_cache = {"slot_table": self.slot_table, "requests": self.req, "index": {}, "seen": set(),
                                           "capacity": capacity,
                                           "counts": np.zeros((min(capacity, 64), num_layers, width), dtype=np.int32),
                                           "stats": np.zeros((min(capacity, 64), 3), dtype=np.int64)}
@@ -416,6 +417,9 @@ class Engine:
             key = (int(req.stream_start[r]), g)
             slot = index.get(key)
             if slot is None:
+                if key not in cache["seen"]:  # kept from its second sighting on: a single run pays nothing
+                    cache["seen"].add(key)
+                    continue
                 if len(index) >= cache["capacity"]:
                     continue
                 slot = index[key] = len(index)
