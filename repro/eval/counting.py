@@ -115,7 +115,7 @@ def count_rows_at(idx_M, rows_N, group_N, home_NL, experts_RLk, slot_table_LDE, 
     uint64[L, D, E] 1 << that device, for D <= 64 (else size 0: devices are then marked word by word).
 
     Layer by layer (one layer's tables stay in the L1 cache; the counts are sums, so the order does not matter).
-    When the rows hold at least 2 activations per expert of each (group, home) pair they touch, a layer's
+    When the rows hold at least 1 activation per expert of each (group, home) pair they touch, a layer's
     activations are first counted per (group, home, expert), one increment each, then spread to slots and devices
     per touched cell (the same integers, fewer scattered writes); otherwise each activation goes straight to its
     slot and device.
@@ -137,7 +137,7 @@ def count_rows_at(idx_M, rows_N, group_N, home_NL, experts_RLk, slot_table_LDE, 
             if 0 <= s < num_devices and not touched[group_N[n], s]:
                 touched[group_N[n], s] = True
                 pairs += 1
-    aggregate = num_rows * top_k >= 2 * pairs * num_experts and one_word
+    aggregate = num_rows * top_k >= pairs * num_experts and one_word
     # per-device counts of a token-layer packed in one uint64 (8 bits a device up to 8 devices, 4 up to 16)
     lane_bits = 8 if num_devices <= 8 and top_k < 256 else (4 if num_devices <= 16 and top_k < 16 else 0)
     lane_mask = np.uint64((1 << lane_bits) - 1)
