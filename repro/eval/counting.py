@@ -13,6 +13,10 @@ simulator's counting 150-175 M activations/s (was ~85 M), `bench eval` at top-8 
 per-token-layer bit-set work dominates when k is small). Counts are integers, so results are unchanged (tests
 compare both users against a pure-Python reference).
 
+`count_rows_at` is the simulator's form (issue 33): the same counts, with the rows read in place from the request
+stream, layer by layer, per-expert counting where rows are many and copies summed in byte lanes; tests compare it
+with `count_rows` through traffic.batch_traffic (tests/test_sim_speed.py).
+
 Legend: N token rows, G groups, L MoE layers, k experts per token, E logical experts, D devices, P physical slots
 per layer, M nodes.
 """

@@ -6,7 +6,8 @@ activation (token n, layer l, slot j) of a token living on device s is served by
 slot_table[l, s, expert] on device dst = slot // slots_per_device; a token travels once to each distinct remote
 device (DeepEP's per-rank dedup), and once to each distinct remote node where the backend forwards inside the
 node (DeepEP normal kernels). Rows belong to one of K iterations (`group`), so a block of K decode iterations is
-counted in one pass.
+counted in one pass. `stream_traffic` counts the same with `counting.count_rows_at` (rows read in place, the
+engine's stats in the same pass): the engine's two-step path; its one-call path is CostModel.count_and_price.
 
 Legend: N token rows, K iterations in a block, L MoE layers, k experts per token, E logical experts, D devices,
 P physical slots per layer, M nodes.
