@@ -90,6 +90,10 @@ def _first_bad_row(idx_M, rows_N, home_NL, experts_RLk, num_devices, num_experts
     return -1
 
 
+# spread8[bits]: bit d of an 8-bit device set moved to byte d (a constant of the compiled code)
+_SPREAD8 = np.array([sum(((mask >> d) & 1) << (8 * d) for d in range(8)) for mask in range(256)], dtype=np.uint64)
+
+
 @numba.njit(cache=True, nogil=True)
 def _flush_lanes(g, s, layer, copy_lanes, node_lanes, lane_count, num_nodes, copies_GLDD, node_copies_GLDM,
                  stats_G3):  # pragma: no cover (compiled)
@@ -151,14 +155,12 @@ def count_rows_at(idx_M, rows_N, group_N, home_NL, experts_RLk, slot_table_LDE, 
     copy_lanes = np.zeros((num_groups, num_devices), dtype=np.uint64)
     node_lanes = np.zeros((num_groups, num_devices), dtype=np.uint64)
     lane_count = np.zeros((num_groups, num_devices), dtype=np.int64)
-    spread8 = np.zeros(256, dtype=np.uint64)
-    node_mask = np.zeros(256, dtype=np.int64)
-    if lane_copies:
-        for mask in range(256):
-            for d in range(8):
-                if (mask >> d) & 1:
-                    spread8[mask] |= np.uint64(1) << np.uint64(8 * d)
-                    node_mask[mask] |= 1 << (d // devices_per_node)
+    spread8 = _SPREAD8
+    node_mask = np.zeros(256 if lane_copies and num_nodes > 0 else 0, dtype=np.int64)
+    for mask in range(node_mask.shape[0]):
+        for d in range(8):
+            if (mask >> d) & 1:
+                node_mask[mask] |= 1 << (d // devices_per_node)
     reached = np.zeros((num_devices + 63) // 64, dtype=np.uint64)
     node_reached = np.zeros(max(1, num_nodes), dtype=np.int64)
     # rows in chunks of ~256 KiB of experts, each chunk's rows copied together first: the stream rows lie anywhere in
