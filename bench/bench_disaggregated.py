@@ -1,7 +1,9 @@
 """Benchmark of the prefill/decode-disaggregated simulator (issue 27 item 6): simulated requests per CPU second on
 a DeepSeek-V2-Lite-shaped routing (26 MoE layers, 64 experts, top-6; random routing) with a prefill pool of 8
 ranks (DeepEP normal kernels) and a decode pool of 8 ranks (DeepEP low-latency kernels), KV over the H200
-profile's RDMA, at a request rate that keeps both pools busy. Target: >= 2,000 simulated requests per CPU second.
+profile's RDMA, at a request rate that keeps both pools busy. Target: >= 2,000 simulated requests per CPU second
+(issue 33: >= 7,500). The same run is repeated in the same process with the engine's former numpy pricing
+(bench/sim_reference.py): both timings, their ratio, and whether every request's times came out identical.
 `run(quick)` returns measured numbers only (quick shrinks the instance for CI smoke runs).
 
 Legend: R requests, L MoE layers, E experts, k top-k.
@@ -15,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from bench.sim_reference import reference_pricing
 from repro.parallel import ParallelConfig
 from repro.sim import ModelShape, load_hardware
 from repro.sim.costs import CostModel
@@ -64,11 +67,20 @@ def run(quick: bool = False) -> dict:
     result = run_disaggregated(plan, prefill_cost, config, plan, decode_cost, config, requests, arrivals, link)
     cpu, wall = time.process_time() - start_cpu, time.perf_counter() - start
     metrics = pd_metrics(result, ttft_slo_s=1.0, tpot_slo_s=0.1)
+    with reference_pricing():
+        ref_cpu = time.process_time()
+        reference = run_disaggregated(plan, prefill_cost, config, plan, decode_cost, config, requests, arrivals, link)
+        ref_cpu = time.process_time() - ref_cpu
+    identical = all(np.array_equal(getattr(result, name), getattr(reference, name), equal_nan=True)
+                    for name in ("first_token", "kv_arrival", "finish")) and all(
+        np.array_equal(getattr(result, pool).moe_seconds, getattr(reference, pool).moe_seconds)
+        for pool in ("prefill", "decode"))
     return {"requests": requests_n, "prompt_tokens": prompt_len, "output_tokens": gen_len, "rate_per_s": rate,
             "cpu_seconds": cpu, "wall_seconds": wall, "requests_per_cpu_second": requests_n / cpu,
             "prefill_iterations": result.prefill.iterations, "decode_iterations": result.decode.iterations,
             "prefill_ttft_mean_s": metrics["prefill_ttft_mean_s"], "decode_tpot_mean_s": metrics["decode_tpot_mean_s"],
-            "finished": metrics["finished"]}
+            "finished": metrics["finished"], "reference_cpu_seconds": ref_cpu, "speedup_cpu": ref_cpu / cpu,
+            "identical_to_reference": bool(identical)}
 
 
 if __name__ == "__main__":

@@ -18,6 +18,16 @@ activation (activations per device pair, copies deduplicated per token and devic
 and runs the event loop; a share near or above 1 means no exact per-iteration accounting reaches the target on one
 core of this machine.
 
+Against the reference (issue 33 item 1: the same numbers, several times faster): vanilla EP's sweep and the saturated
+run are repeated in the same process with the engine's former numpy pricing (bench/sim_reference.py); reported are
+both timings, their ratio and whether every per-rate number came out identical. Targets of issue 33: >= 5,000
+simulated requests per second over the sweep and >= 15,000 per CPU second saturated. Measured 2026-12-03 (2 shared
+cores at load 4-6; `python -m bench --only sim --only disaggregated` on 3b6279d, then on the compiled path, in one
+shell command): the sweep 380 -> 837 simulated requests per wall second (ep 30.9 -> 12.2 s; in one process against
+the reference 2.5x CPU, 2.6x wall), saturated 2,775 -> 4,596 per CPU second (1.6x), bench_disaggregated 1,362 ->
+2,641 (1.9x), every per-rate number identical; the targets are not met (the engine's own loop, outside the
+pricing, is ~30 % of the sweep; the counting runs at ~3-7 ns per activation, the one-increment floor at ~1).
+
 Routing: the synthetic DeepSeek-V2-Lite router (conf/model/synthetic_deepseek_v2_lite.yaml) on MMLU prompts
 (offline), split as every job splits it (systems fitted on the profile split, the evaluate split served).
 Outputs: 128 tokens per request with prompt-resampled decode routing (the trace has no generated tokens).
@@ -25,6 +35,7 @@ Outputs: 128 tokens per request with prompt-resampled decode routing (the trace 
 
 from __future__ import annotations
 
+import hashlib
 import tempfile
 import time
 from pathlib import Path
@@ -34,6 +45,7 @@ import numpy as np
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from bench.sim_reference import reference_pricing
 from repro.run import build_traces, make_job
 from repro.sim import simulate
 from repro.sim.metrics import throughput_under_slo
@@ -43,6 +55,8 @@ SYSTEMS = ("ep", "eplb", "semmoe")
 TARGET_SECONDS = 300.0
 SATURATED_RATE = 4000.0  # req/s, ~3x ep's capacity on this shape
 SATURATED_TARGET_RPS = 20_000.0
+ISSUE33_SWEEP_RPS = 5_000.0  # simulated requests per wall second over the rate sweep
+ISSUE33_SATURATED_RPS = 15_000.0  # per CPU second saturated
 
 
 def job_config(system: str, quick: bool, cache_dir: str) -> dict:
@@ -127,6 +141,28 @@ def saturated(config: dict, plan, evaluation, quick: bool) -> dict:
         "target_needs_activations_per_cpu_s": needed,
         "one_increment_floor_activations_per_cpu_s": floor,
         "target_share_of_one_increment_floor": needed / floor,
+        "per_rate_digest": hashlib.sha256(rates.to_csv().encode()).hexdigest()[:16],  # every number, full precision
+    }
+
+
+def against_reference(config: dict, plan, evaluation, quick: bool, sweep_wall: float, sweep_cpu: float,
+                      per_rate, saturated_new: dict) -> dict:
+    """The ep sweep and the saturated run again with the reference pricing, same process: timings, ratios, and
+    whether the per-rate table is identical (every number, bit for bit)."""
+    with reference_pricing():
+        cpu, wall = time.process_time(), time.perf_counter()
+        result = simulate(config, plan, evaluation, config["hardware"], config["sim"]["shape"],
+                          np.random.default_rng(config["seed"]))
+        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+        saturated_ref = saturated(config, plan, evaluation, quick)
+    identical = result.per_rate.equals(per_rate)
+    return {
+        "sweep_identical": bool(identical),
+        "sweep_reference_wall_s": wall, "sweep_wall_s": sweep_wall, "sweep_speedup_wall": wall / sweep_wall,
+        "sweep_reference_cpu_s": cpu, "sweep_cpu_s": sweep_cpu, "sweep_speedup_cpu": cpu / sweep_cpu,
+        "saturated_reference_cpu_s": saturated_ref["cpu_s"], "saturated_cpu_s": saturated_new["cpu_s"],
+        "saturated_speedup_cpu": saturated_ref["cpu_s"] / saturated_new["cpu_s"],
+        "saturated_identical": saturated_ref["per_rate_digest"] == saturated_new["per_rate_digest"],
     }
 
 
@@ -142,10 +178,10 @@ def run(quick: bool) -> dict:
             started = time.perf_counter()
             plan = fitter.fit(profile, parallel, np.random.default_rng(config["seed"]))
             fit_seconds = time.perf_counter() - started
-            started = time.perf_counter()
+            started, started_cpu = time.perf_counter(), time.process_time()
             result = simulate(config, plan, evaluation, config["hardware"], config["sim"]["shape"],
                               np.random.default_rng(config["seed"]))
-            wall = time.perf_counter() - started
+            wall, cpu = time.perf_counter() - started, time.process_time() - started_cpu
             rates = result.per_rate
             events = float(rates["iterations"].sum() + rates["requests_total"].sum())
             total_wall += wall
@@ -154,6 +190,7 @@ def run(quick: bool) -> dict:
             per_rate[system] = rates
             if system == "ep":
                 saturated_ep = saturated(config, plan, evaluation, quick)
+                reference = against_reference(config, plan, evaluation, quick, wall, cpu, rates, saturated_ep)
             s = result.summary
             cases[system] = {
                 "fit_s": fit_seconds,
@@ -190,5 +227,11 @@ def run(quick: bool) -> dict:
             "target_s": TARGET_SECONDS,
             "target_met": total_wall <= TARGET_SECONDS if not quick else None,
             "saturated_ep": saturated_ep,
+            "issue33_sweep_target_rps": ISSUE33_SWEEP_RPS,
+            "issue33_sweep_target_met": total_requests / total_wall >= ISSUE33_SWEEP_RPS if not quick else None,
+            "issue33_saturated_target_rps": ISSUE33_SATURATED_RPS,
+            "issue33_saturated_target_met": saturated_ep["simulated_requests_per_cpu_s"] >= ISSUE33_SATURATED_RPS
+            if not quick else None,
+            "against_reference_ep": reference,
             "systems_detail": cases,
         }

@@ -32,16 +32,18 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 
 from repro.errors import ConfigError, ReproError
-from repro.sim.costs import COMPONENTS, CostModel
+from repro.sim.costs import COMPONENTS, SEG_KEYS, CostModel
 from repro.sim.events import ARRIVAL, STEP_END, EventQueue
-from repro.sim.traffic import batch_traffic
+from repro.sim.traffic import device_tables, stream_traffic
 from repro.systems.base import Plan
 from repro.systems.load import RankLoad
 
 SCHEDULES = ("mixed", "prefill_first")
+PROMPT_CACHE_BYTES = 64 << 20  # whole-prompt counts an engine keeps across its runs (Engine._counted_prompts)
 
 
 @dataclass(frozen=True)
@@ -319,61 +321,60 @@ class Engine:
     # ---- pricing ------------------------------------------------------------------------------------------------
 
     def _cost_block(self, dec: np.ndarray, segments: list[tuple[int, int]], num_k: int):
-        """(total float64[K] seconds per iteration, moe float64[K, L, C], stats {name: int64[K]})."""
-        req, groups = self.req, self.groups
-        arange_k = np.arange(num_k)
-        # decode rows: request b's input at iteration i is stream position pos[b] + i
+        """(total float64[K] seconds per iteration, moe float64[K, L, C], stats {name: int64[K]}).
+
+        Rows: decode request b's input at iteration i is stream position pos[b] + i; a prefill segment's rows are
+        the next q prompt positions (a whole prompt in Attention-DP: its counts kept from an earlier block or run,
+        `_counted_prompts`). Counted and priced in one compiled call (`CostModel.count_and_price`); where it
+        declines, counted by `stream_traffic` and priced by `CostModel.price_arrays` or `CostModel.block`. The
+        numbers of the former numpy pricing, bit for bit (tests/test_sim_speed.py, bench/sim_reference.py)."""
+        req = self.req
         dec_group = self.rank[dec] if self.dp else np.zeros(len(dec), dtype=np.int64)
-        dec_pos = self.pos[dec]
-        rows = [req.stream[(req.stream_start[dec] + dec_pos)[None, :] + arange_k[:, None]].ravel()]
-        row_group = [np.repeat(arange_k, len(dec))]
-        row_home = [np.tile(dec_group, num_k)]
-        count = np.bincount(dec_group, minlength=groups).astype(np.float64)
-        base_pairs = np.bincount(dec_group, weights=dec_pos + 1, minlength=groups)
-        seg = {
-            "pairs_decode": base_pairs[None, :] + arange_k[:, None] * count[None, :],
-            "kv_read": (base_pairs - count)[None, :] + arange_k[:, None] * count[None, :],
-            "pairs_prefill": np.zeros((num_k, groups)),
-            "tokens": np.tile(count, (num_k, 1)),
-            "samples": np.tile(count, (num_k, 1)),
-        }
-        for r, q in segments:
-            g = int(self.rank[r]) if self.dp else 0
-            ctx = int(self.pos[r])
-            start = req.stream_start[r] + ctx
-            rows.append(req.stream[start : start + q])
-            row_group.append(np.zeros(q, dtype=np.int64))
-            row_home.append(np.full(q, g, dtype=np.int64))
-            seg["pairs_prefill"][0, g] += q * ctx + q * (q + 1) / 2
-            seg["kv_read"][0, g] += ctx
-            seg["tokens"][0, g] += q
-            seg["samples"][0, g] += ctx + q == req.prompt_len[r]
-        rows_N = np.concatenate(rows)
-        group_N = np.concatenate(row_group)
-        experts_NLk = req.experts[rows_N]
-        num_layers = experts_NLk.shape[1]
+        seg_r = np.fromiter((r for r, _ in segments), dtype=np.int64, count=len(segments))
+        seg_q = np.fromiter((q for _, q in segments), dtype=np.int64, count=len(segments))
+        seg_g = self.rank[seg_r] if self.dp else np.zeros(len(segments), dtype=np.int64)
+        prompts = self._counted_prompts(seg_r, seg_q, seg_g) if self.dp and len(segments) else None
+        seg_rows = np.ones(len(segments), dtype=np.bool_) if prompts is None else prompts[1]
+        rows_N, group_N, home_N, seg5, tokens_K = _block_rows(req.stream, req.stream_start, req.prompt_len, self.pos,
+                                                             dec, dec_group, seg_r, seg_q, seg_g, seg_rows, num_k,
+                                                             self.groups)
+        num_layers = req.experts.shape[1]
         slices = None
         if self.dp:
-            home_N = np.concatenate(row_home)
             home_NL = np.broadcast_to(home_N[:, None], (len(home_N), num_layers))
-            tokens_KD = seg["tokens"]
         else:
-            home_NL, slices = self._tp_homes(rows_N, group_N, experts_NLk, num_k)
-            tokens_KD = None
-        traffic = batch_traffic(group_N, home_NL, experts_NLk, self.slot_table, self.spd, num_k, self.dpn)
+            home_NL, slices = self._tp_homes(rows_N, group_N, req.experts[rows_N], num_k)
         has_prefill = np.zeros(num_k, dtype=bool)
         has_prefill[0] = bool(segments)
-        priced = self.cost.block(seg, traffic, tokens_KD, slices, has_prefill)
-        activations = traffic.activations
-        local = np.trace(activations, axis1=2, axis2=3).sum(axis=1)
-        copies = traffic.copies.sum(axis=(1, 2, 3)) - np.trace(traffic.copies, axis1=2, axis2=3).sum(axis=1)
+        fused = self.cost.count_and_price(rows_N, group_N, home_NL, req.experts, self.slot_table, self._device_tables(),
+                                          self.spd, self.dpn, seg5, slices, has_prefill,
+                                          None if prompts is None else prompts[0])
+        if fused is not None:
+            total, moe, counted = fused
+        else:  # two steps: counting raises a bad row's error, block prices what the compiled kernels decline
+            if prompts is not None:  # prompts not counted after all are not kept
+                for key in prompts[2]:
+                    del self._prompt_cache["index"][key]
+            if not seg_rows.all():  # the rows of every prompt, counted with the block
+                seg_rows[:] = True
+                rows_N, group_N, home_N, _, _ = _block_rows(req.stream, req.stream_start, req.prompt_len, self.pos, dec,
+                                                            dec_group, seg_r, seg_q, seg_g, seg_rows, num_k, self.groups)
+                home_NL = np.broadcast_to(home_N[:, None], (len(home_N), num_layers))
+            traffic, counted = stream_traffic(rows_N, group_N, home_NL, req.experts, self.slot_table,
+                                              self._device_tables(), self.spd, num_k, self.dpn)
+            priced = self.cost.price_arrays(seg5, traffic, slices, has_prefill)
+            if priced is None:
+                seg = dict(zip(SEG_KEYS, seg5, strict=True))
+                block = self.cost.block(seg, traffic, seg["tokens"] if self.dp else None, slices, has_prefill)
+                priced = (block["total"], None, None, block["moe"])
+            total, moe = priced[0], priced[3]
         stats = {
-            "local_activations": local,
-            "total_activations": activations.sum(axis=(1, 2, 3)),
-            "remote_copies": copies,
-            "tokens": np.bincount(group_N, minlength=num_k),
+            "local_activations": counted[:, 1],
+            "total_activations": counted[:, 0],
+            "remote_copies": counted[:, 2],
+            "tokens": tokens_K,
         }
-        return priced["total"] + self.cfg.iteration_overhead, priced["moe"], stats
+        return total + self.cfg.iteration_overhead, moe, stats
 
     def _tp_homes(self, rows_N, group_N, experts_NLk, num_k):
         """(home int64[N, L], slice sizes int64[K, L, D]) from plan.shuffle_tokens per iteration and layer."""
@@ -405,3 +406,111 @@ class Engine:
                 home[idx[perm], layer] = np.repeat(ranks, counts)
                 slices[k, layer] = counts
         return home, slices
+
+    def _counted_prompts(self, seg_r: np.ndarray, seg_q: np.ndarray, seg_g: np.ndarray):
+        """(counted: what CostModel.count_and_price adds to iteration 0, rows_needed bool[S], new keys) for an
+        Attention-DP block's prefill segments: a segment that is a whole prompt seen before on the same rank (a
+        request stream served again: the rates and probes of a sweep serve the same requests) is counted once more,
+        alone, in the compiled call, and kept for later blocks and runs of this engine; the others (first sightings,
+        partial chunks, or a full cache) are counted with the block's rows (rows_needed). Memory: L x (2 D + M + P)
+        int32 + 3 int64 per kept prompt (8.3 KiB at L = 26, D = 8, P = 64), at most PROMPT_CACHE_BYTES per engine,
+        and a set of the (stream, rank) pairs seen (about 100 bytes each)."""
+        cache = getattr(self, "_prompt_cache", None)
+        num_layers, num_devices = self.slot_table.shape[:2]
+        nodes = -(-num_devices // self.dpn)
+        width = 2 * num_devices + (nodes if nodes > 1 else 0) + num_devices * self.spd
+        if cache is None or cache["slot_table"] is not self.slot_table or cache["requests"] is not self.req:
+            capacity = max(1, PROMPT_CACHE_BYTES // (num_layers * width * 4 + 24))
+            cache = self._prompt_cache = {"slot_table": self.slot_table, "requests": self.req, "index": {}, "seen": set(),
+                                          "capacity": capacity,
+                                          "counts": np.zeros((min(capacity, 64), num_layers, width), dtype=np.int32),
+                                          "stats": np.zeros((min(capacity, 64), 3), dtype=np.int64)}
+        req, index = self.req, cache["index"]
+        rows_needed = np.ones(len(seg_r), dtype=np.bool_)
+        slots, homes, new = [], [], []
+        for j in range(len(seg_r)):
+            r, q, g = int(seg_r[j]), int(seg_q[j]), int(seg_g[j])
+            if self.pos[r] != 0 or q != req.prompt_len[r]:
+                continue
+            key = (int(req.stream_start[r]), g)
+            slot = index.get(key)
+            if slot is None:
+                if key not in cache["seen"]:  # kept from its second sighting on: a single run pays nothing
+                    cache["seen"].add(key)
+                    continue
+                if len(index) >= cache["capacity"]:
+                    continue
+                slot = index[key] = len(index)
+                new.append((key, slot, q, g))
+            slots.append(slot)
+            homes.append(g)
+            rows_needed[j] = False
+        if len(index) > len(cache["counts"]):
+            grow = min(cache["capacity"], max(len(index), 2 * len(cache["counts"]))) - len(cache["counts"])
+            cache["counts"] = np.concatenate([cache["counts"], np.zeros((grow,) + cache["counts"].shape[1:], np.int32)])
+            cache["stats"] = np.concatenate([cache["stats"], np.zeros((grow, 3), np.int64)])
+        miss = np.array([(key[0], q, g, slot) for key, slot, q, g in new], dtype=np.int64).reshape(-1, 4).T
+        counted = (cache["counts"], cache["stats"], np.array(slots, dtype=np.int64), np.array(homes, dtype=np.int64),
+                   req.stream, np.ascontiguousarray(miss[0]), np.ascontiguousarray(miss[1]),
+                   np.ascontiguousarray(miss[2]), np.ascontiguousarray(miss[3]))
+        return counted, rows_needed, [key for key, *_ in new]
+
+    def _device_tables(self) -> tuple[np.ndarray, np.ndarray]:
+        """traffic.device_tables of the slot table, computed once (2 x 8 bytes per (layer, device, expert))."""
+        tables = getattr(self, "_device_tables_LDE", None)
+        if tables is None or tables[0].shape != self.slot_table.shape:
+            tables = self._device_tables_LDE = device_tables(self.slot_table, self.spd)
+        return tables
+
+
+@numba.njit(cache=True, nogil=True)
+def _block_rows(stream, stream_start, prompt_len, pos, dec, dec_group, seg_r, seg_q, seg_g, seg_rows, num_k, groups):
+    """A block's token rows and attention sums (the engine's rule, in `_cost_block`'s former numpy form, float
+    operations in its order): rows int64[N] compact rows (decode rows iteration-major, then the rows of the prefill
+    segments with seg_rows set), group int64[N] iteration, home int64[N] attention group, seg5 float64[5, K, G]
+    (costs.SEG_KEYS), tokens int64[K] (every segment's).
+    """  # pragma: no cover (compiled)
+    num_dec = dec.shape[0]
+    num_rows = num_dec * num_k
+    for j in range(seg_r.shape[0]):
+        if seg_rows[j]:
+            num_rows += seg_q[j]
+    rows = np.empty(num_rows, dtype=np.int64)
+    group = np.empty(num_rows, dtype=np.int64)
+    home = np.empty(num_rows, dtype=np.int64)
+    for i in range(num_k):
+        for b in range(num_dec):
+            r = dec[b]
+            rows[i * num_dec + b] = stream[stream_start[r] + pos[r] + i]
+            group[i * num_dec + b] = i
+            home[i * num_dec + b] = dec_group[b]
+    count = np.zeros(groups)
+    base_pairs = np.zeros(groups)
+    for b in range(num_dec):
+        count[dec_group[b]] += 1.0
+        base_pairs[dec_group[b]] += float(pos[dec[b]] + 1)
+    seg5 = np.zeros((5, num_k, groups))
+    tokens = np.full(num_k, num_dec, dtype=np.int64)
+    for i in range(num_k):
+        for g in range(groups):
+            seg5[1, i, g] = base_pairs[g] + float(i) * count[g]
+            seg5[2, i, g] = (base_pairs[g] - count[g]) + float(i) * count[g]
+            seg5[3, i, g] = count[g]
+            seg5[4, i, g] = count[g]
+    n = num_dec * num_k
+    for j in range(seg_r.shape[0]):
+        r, q, g = seg_r[j], seg_q[j], seg_g[j]
+        ctx = pos[r]
+        start = stream_start[r] + ctx
+        if seg_rows[j]:
+            for t in range(q):
+                rows[n + t] = stream[start + t]
+                group[n + t] = 0
+                home[n + t] = g
+            n += q
+        seg5[0, 0, g] += q * ctx + q * (q + 1) / 2
+        seg5[2, 0, g] += ctx
+        seg5[3, 0, g] += q
+        seg5[4, 0, g] += 1.0 if ctx + q == prompt_len[r] else 0.0
+        tokens[0] += q
+    return rows, group, home, seg5, tokens

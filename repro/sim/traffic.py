@@ -6,7 +6,8 @@ activation (token n, layer l, slot j) of a token living on device s is served by
 slot_table[l, s, expert] on device dst = slot // slots_per_device; a token travels once to each distinct remote
 device (DeepEP's per-rank dedup), and once to each distinct remote node where the backend forwards inside the
 node (DeepEP normal kernels). Rows belong to one of K iterations (`group`), so a block of K decode iterations is
-counted in one pass.
+counted in one pass. `stream_traffic` counts the same with `counting.count_rows_at` (rows read in place, the
+engine's stats in the same pass): the engine's two-step path; its one-call path is CostModel.count_and_price.
 
 Legend: N token rows, K iterations in a block, L MoE layers, k experts per token, E logical experts, D devices,
 P physical slots per layer, M nodes.
@@ -19,7 +20,7 @@ from typing import NamedTuple
 import numpy as np
 
 from repro.errors import ConfigError
-from repro.eval.counting import count_rows
+from repro.eval.counting import count_rows, count_rows_at
 from repro.systems.base import Placement
 
 
@@ -85,3 +86,35 @@ def batch_traffic(
                           f"({slot_table_LDE.shape[2]} experts, {num_devices} devices); check the trace's model.")
     return BatchTraffic(activations=activations, copies=copies,
                         node_copies=node_copies if num_nodes > 1 else None, slot_tokens=slot_tokens)
+
+
+def device_tables(slot_table_LDE: np.ndarray, slots_per_device: int) -> tuple[np.ndarray, np.ndarray]:
+    """(device int64[L, D, E] of each dispatch slot, uint64[L, D, E] 1 << that device, or size 0 past 64 devices):
+    what `stream_traffic` needs beside the slot table, computed once per placement."""
+    device = (slot_table_LDE // slots_per_device).astype(np.int64)
+    bits = np.left_shift(np.uint64(1), device.astype(np.uint64)) if slot_table_LDE.shape[1] <= 64 \
+        else np.zeros((0, 0, 0), dtype=np.uint64)
+    return device, bits
+
+
+def stream_traffic(rows_N: np.ndarray, group_N: np.ndarray, home_NL: np.ndarray, experts_RLk: np.ndarray,
+                   slot_table_LDE: np.ndarray, device_tables_: tuple[np.ndarray, np.ndarray], slots_per_device: int,
+                   num_groups: int, devices_per_node: int) -> tuple[BatchTraffic, np.ndarray]:
+    """`batch_traffic` of the rows experts_RLk[rows_N] (rows_N int64[N]; read in place), device_tables_ from
+    `device_tables`, and int64[G, 3] per group: activations, local activations, remote copies (what the engine
+    reports)."""
+    num_layers, num_devices, _ = slot_table_LDE.shape
+    num_nodes = -(-num_devices // devices_per_node)
+    activations = np.zeros((num_groups, num_layers, num_devices, num_devices), dtype=np.int64)
+    copies = np.zeros_like(activations)
+    node_copies = np.zeros((num_groups, num_layers, num_devices, num_nodes if num_nodes > 1 else 0), dtype=np.int64)
+    slot_tokens = np.zeros((num_groups, num_layers, num_devices * slots_per_device), dtype=np.int64)
+    stats = np.zeros((num_groups, 3), dtype=np.int64)
+    bad_row = count_rows_at(np.arange(len(rows_N)), rows_N, group_N, home_NL, experts_RLk, slot_table_LDE, device_tables_[0], device_tables_[1],
+                            devices_per_node, activations, copies, node_copies, slot_tokens, stats)
+    if bad_row >= 0:
+        raise ConfigError(f"token row {bad_row} of the batch has an expert id or home device outside the placement "
+                          f"({slot_table_LDE.shape[2]} experts, {num_devices} devices); check the trace's model.")
+    traffic = BatchTraffic(activations=activations, copies=copies, node_copies=node_copies if num_nodes > 1 else None,
+                           slot_tokens=slot_tokens)
+    return traffic, stats
