@@ -59,9 +59,12 @@ def remove_dead_temps(path: Path) -> None:
                 sibling.unlink(missing_ok=True)
 
 
-def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
+def atomic_write(path: Path, write: Callable[[Path], object], *, replace: bool = True) -> None:
     """Call write(tmp_path) on a temporary sibling of `path`, then rename it onto `path` with the permissions a
-    plain open() would give it (mkstemp's temporary file is owner-only)."""
+    plain open() would give it (mkstemp's temporary file is owner-only).
+
+    replace=False never replaces a file at `path`, even one that another process created while we wrote: the
+    temporary is published with link(), which fails with FileExistsError when `path` exists."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     _install_sigterm_cleanup()
@@ -72,12 +75,31 @@ def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
     try:
         write(Path(tmp))
         os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, path)
+        if replace:
+            os.replace(tmp, path)
+        else:
+            _publish_new_file(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     finally:
         _live_temps.pop(tmp, None)
+
+
+def _publish_new_file(tmp: str, path: Path) -> None:
+    """Give the finished temporary the name `path` unless something is there already (FileExistsError)."""
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        raise
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.EXDEV, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
+            raise
+        if os.path.lexists(path):  # a file system without hard links: check, then rename (a small race)
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(path)) from None
+        os.replace(tmp, path)
+        return
+    os.unlink(tmp)
 
 
 def atomic_write_text(path: Path, text: str) -> None:
