@@ -270,8 +270,8 @@ def test_partial_merge_never_replaces_an_existing_file(counted):
     tmp_path, trace = counted
     csv = tmp_path / "routing.csv"
     csv.write_text("request,position,layer,expert\n")
-    for out, extra, fragment in ((csv, [], "must end in .npz"), (csv, ["--overwrite"], "must end in .npz"),
-                                 (tmp_path / "p0.npz", ["--overwrite"], "is one of the partial tables"),
+    for out, extra, fragment in ((csv, [], "ending in .npz"), (csv, ["--overwrite"], "ending in .npz"),
+                                 (tmp_path / "p0.npz", ["--overwrite"], "is one of this command's inputs"),
                                  (tmp_path / "foreign.npz", [], "exists; pass --overwrite")):
         before = out.read_bytes()
         res = run_cli("repro.affinity.partial", "merge", "--trace", trace, "--out", out, *extra, tmp_path / "p0.npz",
@@ -531,3 +531,71 @@ def test_json_depth_counts_brackets_outside_strings_only(tmp_path):
     path.write_text((flat + "\n") * 2 + '{"a": ' + "[" * 40 + "]" * 40 + "}\n")
     with pytest.raises(TraceError, match=r"more than 32 levels deep \(line 3\)"):
         check_json_depth(path)
+
+
+# ---- issue 35: the second audit's cases ------------------------------------------------------------------------
+
+
+def test_partial_count_never_replaces_an_existing_table_without_overwrite(counted):
+    """`count --out X.npz` replaced any existing .npz and had no --overwrite."""
+    tmp_path, trace = counted
+    before = (tmp_path / "foreign.npz").read_bytes()
+    res = run_cli("repro.affinity.partial", "count", "--trace", trace, "--shard", 0, "--out", tmp_path / "foreign.npz",
+                  cwd=tmp_path)
+    assert res.returncode == 2
+    assert_clean_refusal(res, "exists; pass --overwrite")
+    assert (tmp_path / "foreign.npz").read_bytes() == before
+    res = run_cli("repro.affinity.partial", "count", "--trace", trace, "--shard", 0, "--out", tmp_path / "foreign.npz",
+                  "--overwrite", cwd=tmp_path)
+    assert res.returncode == 0 and (tmp_path / "foreign.npz").read_bytes() != before
+
+
+def test_partial_merge_refuses_a_part_of_a_capture_differing_in_one_token_past_the_old_sample(tmp_path):
+    """Identity was a sample (256 blocks of 4 KiB): a capture differing in one request passed once experts.npy
+    exceeded 1 MiB. The part now carries the digest of every byte it counted."""
+    import shutil
+
+    import numpy as np
+
+    from repro.affinity.partial import count_shard, merge_tables
+    from repro.traces import TraceMeta, make_trace, write_trace
+
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(200, 400, 1200)  # ~360k tokens x 2 layers x 2 experts x 2 bytes: > 1 MiB of routing
+    tokens = rng.integers(0, 50, int(lengths.sum()))
+    experts = rng.integers(0, 16, (len(tokens), 2, 2)).astype(np.int16)
+    experts[:, :, 1] = (experts[:, :, 0] + 1) % 16
+    meta = TraceMeta(model="imported", num_experts=16, top_k=2, layer_ids=(3, 4), vocab_size=50, dataset="x")
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    trace = write_trace(make_trace(meta, offsets, tokens, experts), tmp_path / "trace")
+    assert (trace / "experts.npy").stat().st_size > 256 * 4096
+    other = tmp_path / "other"
+    shutil.copytree(trace, other)
+    changed = experts.copy()
+    changed[offsets[500] + 7, 1] = (changed[offsets[500] + 7, 1] + 2) % 16  # one token of one request
+    write_trace(make_trace(meta, offsets, tokens, changed), other, if_exists="replace")
+    count_shard(other, 0, tmp_path / "foreign.npz")
+    with pytest.raises(TraceError, match=r"counted on another trace .* \(the routing of shard 0 differs"):
+        merge_tables(trace, [tmp_path / "foreign.npz"])
+    count_shard(trace, 0, tmp_path / "own.npz")
+    merge_tables(trace, [tmp_path / "own.npz"])  # its own part merges
+
+
+@pytest.mark.parametrize("field, value, fragment", [
+    ("expert", 99, "holds expert 99, outside 0..15"),
+    ("count", -3, "holds a count of -3"),
+    ("layer", 2, "holds layer 2, outside 0..1"),
+])
+def test_partial_merge_refuses_a_cell_that_cannot_come_from_the_trace(counted, field, value, fragment):
+    import numpy as np
+
+    from repro.affinity.partial import FIELDS, load_table, merge_tables
+
+    tmp_path, trace = counted
+    table = load_table(tmp_path / "p0.npz")
+    table[field] = table[field].copy()
+    table[field][0] = value
+    with open(tmp_path / "edited.npz", "wb") as f:
+        np.savez(f, **{name: table[name] for name in FIELDS})
+    with pytest.raises(TraceError, match=fragment):
+        merge_tables(trace, [tmp_path / "edited.npz"])

@@ -35,7 +35,8 @@ def count_job(cfg: DictConfig) -> Path:
         raise ConfigError(f"shard must be an integer shard index, got {shard!r}.")
     out_dir = Path(to_absolute_path(str(cfg.out_dir)))
     out_dir.mkdir(parents=True, exist_ok=True)
-    return count_shard(to_absolute_path(str(cfg.trace)), shard, out_dir / f"{shard}.npz", bool(cfg.prompt_only))
+    return count_shard(to_absolute_path(str(cfg.trace)), shard, out_dir / f"{shard}.npz", bool(cfg.prompt_only),
+                       overwrite=bool(cfg.overwrite))
 
 
 @hydra.main(version_base="1.3", config_path="../../conf", config_name="count_job")
