@@ -397,9 +397,11 @@ def test_engine_export_to_an_unwritable_place_is_one_sentence(tmp_path, capsys):
     job, _ = toy_job(tmp_path)
     blocker = tmp_path / "a_file"
     blocker.write_text("")
-    assert sglang.main(["export", str(job), "--out", str(blocker / "location.json")]) == 2  # root ignores chmod
+    with pytest.raises(SystemExit) as stop:  # refused while parsing, before the plan is read (root ignores chmod)
+        sglang.main(["export", str(job), "--out", str(blocker / "location.json")])
+    assert stop.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: cannot write --out") and "\n" not in err
+    assert err.startswith("error: --out") and "lies under the file" in err and "\n" not in err
 
 
 @pytest.mark.parametrize("depth", [10_000, 100_000])
@@ -599,3 +601,28 @@ def test_partial_merge_refuses_a_cell_that_cannot_come_from_the_trace(counted, f
         np.savez(f, **{name: table[name] for name in FIELDS})
     with pytest.raises(TraceError, match=fragment):
         merge_tables(trace, [tmp_path / "edited.npz"])
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_engine_export_never_replaces_an_existing_file_or_its_own_model_config(tmp_path, capsys, engine):
+    """`export --out` replaced an existing file, even the --model-config it had just read."""
+    import importlib
+
+    from test_engines_sglang import toy_job
+
+    module = importlib.import_module(f"repro.engines.{engine}")
+    job, _ = toy_job(tmp_path)
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"num_hidden_layers": 4, "n_routed_experts": 8, "first_k_dense_replace": 1}))
+    existing = tmp_path / "placement.json"
+    existing.write_text("keep me")
+    for out, extra, fragment in ((config, ["--overwrite"], "is one of this command's inputs"),
+                                 (existing, [], "exists; pass --overwrite")):
+        with pytest.raises(SystemExit) as stop:
+            module.main(["export", str(job), "--out", str(out), "--model-config", str(config), *extra])
+        assert stop.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: --out") and fragment in err and "\n" not in err
+    assert existing.read_text() == "keep me" and json.loads(config.read_text())["num_hidden_layers"] == 4
+    assert module.main(["export", str(job), "--out", str(existing), "--model-config", str(config), "--overwrite"]) == 0
+    assert existing.read_text() != "keep me"

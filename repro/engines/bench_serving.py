@@ -526,11 +526,11 @@ def serve_commands(args) -> tuple[list[str], dict, list[str]]:
     env: dict = {}
     if args.engine == "sglang":
         location = folder / "init_expert_location.json"
-        sglang.export_location(saved, location)
+        sglang.export_location(saved, location, overwrite=True)  # the job's own derived file, re-made each serve
         engine = sglang.launch_command(args.model_path, location, placement.num_devices, attention, redundant, args.server_port)
     else:
         location = folder / "vllm_placement.json"
-        vllm.export_placement(saved, location)
+        vllm.export_placement(saved, location, overwrite=True)
         assignment, *engine = vllm.launch_command(args.model_path, location, placement.num_devices, attention, redundant,
                                                   args.server_port)
         key, _, value = assignment.partition("=")
