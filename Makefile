@@ -89,7 +89,7 @@ cpu-check:
 
 cost-model:
 	$(PY) -m bench --out bench/results --only cost_model
-	$(PY) -m repro.sim.trust --out runs/cost_model_trust
+	$(PY) -m repro.sim.trust --out runs/cost_model_trust --overwrite
 
 # one CUDA GPU: bf16/fp16 correctness of every Triton kernel, kernel timings vs a bf16 cuBLAS per-expert loop (and
 # vLLM's fused_experts when importable), never needed by tests or CI; calibration: conf/hardware/measured/<gpu>.yaml

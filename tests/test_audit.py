@@ -626,3 +626,54 @@ def test_engine_export_never_replaces_an_existing_file_or_its_own_model_config(t
     assert existing.read_text() == "keep me" and json.loads(config.read_text())["num_hidden_layers"] == 4
     assert module.main(["export", str(job), "--out", str(existing), "--model-config", str(config), "--overwrite"]) == 0
     assert existing.read_text() != "keep me"
+
+
+def _validation_row(**changes) -> dict:
+    row = {"id": "r", "kind": "nccl_alltoall", "profile": "h100", "ranks": 8, "size_bytes": 1024, "measured": 15,
+           "unit": "us", "in_sample": True, "source": "s", "setting": "x"}
+    return {**row, **changes}
+
+
+@pytest.mark.parametrize("changes, fragment", [
+    ({"measured": float("nan")}, "measured must be a finite positive number, got nan"),
+    ({"size_bytes": -1024}, "size_bytes must be a finite positive number, got -1024"),
+    ({"ranks": 0}, "ranks must be a positive integer, got 0"),
+    ({"profile": "h999"}, "profile 'h999' is not one of conf/hardware/*.yaml"),
+])
+def test_validation_refuses_a_row_it_cannot_price_in_one_line(tmp_path, capsys, changes, fragment):
+    """A row with `measured: .nan` or a negative size was priced; a refused table was printed as a traceback."""
+    import yaml
+
+    from repro.sim import validation
+
+    table = tmp_path / "table.yaml"
+    table.write_text(yaml.safe_dump({"rows": [_validation_row(**changes)]}))
+    assert validation.main(["--table", str(table)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and fragment in err and "\n" not in err
+    table.write_text(yaml.safe_dump({"rows": [_validation_row()]}))  # positive control: the same row, unspoiled
+    assert validation.main(["--table", str(table)]) == 0
+
+
+def test_trust_refuses_a_missing_or_empty_exec_file_and_a_file_as_out(tmp_path, capsys):
+    """A mistyped --exec, or a JSON without `results`, dropped the executor band and exited 0; a non-JSON --exec and
+    an existing file as --out were tracebacks."""
+    from repro.sim import trust
+
+    no_results, not_json, a_file = tmp_path / "empty.json", tmp_path / "junk.json", tmp_path / "a_file"
+    no_results.write_text(json.dumps({"name": "cost_model"}))
+    not_json.write_text("{not json")
+    a_file.write_text("keep me")
+    for argv, fragment in ((["--exec", str(tmp_path / "typo.json")], "must be an existing file"),
+                           (["--exec", str(a_file), "--out", str(a_file)], "is one of this command's inputs"),
+                           (["--out", str(a_file)], "is a file; name a folder")):
+        with pytest.raises(SystemExit) as stop:
+            trust.main([*argv, "--out", str(tmp_path / "out")] if "--out" not in argv else argv)
+        assert stop.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and fragment in err and "\n" not in err, err
+    for path, fragment in ((no_results, "holds no bench.bench_cost_model `results`"),
+                           (not_json, "is not a readable bench.bench_cost_model result")):
+        with pytest.raises(ConfigError, match=fragment):
+            trust.exec_errors(path, required=True)
+    assert a_file.read_text() == "keep me" and not (tmp_path / "out").exists()
