@@ -677,3 +677,30 @@ def test_trust_refuses_a_missing_or_empty_exec_file_and_a_file_as_out(tmp_path, 
         with pytest.raises(ConfigError, match=fragment):
             trust.exec_errors(path, required=True)
     assert a_file.read_text() == "keep me" and not (tmp_path / "out").exists()
+
+
+def test_cpu_check_refuses_a_file_as_out_before_calibrating(tmp_path, capsys, monkeypatch):
+    """`bench.cpu_check --out <a file>` ran the whole calibration, wrote its profiles, then failed with a traceback."""
+    from bench import cpu_check
+
+    def no_calibration(*args, **kwargs):
+        raise AssertionError("the calibration started")
+
+    monkeypatch.setattr(cpu_check, "calibrate", no_calibration)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("keep me")
+    code = cpu_check.main(["--out", str(a_file), "--hardware-dir", str(tmp_path / "hw"),
+                           "--measured-dir", str(tmp_path / "hw" / "measured"), "--quick"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith("error: --out") and "lies under the file" in err and "\n" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"] and a_file.read_text() == "keep me"
+
+
+def test_hf_export_refuses_an_out_it_cannot_write_before_loading_anything(tmp_path):
+    """`hf_export --out` somewhere unwritable was a traceback."""
+    trace = synthetic_trace_dir(tmp_path / "trace")
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    res = run_cli("repro.engines.hf_export", "--trace", trace, "--out", a_file / "ckpt", cwd=tmp_path)
+    assert res.returncode == 2
+    assert_clean_refusal(res, "lies under the file")
