@@ -704,3 +704,43 @@ def test_hf_export_refuses_an_out_it_cannot_write_before_loading_anything(tmp_pa
     res = run_cli("repro.engines.hf_export", "--trace", trace, "--out", a_file / "ckpt", cwd=tmp_path)
     assert res.returncode == 2
     assert_clean_refusal(res, "lies under the file")
+
+
+@pytest.mark.parametrize("case", ["escaped backslash before a closing quote", "gzip-compressed"])
+def test_import_refuses_deep_nesting_hidden_by_an_escape_or_compression(tmp_path, case):
+    """`"r1\\\\"` (a string ending in an escaped backslash) hid the nesting after it from the depth check, and 10,000
+    levels then segfaulted the importer (leaving a hidden temp folder); a .gz file skipped the check entirely."""
+    import gzip
+
+    deep = "[" * 10_000 + "]" * 10_000
+    row = '{"request_id": "r1\\\\", "position": 0, "layer": 0, "token": 5, "experts": ' + deep + "}"
+    text = json.dumps({"request_id": "r0", "position": 0, "layer": 0, "token": 5, "experts": [1, 2]}) + "\n" + row + "\n"
+    if case == "gzip-compressed":
+        table = tmp_path / "routing.jsonl.gz"
+        table.write_bytes(gzip.compress(text.replace('"r1\\\\"', '"r1"').encode()))
+        extra = ["--format", "jsonl"]
+    else:
+        table = tmp_path / "routing.jsonl"
+        table.write_text(text)
+        extra = []
+    res = run_cli("repro.traces.import", table, "--out", tmp_path / "trace", *extra, cwd=tmp_path)
+    assert_clean_refusal(res, "nests a value more than 32 levels deep (line 2)")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [table.name]
+
+
+def test_json_depth_reads_escapes_by_the_parity_of_their_backslashes(tmp_path):
+    from repro.traces.tabular import check_json_depth
+
+    path = tmp_path / "t.jsonl"
+    for string, deep_is_in_a_string in (('"a\\\\"', False), ('"a\\\\\\"', True), ('"a\\\\\\\\"', False)):
+        # "a\\" ends its string; "a\\\" does not (the third backslash escapes the quote); "a\\\\" ends it again
+        path.write_text('{"x": ' + string + ', "y": ' + "[" * 40 + "]" * 40 + "}\n")
+        if deep_is_in_a_string:
+            check_json_depth(path)
+        else:
+            with pytest.raises(TraceError, match="more than 32 levels deep"):
+                check_json_depth(path)
+    # a malformed line (an unclosed string) does not hide the next line's nesting
+    path.write_text('{"x": "unclosed}\n{"y": ' + "[" * 40 + "]" * 40 + "}\n")
+    with pytest.raises(TraceError, match=r"\(line 2\)"):
+        check_json_depth(path)
