@@ -20,13 +20,13 @@ Legend: D ranks per pool.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import numpy as np
 
 from bench.signature_sources import DECODE_SHARE, SOURCES, job_config
+from repro import cli
 from repro.atomic import atomic_write_text
 from repro.eval.decode_phase import prompt_tail_as_decode
 from repro.parallel import ParallelConfig
@@ -93,12 +93,12 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.pd_sources", description=__doc__.splitlines()[0])
+    p = cli.ArgumentParser(prog="python -m bench.pd_sources", description=__doc__.splitlines()[0])
     p.add_argument("--sources", nargs="+", default=["tiny_gen32", "synthetic_deepseek_v2_lite"], choices=list(SOURCES))
-    p.add_argument("--devices", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--devices", type=cli.positive, default=8)
+    p.add_argument("--seed", type=cli.seed, default=0)
     p.add_argument("--split", default="evaluate", choices=["validate", "evaluate"])
-    p.add_argument("--rate", type=float, default=400.0)
+    p.add_argument("--rate", type=cli.rate, default=400.0)
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     rows = [row for source in args.sources for row in measure(source, args.devices, args.seed, args.split, args.rate)]

@@ -15,12 +15,12 @@ Legend: D devices (EP degree), R requests.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import numpy as np
 
+from repro import cli
 from repro.atomic import atomic_write_text
 from repro.eval.decode_phase import decode_phase_metrics, prompt_tail_as_decode
 from repro.eval.time_cost import DEFAULT_SHAPE, load_shape, time_model
@@ -121,14 +121,14 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.signature_sources", description=__doc__.splitlines()[0])
+    p = cli.ArgumentParser(prog="python -m bench.signature_sources", description=__doc__.splitlines()[0])
     p.add_argument("--sources", nargs="+", default=list(SOURCES), choices=list(SOURCES))
-    p.add_argument("--devices", type=int, default=8)
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--fit-seeds", type=int, nargs="+", help="rng seeds of the fits (default: each config seed)")
+    p.add_argument("--devices", type=cli.positive, default=8)
+    p.add_argument("--seeds", type=cli.seed, nargs="+", default=[0, 1, 2])
+    p.add_argument("--fit-seeds", type=cli.seed, nargs="+", help="rng seeds of the fits (default: each config seed)")
     p.add_argument("--split", default="evaluate", choices=["validate", "evaluate"])
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS), help="measure only these (default: all)")
-    p.add_argument("--decode-batch", type=int, help="decode in waves of this many requests (default: one static "
+    p.add_argument("--decode-batch", type=cli.positive, help="decode in waves of this many requests (default: one static "
                    "batch of every evaluated request, whose size grows with the split)")
     p.add_argument("--out", type=Path, help="JSON file of every row (written atomically)")
     args = p.parse_args(argv)

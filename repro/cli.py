@@ -32,6 +32,7 @@ from repro.errors import ReproError
 
 SEED_MAX = 2**32 - 1  # numpy takes larger seeds, torch.manual_seed does not (conf's seed check uses the same bound)
 PORT_MAX = 65535
+INT64_MAX = 2**63 - 1
 
 
 class OutputError(ReproError):
@@ -57,23 +58,23 @@ class Kind:
 
 
 class Integer(Kind):
-    """An integer in [low, high] (an open end where None); "4.0" and "1e3" are refused (write 4, 1000)."""
+    """An integer in [low, high] (no lower bound where low is None); "4.0" and "1e3" are refused (write 4, 1000).
+    The default upper bound is the largest int64: a bigger count overflows numpy and torch deep inside a run."""
 
-    def __init__(self, low: int | None = 0, high: int | None = None):
+    def __init__(self, low: int | None = 0, high: int = INT64_MAX):
         self.low, self.high = low, high
-        if low is not None and high is not None:
+        top = "that fits in 64 bits" if high == INT64_MAX else f"<= {high}"
+        if low is not None and high != INT64_MAX:
             self.takes = f"an integer in [{low}, {high}]"
-        elif low is not None:
-            self.takes = f"an integer >= {low}"
         else:
-            self.takes = "an integer" if high is None else f"an integer <= {high}"
+            self.takes = f"an integer {'' if low is None else f'>= {low} '}{top}"
 
     def __call__(self, text: str) -> int:
         try:
             value = int(text, 10)
         except (TypeError, ValueError):
             raise self.refuse(text) from None
-        if (self.low is not None and value < self.low) or (self.high is not None and value > self.high):
+        if (self.low is not None and value < self.low) or value > self.high:
             raise self.refuse(text)
         return value
 

@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from repro import cli
+
 POLL_S = 0.2  # how often the two streams are checked (only latency: no result depends on it)
 STOP_GRACE_S = 30.0  # SIGTERM, then SIGKILL if a stream's process group is still there after this long
 TAIL_LINES = 40
@@ -105,11 +107,12 @@ def run(background: str, foreground: str, log: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m repro.side_by_side", description=__doc__.split("\n\n")[0])
+    parser = cli.ArgumentParser(prog="python -m repro.side_by_side", description=__doc__.split("\n\n")[0])
     parser.add_argument("--background", help="shell command line run with its output in --log")
     parser.add_argument("--foreground", help="shell command line run with its output here")
     parser.add_argument("--log", type=Path, help="file the background command's output goes to")
-    parser.add_argument("--guard", type=int, help=argparse.SUPPRESS)  # internal: a stream's guard (module docstring)
+    # internal: a stream's guard (module docstring)
+    parser.add_argument("--guard", type=cli.positive, help=argparse.SUPPRESS)
     parser.add_argument("--command", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.guard is not None:

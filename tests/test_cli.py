@@ -9,7 +9,7 @@ from repro.atomic import atomic_write
 
 
 @pytest.mark.parametrize("kind, good, bad", [
-    (cli.count, {"0": 0, "7": 7}, ["-1", "4.0", "1e3", "abc", "", " "]),
+    (cli.count, {"0": 0, "7": 7, str(2**63 - 1): 2**63 - 1}, ["-1", "4.0", "1e3", "abc", "", " ", str(2**63)]),
     (cli.positive, {"1": 1}, ["0", "-3", "nan"]),
     (cli.seed, {"0": 0, str(2**32 - 1): 2**32 - 1}, [str(2**32), "1e23", "-1"]),
     (cli.port, {"8080": 8080}, ["0", "65536", "-1"]),
@@ -52,7 +52,7 @@ def test_a_refused_value_is_one_line_and_exit_2(tmp_path, capsys):
     config = tmp_path / "config.json"
     config.write_text("{}")
     assert_refused(*parse(export_parser(), [config, "--shard", "-1", "--out", tmp_path / "o.json"], capsys),
-                   "argument --shard: must be an integer >= 0, got '-1'")
+                   "argument --shard: must be an integer >= 0 that fits in 64 bits, got '-1'")
     assert_refused(*parse(export_parser(), [tmp_path / "missing.json", "--out", tmp_path / "o.json"], capsys),
                    "must be an existing file")
     assert_refused(*parse(export_parser(), [config], capsys), "The following arguments are required: --out")

@@ -5,10 +5,11 @@
 
 `count` reads shard I of the sharded trace T (repro.traces.shards; a plain trace is one shard, I = 0) in chunks
 and writes its sparse token -> expert counts; `merge` checks that the partials are one per shard of T (each
-stores T's identity, its shard index and the digest of the exact routing it counted) and sums them. Counts are integers, so the merged table equals the
-single-process `token_expert_counts(read_trace(T))` exactly, whatever the sharding. Everything is saved and
-loaded with allow_pickle=False and written atomically (a refused merge writes nothing). On a cluster the
-count jobs are independent: a SLURM job array (one task per shard), or a Hydra multirun over the shard index.
+stores T's identity, its shard index and the digest of the exact routing it counted) and sums them. Counts are
+integers, so the merged table equals the single-process `token_expert_counts(read_trace(T))` exactly, whatever
+the sharding. Everything is saved and loaded with allow_pickle=False and written atomically (a refused merge writes
+nothing; an existing table is replaced only with --overwrite). On a cluster the count jobs are independent: a
+SLURM job array (one task per shard), or a Hydra multirun over the shard index.
 
 A table (partial or merged) is an .npz of plain arrays:
     identity <U64 (scalar)  sha256 of T's shards' meta.json, requests.json and offsets.npy (trace_identity)

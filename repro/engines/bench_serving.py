@@ -67,6 +67,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from repro import cli
 from repro.atomic import atomic_write, atomic_write_text
 from repro.errors import ConfigError, ReproError
 from repro.sim.metrics import LATENCIES, STATISTICS, statistic
@@ -589,16 +590,16 @@ def run_serve(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from repro.engines.sglang import _layout_args, _serving_args
 
-    p = argparse.ArgumentParser(prog="python -m repro.engines.bench_serving", description=__doc__.splitlines()[0])
+    p = cli.ArgumentParser(prog="python -m repro.engines.bench_serving", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="export the placement, start the engine and the router")
     serve.add_argument("--engine", choices=["sglang", "vllm"], default="sglang")
     serve.add_argument("--plan", type=Path, required=True, help="job directory under runs/ or its plan/ folder")
     serve.add_argument("--model-path", required=True, help="HF id or local folder the engine serves")
     serve.add_argument("--tokenizer", help="the router's tokenizer (default: the job's)")
-    serve.add_argument("--server-port", type=int, default=30000)
-    serve.add_argument("--router-port", type=int, default=8080)
-    serve.add_argument("--startup-timeout", type=float, default=1800.0)
+    serve.add_argument("--server-port", type=cli.port, default=30000)
+    serve.add_argument("--router-port", type=cli.port, default=8080)
+    serve.add_argument("--startup-timeout", type=cli.rate, default=1800.0)
     serve.add_argument("--print", action="store_true", help="only print the commands")
     _layout_args(serve)
     _serving_args(serve)
@@ -608,12 +609,12 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--out", type=Path, required=True, help="folder for real_per_rate.csv (e.g. runs/serve_real/<name>)")
     sweep.add_argument("--model", help="the model field of each request (default: the first of /v1/models)")
     sweep.add_argument("--router-metrics", help="the router's /metrics URL, to record requests per rank and LAR")
-    sweep.add_argument("--max-in-flight", type=int, default=1024)
-    sweep.add_argument("--timeout", type=float, default=1800.0, help="seconds per request")
-    sweep.add_argument("--seed", type=int, default=0)
+    sweep.add_argument("--max-in-flight", type=cli.positive, default=1024)
+    sweep.add_argument("--timeout", type=cli.rate, default=1800.0, help="seconds per request")
+    sweep.add_argument("--seed", type=cli.seed, default=0)
     sweep.add_argument("--client", choices=CLIENTS, default="auto",
                        help="sglang.bench_serving, vllm bench serve, or the built-in client (auto: the first installed)")
-    sweep.add_argument("--warmup-requests", type=int, default=8,
+    sweep.add_argument("--warmup-requests", type=cli.count, default=8,
                        help="requests sent before the first rate and not measured (vLLM installs the plan at its "
                             "first EPLB rearrangement)")
     sweep.add_argument("--no-progress", action="store_true")

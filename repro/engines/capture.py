@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from repro import cli
 from repro.engines.layout import ModelLayout
 from repro.engines.payloads import (
     RETURN_FLAG,
@@ -366,30 +367,30 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, required=True, help="trace directory to write (replaced if it exists)")
     p.add_argument("--model-config", type=Path, help="the served model's HF config.json")
     p.add_argument("--shape", help="a simulator shape name (conf/sim/shape) instead of --model-config")
-    p.add_argument("--top-k", type=int, help="experts per token (default: num_experts_per_tok of the config)")
+    p.add_argument("--top-k", type=cli.positive, help="experts per token (default: num_experts_per_tok of the config)")
     p.add_argument("--model-name", help="meta.model of the trace (default: the config's name)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m repro.engines.capture", description=__doc__.splitlines()[0])
+    p = cli.ArgumentParser(prog="python -m repro.engines.capture", description=__doc__.splitlines()[0])
     p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:30000")
     p.add_argument("--engine", choices=ENGINES, default="sglang")
     _model_args(p)
     p.add_argument("--plan", type=Path, help="job dir / plan dir the SGLang server was launched with")
     p.add_argument("--location", type=Path, help="--init-expert-location JSON the SGLang server was launched with")
     p.add_argument("--layer-ids", help="model layer of each plan row (default: from the job)")
-    p.add_argument("--ep-size", type=int, help="EP degree (default: the job's)")
+    p.add_argument("--ep-size", type=cli.positive, help="EP degree (default: the job's)")
     p.add_argument("--reference-trace", type=Path, help="a trace of the same model to test the served placement against")
-    p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--retries", type=int, default=3)
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request attempt")
+    p.add_argument("--concurrency", type=cli.positive, default=16)
+    p.add_argument("--retries", type=cli.count, default=3)
+    p.add_argument("--timeout", type=cli.rate, default=600.0, help="seconds per request attempt")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("workload", nargs="+", help="workload=<name> and load_workload key=value arguments")
     return p
 
 
 def build_import_parser(kind: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=f"python -m repro.engines.capture {kind}")
+    p = cli.ArgumentParser(prog=f"python -m repro.engines.capture {kind}")
     p.add_argument("inputs", type=Path, nargs="+")
     _model_args(p)
     p.add_argument("--dataset", default="", help="dataset name for the trace")
@@ -397,7 +398,7 @@ def build_import_parser(kind: str) -> argparse.ArgumentParser:
     if kind == "responses":
         p.add_argument("--engine", choices=ENGINES, default="sglang")
         p.add_argument("--location", type=Path, help="--init-expert-location JSON of the SGLang server")
-        p.add_argument("--ep-size", type=int)
+        p.add_argument("--ep-size", type=cli.positive)
     return p
 
 

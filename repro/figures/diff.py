@@ -38,6 +38,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from repro import cli
 from repro.atomic import atomic_write_text  # noqa: E402
 from repro.errors import ReproError  # noqa: E402
 from repro.figures.html import write_html  # noqa: E402
@@ -324,11 +325,13 @@ def write_diff(diff: pd.DataFrame, labels: list[str], runs: tuple[str, str], cou
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.ArgumentParser(prog="python -m repro.figures.diff", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs_a", metavar="RUNS_A")
     parser.add_argument("runs_b", metavar="RUNS_B")
     parser.add_argument("--out", help="also write diff.md, diff.csv, diff.html and diff_changes.png here")
-    parser.add_argument("--threshold", type=float, default=0.01, help="smallest |B/A - 1| reported (default 0.01)")
+    parser.add_argument("--threshold", type=cli.non_negative, default=0.01,
+                        help="smallest |B/A - 1| reported (default 0.01)")
     parser.add_argument("--ignore", default="", help=f"comma-separated key columns not matched on, of {list(KEY)}")
     parser.add_argument("--allow-different-traces", action="store_true",
                         help="compare matched jobs whose trace_digests differ, labelling their rows, instead of refusing")

@@ -76,7 +76,8 @@ def load_table(path: Path = TABLE) -> list[dict]:
                                                                    for t in tokens):
             raise ConfigError(f"{where}: tokens_per_rank must be a non-empty list of positive integers, got {tokens!r}.")
         for field, folder in (("profile", "hardware"), ("shape", "sim/shape")):
-            if field in row and not (isinstance(row[field], str) and (ROOT / "conf" / folder / f"{row[field]}.yaml").is_file()):
+            known = isinstance(row.get(field), str) and (ROOT / "conf" / folder / f"{row[field]}.yaml").is_file()
+            if field in row and not known:
                 raise ConfigError(f"{where}: {field} {row[field]!r} is not one of conf/{folder}/*.yaml.")
         if "direction" in row and row["direction"] not in ("dispatch", "combine"):
             raise ConfigError(f"{where}: direction must be dispatch or combine, got {row['direction']!r}.")
