@@ -5,7 +5,7 @@ PIP := $(VENV)/bin/pip
 # torch 2.13.0 CPU build when no NVIDIA GPU is visible; with a GPU, the user's CUDA torch is kept
 HAVE_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: setup test test-sweeps reproduce experiments tune reproduce-beyond figures bench cpu-check cost-model gpu-check gpu-test gpu-all gpu-all-dry serve-sglang serve-vllm bench-serving setup-engines-cpu setup-vllm-cpu engine-cpu lint clean wandb-sync
+.PHONY: setup test test-fuzz test-sweeps reproduce experiments tune reproduce-beyond figures bench cpu-check cost-model gpu-check gpu-test gpu-all gpu-all-dry serve-sglang serve-vllm bench-serving setup-engines-cpu setup-vllm-cpu engine-cpu lint clean wandb-sync
 
 setup:
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -24,7 +24,12 @@ setup:
 # so any two may run at once (a module's fixtures are built once per worker)
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4; echo $$n)
 test:
-	$(PY) -m pytest -q -x -n $(TEST_WORKERS) --dist worksteal --durations=10 -m "not sweep and not engine"
+	$(PY) -m pytest -q -x -n $(TEST_WORKERS) --dist worksteal --durations=10 -m "not sweep and not engine and not fuzz"
+
+# the entry-point contract fuzzed at length (tests/test_entry_points.py: thousands of generated bad values, every
+# entry point run as a subprocess; a few minutes on 2 cores)
+test-fuzz:
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m fuzz tests/test_entry_points.py
 
 # every experiment's whole sweep on a small trace (~5 min on 2 cores): CI runs it after make test
 test-sweeps:

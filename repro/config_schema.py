@@ -311,9 +311,29 @@ def multirun_argv(argv: list[str]) -> list[str]:
     return [argv[0]] + [f"++{a}" if plain.match(a) and "," not in a.split("=", 1)[1] else a for a in argv[1:]]
 
 
+def check_run_config(config, check) -> None:
+    """check(task) on a single run's resolved task config (no `hydra` node), before Hydra creates the run's folder;
+    a refusal is one `error:` line and exit code 2 (a refused config left a job folder of Hydra's files behind)."""
+    task = OmegaConf.to_container(config, resolve=False)
+    task.pop("hydra", None)
+    try:
+        task = OmegaConf.to_container(OmegaConf.create(task), resolve=True)
+    except OmegaConfBaseException:
+        return  # an interpolation that does not resolve here: the job reports it itself
+    try:
+        check(task)
+    except ReproError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 class CheckSweep(Callback):
     """Hydra callback: before a multirun launches anything, check_config every job; the first bad one ends the
-    sweep with one `error:` line naming the job (exit code 2), as a single run would."""
+    sweep with one `error:` line naming the job (exit code 2), as a single run would. A single run is checked
+    before Hydra creates its folder (on_run_start)."""
+
+    def on_run_start(self, config, **kwargs) -> None:
+        check_run_config(config, check_config)
 
     def on_multirun_start(self, config, **kwargs) -> None:
         if not str(config.hydra.sweeper.get("_target_", "")).endswith("BasicSweeper"):

@@ -513,18 +513,23 @@ def _json_default(x):
     raise TypeError(f"not JSON serialisable: {type(x)}")
 
 
-HYDRA_ONLY = {".hydra", "run.log"}  # what Hydra itself puts in a job folder before the job runs
-
-
 def remove_failed_job_dir(out_dir: Path) -> None:
-    """Remove the folder of a job that failed before writing anything: only Hydra's .hydra/ and an empty run.log
-    are in it (a failed job left such folders behind). A folder with results or a non-empty log is kept."""
+    """Remove the folder of a job that failed before writing anything: only Hydra's .hydra/ and its empty
+    <job name>.log (run.log, tune.log, __main__.log, ...) are in it (a failed job left such folders behind). A folder
+    with results or a non-empty log is kept."""
     try:
-        entries = {p.name for p in out_dir.iterdir()}
-        if entries <= HYDRA_ONLY and (not (out_dir / "run.log").exists() or (out_dir / "run.log").stat().st_size == 0):
+        hydra_only = all(p.name == ".hydra" or (p.suffix == ".log" and p.is_file() and p.stat().st_size == 0)
+                         for p in out_dir.iterdir())
+        if hydra_only:
             shutil.rmtree(out_dir, ignore_errors=True)
     except OSError:
         pass  # nothing to tidy, or not ours to tidy
+
+
+def log_failure(job: str) -> None:
+    """Write the exception being handled, with its traceback, into the job's log (a job that crashed after it started
+    left an empty log; the traceback went to the terminal only)."""
+    logging.getLogger(job).exception("%s failed", job)
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
@@ -536,6 +541,9 @@ def main(cfg: DictConfig) -> None:
         print(f"error: {e}", file=sys.stderr)
         remove_failed_job_dir(out_dir)
         raise SystemExit(2) from None
+    except Exception:
+        log_failure("repro.run")
+        raise
 
 
 if __name__ == "__main__":

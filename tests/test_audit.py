@@ -744,3 +744,41 @@ def test_json_depth_reads_escapes_by_the_parity_of_their_backslashes(tmp_path):
     path.write_text('{"x": "unclosed}\n{"y": ' + "[" * 40 + "]" * 40 + "}\n")
     with pytest.raises(TraceError, match=r"\(line 2\)"):
         check_json_depth(path)
+
+
+@pytest.mark.parametrize("module, overrides", [
+    ("repro.run", ["+no_such_key=1", "logger=none"]),
+    ("repro.tune", ["+tune.constraints.nope=1", "logger=none"]),
+    ("repro.exec", ["parallel.devices=0", "logger=none"]),
+    ("repro.affinity.count_job", ["trace=/x", "shard=-1"]),
+    ("repro.affinity.count_job", ["trace=/x", "+no_such_key=1"]),  # an unknown key was ignored
+])
+def test_a_refused_config_leaves_no_folder_at_all(tmp_path, module, overrides):
+    """repro.tune and the count job kept the job folder of a refused config (and repro.run its empty parents): the
+    config is now checked before Hydra creates anything."""
+    env = dict(os.environ, WANDB_MODE="disabled", REPRO_CACHE=str(tmp_path / "cache"), PYTHONPATH=str(ROOT))
+    res = subprocess.run([sys.executable, "-m", module, *overrides], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert_one_error_line(res, "")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_job_that_crashes_after_it_started_says_why_in_its_log(tmp_path):
+    """A job that failed after it started left run.log at 0 bytes: the Hydra apps' mains now log any failure that is
+    not a refused input (those remove the folder) with its traceback, through Hydra's file handler on the root."""
+    import logging
+
+    from repro.run import log_failure
+
+    handler = logging.FileHandler(tmp_path / "run.log")
+    logging.getLogger().addHandler(handler)
+    try:
+        try:
+            raise RuntimeError("the executor lost rank 3")
+        except RuntimeError:
+            log_failure("repro.run")
+    finally:
+        logging.getLogger().removeHandler(handler)
+        handler.close()
+    text = (tmp_path / "run.log").read_text()
+    assert "repro.run failed" in text and "RuntimeError: the executor lost rank 3" in text and "Traceback" in text
