@@ -227,22 +227,35 @@ def check_exec(exec_cfg: dict, parallel) -> None:
 # ---- the whole config -----------------------------------------------------------------------------------------
 
 
-def check_trace_ignores_nothing(config: dict) -> None:
-    """trace= evaluates routing that is already tokenized and cut: a workload setting that shapes requests would
-    be ignored without a word (paper_table2 on trace= gave one result for 256, 512 and 1,024 tokens)."""
+def check_trace_ignores_nothing(config: dict, overrides=()) -> None:
+    """trace= evaluates routing that is already tokenized and cut, and reads no workload key: a workload setting
+    would be ignored without a word (paper_table2 on trace= gave one result for 256, 512 and 1,024 tokens;
+    workload.num_requests, max_prompt_len and workload=arena_hard were ignored the same way). Refused: the length
+    keys, wherever they come from, and every workload override on the command line (`overrides`, as Hydra lists
+    them). An experiment's own workload settings describe the workload it routes; trace= replaces that workload
+    as a whole (the experiments' sweeps run on traces so), so they are not the user's and pass."""
+    trace = config["trace"]
     for key in ("input_len", "input_len_lognormal"):
         value = (config.get("workload") or {}).get(key)
         if value is not None:
             raise ConfigError(
-                f"workload.{key}={value} cannot apply to trace={config['trace']}: a trace's requests are already "
+                f"workload.{key}={value} cannot apply to trace={trace}: a trace's requests are already "
                 f"tokenized at their own lengths; drop workload.{key} (workload.{key}=null) or route the workload "
                 "instead of trace=."
             )
+    for override in overrides:
+        key, _, value = str(override).lstrip("+~").partition("=")
+        if key == "workload" or key.startswith("workload."):
+            raise ConfigError(
+                f"{key}={value} cannot apply to trace={trace}: a trace job evaluates the trace's own requests and "
+                f"reads no workload setting; drop {key}= or route the workload instead of trace=."
+            )
 
 
-def check_config(config: dict) -> None:
+def check_config(config: dict, overrides=()) -> None:
     """Raise one ConfigError sentence for the first unknown key or ill-typed / out-of-range value of a resolved
-    job config (the dict of OmegaConf.to_container(cfg, resolve=True)); return None when it is sound."""
+    job config (the dict of OmegaConf.to_container(cfg, resolve=True)); return None when it is sound. `overrides`:
+    the command line's overrides where known (what the user asked for, beyond the config files)."""
     check_root(config)
     from repro.workloads.config import check_workload  # the workload group's own check (imports its registry)
 
@@ -253,7 +266,7 @@ def check_config(config: dict) -> None:
             check_workload(group, config[group])
     if config.get("trace"):  # nothing is routed: the model's keys only, without importing its producer (torch)
         check_known_keys("model", config["model"], top_keys(option_keys("model")))
-        check_trace_ignores_nothing(config)
+        check_trace_ignores_nothing(config, overrides)
     else:
         check_model(config["model"])
     check_system(config["system"])
@@ -333,7 +346,8 @@ class CheckSweep(Callback):
     before Hydra creates its folder (on_run_start)."""
 
     def on_run_start(self, config, **kwargs) -> None:
-        check_run_config(config, check_config)
+        overrides = list(config.hydra.overrides.task)
+        check_run_config(config, lambda task: check_config(task, overrides))
 
     def on_multirun_start(self, config, **kwargs) -> None:
         if not str(config.hydra.sweeper.get("_target_", "")).endswith("BasicSweeper"):
@@ -344,7 +358,7 @@ class CheckSweep(Callback):
             except OmegaConfBaseException:
                 continue  # an interpolation that does not resolve here: the job reports it itself
             try:
-                check_config(task)
+                check_config(task, overrides)
             except ReproError as e:
                 print(f"error: sweep job [{' '.join(overrides)}]: {e}", file=sys.stderr)
                 raise SystemExit(2) from None

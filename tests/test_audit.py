@@ -57,6 +57,11 @@ BAD_VALUES = [
     # issue 28: a trace's requests are already cut: input_len was ignored without a word
     ("config", ["trace=/x", "workload.input_len=256"], "workload.input_len=256 cannot apply to trace=/x"),
     ("config", ["history=-1"], "history must be an integer >= 0, got -1."),
+    # issue 35: a count beyond int64 passed the check and overflowed inside the simulator (a job folder was left)
+    ("config", ["sim=default", "sim.seeds=100000000000000000000000"],
+     "sim.seeds must be an integer >= 1, got 100000000000000000000000, beyond the largest 64-bit integer"),
+    ("config", ["sim=default", "sim.seeds=1e23"], "sim.seeds must be an integer >= 1, got 1e+23."),
+    ("config", ["workload.num_requests=100000000000000000000000"], "beyond the largest 64-bit integer"),
     ("config", ["hardware.nodes=abc"], "hardware.nodes must be an integer >= 1, got 'abc'"),
     ("config", ["hardware.gpu.hbm_gbps=-1"], "gpu.hbm_gbps must be a positive number"),
     ("config", ["+exec=default", "exec.timeout_s=-1"], "exec.timeout_s must be a number > 0, got -1"),
@@ -782,3 +787,31 @@ def test_a_job_that_crashes_after_it_started_says_why_in_its_log(tmp_path):
         handler.close()
     text = (tmp_path / "run.log").read_text()
     assert "repro.run failed" in text and "RuntimeError: the executor lost rank 3" in text and "Traceback" in text
+
+
+@pytest.mark.parametrize("override", ["workload.num_requests=50", "workload.max_prompt_len=64", "workload=arena_hard",
+                                      "++workload.label_field=subject"])
+def test_a_trace_job_refuses_every_workload_setting_of_the_command_line(override):
+    """With trace=, workload.num_requests, workload.max_prompt_len and workload=arena_hard were ignored without a
+    word (issue 35 item 4; the rule behind input_len)."""
+    overrides = ["trace=/x", override]
+    with pytest.raises(ConfigError) as error:
+        check_config(composed(*overrides), overrides=overrides)
+    key = override.lstrip("+").split("=")[0]
+    assert f"{override.lstrip('+')} cannot apply to trace=/x" in str(error.value) and key in str(error.value)
+    check_config(composed(override), overrides=[override])  # the same setting routes a workload: it applies
+
+
+def test_an_experiments_own_workload_settings_pass_with_trace():
+    """Positive control: exec sets workload.num_requests for the workload it routes; trace= replaces that workload
+    (the experiments' sweeps run on traces so), and only the user's own workload settings are refused."""
+    overrides = ["experiment=exec", "trace=/x"]
+    check_config(composed(*overrides), overrides=overrides)
+
+
+def test_run_refuses_a_workload_setting_with_trace_before_creating_anything(tmp_path):
+    trace = synthetic_trace_dir(tmp_path / "trace")
+    res = run_module("repro.run", f"trace={trace}", "workload.num_requests=50", f"hydra.run.dir={tmp_path / 'job'}",
+                     cwd=tmp_path)
+    assert_one_error_line(res, "workload.num_requests=50 cannot apply to trace=")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["trace"]
