@@ -390,12 +390,79 @@ def fit_and_evaluate(config: dict, profile: RoutingTrace, evaluation: RoutingTra
     return summary, result, plan
 
 
-def run_job(cfg: DictConfig, out_dir: Path) -> dict | None:
+def run_job(cfg: DictConfig, out_dir: Path, replace_other: bool = False) -> dict | None:
+    """One job into out_dir. replace_other=True lets it replace another config's finished results there (in code
+    only: the command line refuses, see job_claim)."""
     config = OmegaConf.to_container(cfg, resolve=True)
     make_job(config)  # config errors before any (slow) routing
-    # the W&B run starts with the job, before routing and training, and is marked failed if the job raises
-    with JobRun(config, out_dir) as tracking:
-        return tracked_job(config, out_dir, tracking)
+    with job_claim(out_dir, config, replace_other):  # one job folder, one config
+        # the W&B run starts with the job, before routing and training, and is marked failed if the job raises
+        with JobRun(config, out_dir) as tracking:
+            return tracked_job(config, out_dir, tracking)
+
+
+CLAIM = ".job-claim.json"  # the run working in a job folder: host, pid, config key (hidden: figures never read it)
+
+
+def first_difference(a, b, path: str = "") -> str:
+    """The dotted path of the first key whose value differs between two JSON-like configs ("" when equal)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in sorted(set(a) | set(b), key=str):
+            found = first_difference(a.get(key), b.get(key), f"{path}.{key}" if path else str(key))
+            if found:
+                return found
+        return ""
+    return "" if a == b else (path or "the config")
+
+
+@contextmanager
+def job_claim(out_dir: Path, config: dict, replace_other: bool = False) -> Iterator[None]:
+    """Hold out_dir for this config while the job runs. Refused (ConfigError, before any work): a folder holding
+    another config's finished results (a later run silently replaced them), and a folder another live process is
+    running a job in (two concurrent runs both "succeeded", the later one's results replacing the other's). A claim
+    left by a killed run of this host (its process gone) is taken over; the claim is removed when the job ends."""
+    out_dir = Path(out_dir)
+    metrics = out_dir / "metrics.json"
+    try:
+        done = json.loads(metrics.read_text()).get("config") if metrics.exists() else None
+    except (OSError, ValueError, AttributeError):
+        done = None  # unreadable: not a finished result of anyone's (the job replaces it)
+    if done is not None and done != config and not replace_other:
+        raise ConfigError(
+            f"{out_dir} holds the finished results of another config (it differs in {first_difference(done, config)});"
+            " choose another hydra.run.dir, or move that folder away to rerun there."
+        )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    claim, mine = out_dir / CLAIM, {"host": socket.gethostname(), "pid": os.getpid(), "config": config_key(config)}
+    for _ in range(2):  # a second try after removing a dead run's claim
+        try:
+            fd = os.open(claim, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            try:
+                holder = json.loads(claim.read_text())
+            except (OSError, ValueError):
+                holder = {}
+            if holder.get("host") == mine["host"] and isinstance(holder.get("pid"), int) and not process_alive(holder["pid"]):
+                claim.unlink(missing_ok=True)
+                continue
+            raise ConfigError(
+                f"{out_dir} is in use by another run (pid {holder.get('pid', '?')} on {holder.get('host', '?')}); "
+                "wait for it to finish, or choose another hydra.run.dir."
+            ) from None
+        with os.fdopen(fd, "w") as f:
+            json.dump(mine, f)
+        break
+    else:
+        raise ConfigError(f"{out_dir} was claimed by another run meanwhile; choose another hydra.run.dir.")
+    try:
+        yield
+    finally:
+        try:
+            still_mine = json.loads(claim.read_text()).get("pid") == mine["pid"]
+        except (OSError, ValueError, AttributeError):
+            still_mine = False
+        if still_mine:  # never another run's claim (one that took over ours, wrongly thinking us dead)
+            claim.unlink(missing_ok=True)
 
 
 def tracked_job(config: dict, out_dir: Path, tracking: JobRun) -> dict | None:

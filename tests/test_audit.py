@@ -815,3 +815,36 @@ def test_run_refuses_a_workload_setting_with_trace_before_creating_anything(tmp_
                      cwd=tmp_path)
     assert_one_error_line(res, "workload.num_requests=50 cannot apply to trace=")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["trace"]
+
+
+def test_a_second_config_into_a_finished_job_folder_is_refused(tmp_path):
+    """Two different configs with the same hydra.run.dir both exited 0, the later replacing the other's results."""
+    trace = synthetic_trace_dir(tmp_path / "trace")
+    job = tmp_path / "job"
+    res = run_module("repro.run", f"trace={trace}", "system=ep", "parallel.devices=2", f"hydra.run.dir={job}", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    before = (job / "metrics.json").read_bytes()
+    res = run_module("repro.run", f"trace={trace}", "system=eplb", "parallel.devices=2", f"hydra.run.dir={job}", cwd=tmp_path)
+    assert_one_error_line(res, "holds the finished results of another config (it differs in system.name)")
+    assert (job / "metrics.json").read_bytes() == before and not (job / ".job-claim.json").exists()
+    res = run_module("repro.run", f"trace={trace}", "system=ep", "parallel.devices=2", f"hydra.run.dir={job}", cwd=tmp_path)
+    assert res.returncode == 0 and "already finished" in res.stdout + res.stderr  # the same config resumes
+
+
+def test_a_job_folder_in_use_by_a_live_run_is_refused_and_a_dead_runs_claim_is_taken_over(tmp_path):
+    """Concurrent runs into one folder could both "succeed"; the second is now refused while the first holds it."""
+    from repro.run import CLAIM, job_claim
+
+    job, config = tmp_path / "job", {"system": {"name": "ep"}}
+    with job_claim(job, config):
+        with pytest.raises(ConfigError, match=r"is in use by another run \(pid \d+"):
+            # a second process is simulated by a claim of another live pid (our parent's)
+            (job / CLAIM).write_text(json.dumps({"host": __import__("socket").gethostname(), "pid": os.getppid()}))
+            with job_claim(job, {"system": {"name": "eplb"}}):
+                pass
+    assert json.loads((job / CLAIM).read_text())["pid"] == os.getppid()  # the first run leaves the other's claim
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (job / CLAIM).write_text(json.dumps({"host": __import__("socket").gethostname(), "pid": int(dead.stdout)}))
+    with job_claim(job, config):  # its process is gone: the claim is taken over
+        assert json.loads((job / CLAIM).read_text())["pid"] == os.getpid()
+    assert not (job / CLAIM).exists()
