@@ -848,3 +848,23 @@ def test_a_job_folder_in_use_by_a_live_run_is_refused_and_a_dead_runs_claim_is_t
     with job_claim(job, config):  # its process is gone: the claim is taken over
         assert json.loads((job / CLAIM).read_text())["pid"] == os.getpid()
     assert not (job / CLAIM).exists()
+
+
+def test_diff_lists_a_job_unreadable_in_b_as_unreadable_not_as_only_in_a(tmp_path, capsys):
+    """figures.diff listed a job whose metric is NaN in B as "only in A", as if B had never run it."""
+    from test_figures_robust import write_job
+
+    from repro.figures.diff import main as diff_main
+
+    for side in ("a", "b"):
+        write_job(tmp_path / side, "paper_dp", "ep", lar=0.5)
+        job = write_job(tmp_path / side, "paper_dp", "semmoe", lar=0.7)
+        if side == "b":
+            (job / "metrics.json").write_text((job / "metrics.json").read_text().replace("0.7", "NaN"))
+    write_job(tmp_path / "a", "paper_dp", "eplb", lar=0.6)  # really only in A
+    assert diff_main([str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "out")]) == 0
+    printed = capsys.readouterr().out
+    assert "unreadable in B (1):" in printed and "only in A (1):" in printed
+    unreadable = printed.split("unreadable in B (1):")[1]
+    assert "semmoe" in unreadable.splitlines()[1] and "eplb" in printed.split("only in A (1):")[1].splitlines()[1]
+    assert "## Jobs unreadable in B (1)" in (tmp_path / "out" / "diff.md").read_text()
