@@ -264,3 +264,88 @@ def test_an_unknown_flag_is_one_line_exit_2_and_writes_nothing(module, tmp_path)
     errors = [line for line in res.stderr.splitlines() if line.startswith("error:") or ": error:" in line]
     assert res.returncode == 2 and len(errors) == 1 and "Traceback" not in res.stderr, res.stderr[-2000:]
     assert list(tmp_path.iterdir()) == [], f"{module} wrote {sorted(p.name for p in tmp_path.iterdir())}"
+
+
+# ---- hostile trace inputs ----------------------------------------------------------------------------------------
+
+import_main = importlib.import_module("repro.traces.import").main  # `import` is a keyword: no plain import
+
+
+def table_rows(requests: int = 2, positions: int = 3, layers: int = 2) -> list[dict]:
+    return [{"request_id": f"r{r}", "position": i, "layer": layer, "token_id": 3 + i, "experts": [layer, 2 + i]}
+            for r in range(requests) for i in range(positions) for layer in range(layers)]
+
+
+# how a table is spoiled -> (whether the importer must refuse it, what to do to the rows or the text)
+def _deep(rows, depth, escape):
+    rows[-1]["request_id"] = "r1\\" if escape else "r1"  # a string ending in an escaped backslash
+    return rows, ("experts", "[" * depth + "1" + "]" * depth)
+
+
+HOSTILE = {
+    "deep nesting": (True, lambda rows, n: _deep(rows, 33 + n % 5000, escape=False)),
+    "deep nesting after an escaped backslash": (True, lambda rows, n: _deep(rows, 33 + n % 5000, escape=True)),
+    "expert out of range": (True, lambda rows, n: (rows[n % len(rows)].update(experts=[0, 16 + n]) or rows, None)),
+    "negative expert": (True, lambda rows, n: (rows[n % len(rows)].update(experts=[0, -1 - n % 3]) or rows, None)),
+    "duplicate row": (True, lambda rows, n: (rows + [dict(rows[n % len(rows)])], None)),
+    "inconsistent top-k": (True, lambda rows, n: (rows[n % len(rows)].update(experts=[0, 1, 2]) or rows, None)),
+    "negative token id": (True, lambda rows, n: (rows[n % len(rows)].update(token_id=-1 - n) or rows, None)),
+    "non-integer token id": (True, lambda rows, n: (rows[n % len(rows)].update(token_id=1.5) or rows, None)),
+    "NaN gate weight": (True, lambda rows, n: ([dict(r, weights=[0.5, float("nan") if i == n % len(rows) else 0.5])
+                                                for i, r in enumerate(rows)], None)),
+    "huge cell": (False, lambda rows, n: (rows[n % len(rows)].update(note="x" * (10_000 + 1000 * n)) or rows, None)),
+}
+
+
+def hostile_table(folder: Path, kind: str, n: int, compressed: bool) -> tuple[Path, list[str]]:
+    import gzip
+    import json
+
+    rows, raw_cell = HOSTILE[kind][1](table_rows(), n)
+    lines = [json.dumps(r) for r in rows]
+    if raw_cell is not None:  # a cell json.dumps cannot write (nesting deeper than its recursion allows)
+        key, text = raw_cell
+        lines[-1] = lines[-1].replace(f'"{key}": {json.dumps(rows[-1][key])}', f'"{key}": {text}')
+    data = ("\n".join(lines) + "\n").encode()
+    path = folder / ("routing.jsonl.gz" if compressed else "routing.jsonl")
+    path.write_bytes(gzip.compress(data) if compressed else data)
+    return path, ["--format", "jsonl", "--num-experts", "16"]
+
+
+def assert_import_keeps_the_contract(kind: str, n: int, compressed: bool) -> None:
+    import tempfile
+
+    from repro.traces import read_trace
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        table, flags = hostile_table(folder, kind, n, compressed)
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            code = import_main([str(table), "--out", str(folder / "trace"), *flags])
+        must_refuse = HOSTILE[kind][0]
+        if code == 0 and not must_refuse:
+            read_trace(folder / "trace")  # what it wrote is a valid trace
+            return
+        errors = [line for line in err.getvalue().splitlines() if line.startswith("error:")]
+        assert code == 2, f"{kind} (n={n}, gzip={compressed}) was imported (exit {code})"
+        assert len(errors) == 1 and "Traceback" not in err.getvalue(), err.getvalue()[-2000:]
+        assert [p.name for p in folder.iterdir()] == [table.name], f"{kind}: left {list(folder.iterdir())}"
+
+
+@pytest.mark.parametrize("kind", sorted(HOSTILE))
+def test_each_hostile_table_is_refused_or_imported_whole(kind):
+    assert_import_keeps_the_contract(kind, 0, compressed=False)
+
+
+@settings(max_examples=40, derandomize=True, deadline=None)
+@given(kind=st.sampled_from(sorted(HOSTILE)), n=st.integers(0, 10_000), compressed=st.booleans())
+def test_generated_hostile_tables(kind, n, compressed):
+    assert_import_keeps_the_contract(kind, n, compressed)
+
+
+@pytest.mark.fuzz
+@settings(max_examples=1000, deadline=None)
+@given(kind=st.sampled_from(sorted(HOSTILE)), n=st.integers(0, 100_000), compressed=st.booleans())
+def test_generated_hostile_tables_at_length(kind, n, compressed):
+    assert_import_keeps_the_contract(kind, n, compressed)
