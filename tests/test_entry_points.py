@@ -154,9 +154,9 @@ def test_every_argparse_app_is_built_on_the_shared_parser(module):
 
 
 @pytest.mark.parametrize("option", TYPED_OPTIONS, ids=str)
-def test_every_number_and_path_option_has_a_shared_kind(option):
+def test_every_number_option_has_a_shared_kind(option):
     """A bare int or float takes -1, 1e308 or inf for a count, a port or a timeout; a shared kind says its range."""
-    assert not (option.kind in (int, float)), f"{option}: type={option.kind.__name__}; use a repro.cli kind"
+    assert option.kind not in (int, float), f"{option}: type={option.kind.__name__}; use a repro.cli kind"
 
 
 # ---- generated bad values ----------------------------------------------------------------------------------------
