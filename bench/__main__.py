@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         names = [m for n in args.only for m in GROUPS.get(n.removeprefix(PREFIX), [n.removeprefix(PREFIX)])]
         unknown = sorted(set(names) - set(available))
         if unknown:
-            print(f"unknown benchmark {', '.join(unknown)}; choose from {', '.join(available)}.", file=sys.stderr)
+            print(f"error: unknown benchmark {', '.join(unknown)}; choose from {', '.join(available)}.", file=sys.stderr)
             return 2
     out = Path(args.out)
     failed = False
