@@ -35,17 +35,36 @@ TAIL_LINES = 40
 
 
 def stop(process: subprocess.Popen) -> None:
-    """SIGTERM the process group of `process` (its leader), SIGKILL it if it outlives the grace period."""
-    if process.poll() is not None:
-        return
+    """SIGTERM the process group `process` leads, SIGKILL what is left of it after the grace period. The group is
+    signalled even when its leader has exited already: a SIGKILLed guard left its stream running in the group (an
+    orphan under init)."""
     try:
         os.killpg(process.pid, signal.SIGTERM)
-        process.wait(timeout=STOP_GRACE_S)
-    except subprocess.TimeoutExpired:
+    except ProcessLookupError:  # nobody left in the group
+        process.poll()
+        return
+    deadline = time.monotonic() + STOP_GRACE_S
+    while time.monotonic() < deadline:
+        process.poll()  # reap the leader: a zombie would still count as a member of the group
+        if not group_alive(process.pid):
+            return
+        time.sleep(POLL_S)
+    try:
         os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
     except ProcessLookupError:
         pass
+    process.wait()
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of group `pgid` still runs."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a member we may not signal: still there
+        return True
+    return True
 
 
 def guard(parent: int, command: str) -> int:

@@ -868,3 +868,31 @@ def test_diff_lists_a_job_unreadable_in_b_as_unreadable_not_as_only_in_a(tmp_pat
     unreadable = printed.split("unreadable in B (1):")[1]
     assert "semmoe" in unreadable.splitlines()[1] and "eplb" in printed.split("only in A (1):")[1].splitlines()[1]
     assert "## Jobs unreadable in B (1)" in (tmp_path / "out" / "diff.md").read_text()
+
+
+@pytest.mark.parametrize("victim", ["guard", "stream shell"])
+def test_sigkill_of_one_stream_process_ends_both_streams(tmp_path, victim):
+    """SIGKILL of one side_by_side guard left that guard's stream running under init; SIGKILL of a stream's shell
+    left its children. side_by_side now stops a stream's whole process group even when its leader is gone."""
+    import signal
+    import time
+
+    from test_side_by_side import alive
+
+    pids = {name: tmp_path / f"{name}.pid" for name in ("bg", "fg")}
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "repro.side_by_side", "--log", str(tmp_path / "bg.log"),
+         "--background", f"sleep 60 & echo $! > {pids['bg']}; wait", "--foreground", f"sleep 60 & echo $! > {pids['fg']}; wait"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.perf_counter() + 20
+    while not all(p.exists() and p.read_text().strip() for p in pids.values()) and time.perf_counter() < deadline:
+        time.sleep(0.05)
+    sleepers = [int(p.read_text()) for p in pids.values()]
+    guard = os.getpgid(sleepers[1])  # the foreground guard leads its stream's group
+    shell = int(subprocess.run(["ps", "-o", "ppid=", "-p", str(sleepers[1])], capture_output=True, text=True).stdout)
+    os.kill(guard if victim == "guard" else shell, signal.SIGKILL)
+    assert driver.wait(timeout=40) != 0
+    deadline = time.perf_counter() + 10
+    while any(alive(pid) for pid in sleepers) and time.perf_counter() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(pid) for pid in sleepers)
