@@ -896,3 +896,40 @@ def test_sigkill_of_one_stream_process_ends_both_streams(tmp_path, victim):
     while any(alive(pid) for pid in sleepers) and time.perf_counter() < deadline:
         time.sleep(0.05)
     assert not any(alive(pid) for pid in sleepers)
+
+
+SERVE_WITH_FAKE_ENGINE = """
+import sys
+from repro.engines import bench_serving as b
+pids = sys.argv[1]
+sleeper = ["sh", "-c", f"echo $$ >> {pids}; exec sleep 60"]
+b.serve_commands = lambda args: (sleeper, {}, sleeper)  # an engine and a router that only sleep
+b._wait_healthy = lambda *args: None
+sys.exit(b.main(["serve", "--plan", "x", "--model-path", "m"]))
+"""
+
+
+@pytest.mark.parametrize("victim", ["serve", "engine"])
+def test_sigkill_in_bench_serving_serve_ends_the_whole_tree(tmp_path, victim):
+    """SIGKILL of `bench_serving serve` left the engine and the router running under init; a killed engine left the
+    router running. The children die with serve (PR_SET_PDEATHSIG), and serve stops the router when the engine dies."""
+    import signal
+    import time
+
+    from test_side_by_side import alive
+
+    pids = tmp_path / "pids"
+    serve = subprocess.Popen([sys.executable, "-c", SERVE_WITH_FAKE_ENGINE, str(pids)], cwd=ROOT,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.perf_counter() + 30
+    while (not pids.exists() or len(pids.read_text().split()) < 2) and time.perf_counter() < deadline:
+        time.sleep(0.05)
+    engine, router = (int(p) for p in pids.read_text().split())
+    os.kill(serve.pid if victim == "serve" else engine, signal.SIGKILL)
+    status = serve.wait(timeout=60)
+    if victim == "engine":
+        assert status == 1 and "error: the engine exited with status -9" in serve.stderr.read()
+    deadline = time.perf_counter() + 10
+    while (alive(engine) or alive(router)) and time.perf_counter() < deadline:
+        time.sleep(0.05)
+    assert not alive(engine) and not alive(router)

@@ -49,6 +49,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
+import functools
 import importlib.util
 import json
 import os
@@ -558,6 +560,20 @@ def _wait_healthy(url: str, seconds: float, process: subprocess.Popen) -> None:
 
 
 STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+CHILD_POLL_S = 1.0  # how often serve checks that the engine and the router still run
+
+
+def die_with(parent: int) -> None:
+    """preexec_fn of the engine and the router: the kernel sends them SIGTERM when `parent` (this process) dies, even
+    by SIGKILL, so neither outlives `serve` as an orphan under init (Linux; elsewhere nothing)."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # a child starts able to take the stop signals
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
 
 
 def run_serve(args) -> int:
@@ -568,23 +584,33 @@ def run_serve(args) -> int:
     print(shlex.join(router))
     if args.print:
         return 0
-    server = subprocess.Popen(engine, env={**os.environ, **env})
-    proxy = None
+    tied = functools.partial(die_with, os.getpid())
+    server = subprocess.Popen(engine, env={**os.environ, **env}, preexec_fn=tied)
+    proxy, status = None, 0
     try:
         _wait_healthy(f"http://127.0.0.1:{args.server_port}/health", args.startup_timeout, server)
-        proxy = subprocess.Popen(router)
-        # sigwait takes a signal only while it is blocked; unblocked, SIGTERM would kill this process before the
-        # finally below stops the engine and the router
+        proxy = subprocess.Popen(router, preexec_fn=tied)
+        # sigtimedwait takes a signal only while it is blocked; unblocked, SIGTERM would kill this process before the
+        # finally below stops the engine and the router. Between signals the two are polled: when one dies, the
+        # other is stopped (a killed engine left the router forwarding to nothing).
         signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         print(f"serving: engine on :{args.server_port}, router on :{args.router_port}; Ctrl-C stops both", file=sys.stderr)
-        signal.sigwait(STOP_SIGNALS)
+        while server.poll() is None and proxy.poll() is None:
+            if signal.sigtimedwait(STOP_SIGNALS, CHILD_POLL_S) is not None:
+                break
+        for name, process in (("engine", server), ("router", proxy)):
+            if process.poll() is not None:
+                print(f"error: the {name} exited with status {process.returncode}; stopped the other one too.",
+                      file=sys.stderr)
+                status = 1
+                break
     finally:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
         for process in (proxy, server):
             if process is not None and process.poll() is None:
                 process.terminate()
                 process.wait(60)
-    return 0
+    return status
 
 
 def build_parser() -> argparse.ArgumentParser:
