@@ -933,3 +933,22 @@ def test_sigkill_in_bench_serving_serve_ends_the_whole_tree(tmp_path, victim):
     while (alive(engine) or alive(router)) and time.perf_counter() < deadline:
         time.sleep(0.05)
     assert not alive(engine) and not alive(router)
+
+
+def test_a_killed_writers_temporary_is_removed_by_the_next_write_into_its_folder(tmp_path):
+    """A killed import's hidden temp folder was removed only by a later import to the same --out; any write into
+    that folder now removes it (a live writer's temporary is kept)."""
+    import socket
+
+    from repro.atomic import atomic_write_text
+
+    host = socket.gethostname()
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout)
+    killed = tmp_path / f".trace.{host}-{dead}-abc123"
+    killed.mkdir()
+    (killed / "experts.npy").write_bytes(b"x")
+    live = tmp_path / f".other.{host}-{os.getpid()}-def456"
+    live.write_text("in progress")
+    atomic_write_text(tmp_path / "unrelated.json", "{}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [live.name, "unrelated.json"]
