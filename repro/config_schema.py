@@ -9,7 +9,7 @@ those its conf/<group>/*.yaml options define, so a key a yaml adds is known with
 that no option defines is refused. Each group's own check lives with its code and is called from here
 (repro.parallel's check_parallel, repro.workloads.config's check_workload, the routing producers'
 check_*_config, repro.sim.hardware's check_hardware_config, repro.tracking's check_logger, repro.sim.simulate's
-check_sim_table / check_sim_config, repro.exec.trace_mode's check_exec_table / check_exec_config,
+check_sim_table / check_sim_config, repro.exec.config's check_exec_table / check_exec_fields,
 repro.tune_config's check_tune_config). System parameters are checked against the
 system class's signature and annotations. The schema only composes: it sits below the entry points that call it
 (run, tune, exec) and imports none of them (tests/test_layers.py).
@@ -43,6 +43,7 @@ from repro.config_values import (
     top_keys,
 )
 from repro.errors import ConfigError, ReproError, check_known_keys
+from repro.jobdir import check_run_config
 from repro.parallel import check_parallel
 from repro.tracking import check_logger
 from repro.tune_config import check_tune_config
@@ -218,10 +219,10 @@ def check_sim(sim: dict) -> None:
 
 
 def check_exec(exec_cfg: dict, parallel) -> None:
-    from repro.exec.trace_mode import check_exec_config, check_exec_table
+    from repro.exec.config import check_exec_fields, check_exec_table  # the group's own check, torch-free
 
     check_exec_table(exec_cfg)
-    check_exec_config(exec_cfg, parallel)
+    check_exec_fields(exec_cfg, parallel)
 
 
 # ---- the whole config -----------------------------------------------------------------------------------------
@@ -322,22 +323,6 @@ def multirun_argv(argv: list[str]) -> list[str]:
         return list(argv)
     plain = re.compile(r"system\.params\.[\w.]+=")
     return [argv[0]] + [f"++{a}" if plain.match(a) and "," not in a.split("=", 1)[1] else a for a in argv[1:]]
-
-
-def check_run_config(config, check) -> None:
-    """check(task) on a single run's resolved task config (no `hydra` node), before Hydra creates the run's folder;
-    a refusal is one `error:` line and exit code 2 (a refused config left a job folder of Hydra's files behind)."""
-    task = OmegaConf.to_container(config, resolve=False)
-    task.pop("hydra", None)
-    try:
-        task = OmegaConf.to_container(OmegaConf.create(task), resolve=True)
-    except OmegaConfBaseException:
-        return  # an interpolation that does not resolve here: the job reports it itself
-    try:
-        check(task)
-    except ReproError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
 
 
 class CheckSweep(Callback):

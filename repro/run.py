@@ -36,7 +36,10 @@ from omegaconf import DictConfig, OmegaConf
 from repro.atomic import atomic_dir, atomic_write, process_alive
 from repro.config_schema import check_config, multirun_argv
 from repro.errors import ConfigError, ReproError
-from repro.jobdir import job_dirname  # noqa: F401  registers the resolver conf/config.yaml names its run dirs with
+from repro.jobdir import (
+    job_dirname,  # noqa: F401  registers the resolver conf/config.yaml names its run dirs with
+    remove_failed_job_dir,  # tune, exec and count_job take it from repro.jobdir
+)
 from repro.parallel import ParallelConfig
 from repro.traces import RoutingTrace, Split, read_trace, select_requests, split_indices, trace_digest, write_trace
 from repro.tracking import JobRun
@@ -578,19 +581,6 @@ def _json_default(x):
     if isinstance(x, np.generic):
         return x.item()
     raise TypeError(f"not JSON serialisable: {type(x)}")
-
-
-def remove_failed_job_dir(out_dir: Path) -> None:
-    """Remove the folder of a job that failed before writing anything: only Hydra's .hydra/ and its empty
-    <job name>.log (run.log, tune.log, __main__.log, ...) are in it (a failed job left such folders behind). A folder
-    with results or a non-empty log is kept."""
-    try:
-        hydra_only = all(p.name == ".hydra" or (p.suffix == ".log" and p.is_file() and p.stat().st_size == 0)
-                         for p in out_dir.iterdir())
-        if hydra_only:
-            shutil.rmtree(out_dir, ignore_errors=True)
-    except OSError:
-        pass  # nothing to tidy, or not ours to tidy
 
 
 def log_failure(job: str) -> None:

@@ -27,6 +27,7 @@ from omegaconf import DictConfig
 from repro.affinity.partial import count_shard
 from repro.config_values import FLAG, check_table, integer, text
 from repro.errors import ConfigError, ReproError
+from repro.jobdir import check_run_config, remove_failed_job_dir
 
 KEYS = {"trace": text(null=True), "shard": integer(0), "out_dir": text(), "prompt_only": FLAG, "overwrite": FLAG}
 
@@ -43,13 +44,9 @@ class CheckCountJob(Callback):
     """Hydra callback (conf/count_job.yaml): a refused config ends before Hydra creates the job's folder."""
 
     def on_run_start(self, config, **kwargs) -> None:
-        from repro.config_schema import check_run_config
-
         check_run_config(config, check_count_job)
 
     def on_multirun_start(self, config, **kwargs) -> None:
-        from repro.config_schema import check_run_config
-
         check_run_config(config, check_count_job)  # the swept shard is checked by each job
 
 
@@ -66,8 +63,6 @@ def main(cfg: DictConfig) -> None:
     try:
         print(count_job(cfg))
     except ReproError as e:
-        from repro.run import remove_failed_job_dir
-
         print(f"error: {e}", file=sys.stderr)
         remove_failed_job_dir(Path(HydraConfig.get().runtime.output_dir))
         raise SystemExit(2) from None
