@@ -66,6 +66,7 @@ BAD_VALUES = [
     ("config", ["hardware.gpu.hbm_gbps=-1"], "gpu.hbm_gbps must be a positive number"),
     ("config", ["+exec=default", "exec.timeout_s=-1"], "exec.timeout_s must be a number > 0, got -1"),
     ("config", ["+exec=default", "exec.max_tokens=abc"], "exec.max_tokens must be an integer >= 1"),
+    ("config", ["+exec=default", "exec.kernel_backend=cuda"], "exec kernel backend must be one of ('auto', 'triton'"),
     ("config", ["+workload.x=1"], "workload has no key(s) ['x']"),
     ("config", ["workload.num_requests=abc"], "workload.num_requests must be an integer >= 1 or null"),
     ("config", ["+nosuchkey=1"], "the config has no key(s) ['nosuchkey']"),

@@ -13,6 +13,7 @@ from repro.errors import ConfigError, check_known_keys
 EXEC_MODES = ("trace", "model")
 DIST_BACKENDS = ("gloo", "nccl")
 DTYPE_NAMES = ("bfloat16", "float16", "float32")
+KERNEL_BACKENDS = ("auto", "triton", "torch")  # repro.kernels.BACKENDS, which imports torch (tests/test_configs.py)
 MODEL_LOGIT_ATOL = 1e-4  # fp32 logits of the distributed tiny model vs the single-process transformers model
 DEFAULT_ATOL = {"float32": 1e-5, "float16": 1e-2, "bfloat16": 1e-1}
 
@@ -76,6 +77,8 @@ def check_exec_fields(exec_cfg: ExecConfig | dict, parallel, world_size: int | N
         raise ConfigError(f"exec.mode must be one of {EXEC_MODES}, got {exec_cfg.mode!r}.")
     if exec_cfg.backend not in DIST_BACKENDS:
         raise ConfigError(f"exec.backend must be one of {DIST_BACKENDS}, got {exec_cfg.backend!r}.")
+    if exec_cfg.kernel_backend not in KERNEL_BACKENDS:
+        raise ConfigError(f"exec kernel backend must be one of {KERNEL_BACKENDS}, got {exec_cfg.kernel_backend!r}.")
     if exec_cfg.dtype not in DTYPE_NAMES:
         raise ConfigError(f"exec.dtype must be one of {sorted(DTYPE_NAMES)}, got {exec_cfg.dtype!r}.")
     if exec_cfg.dtype == "bfloat16" and exec_cfg.backend != "nccl":
