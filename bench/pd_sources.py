@@ -27,7 +27,6 @@ import numpy as np
 
 from bench.signature_sources import DECODE_SHARE, SOURCES, job_config
 from repro import cli
-from repro.atomic import atomic_write_text
 from repro.eval.decode_phase import prompt_tail_as_decode
 from repro.parallel import ParallelConfig
 from repro.sim import ModelShape, load_hardware
@@ -99,11 +98,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=cli.seed, default=0)
     p.add_argument("--split", default="evaluate", choices=["validate", "evaluate"])
     p.add_argument("--rate", type=cli.rate, default=400.0)
-    p.add_argument("--out", type=Path)
+    cli.add_output(p, "--out", required=False, help="JSON file of every row (written atomically)")
     args = p.parse_args(argv)
     rows = [row for source in args.sources for row in measure(source, args.devices, args.seed, args.split, args.rate)]
-    if args.out:
-        atomic_write_text(args.out, json.dumps(rows, indent=1))
+    if args.out:  # claimed while parsing (never an existing file without --overwrite): written after the work
+        cli.write_text_output(args.out, json.dumps(rows, indent=1), overwrite=args.overwrite)
     print(table(rows))
 
 

@@ -953,3 +953,15 @@ def test_a_killed_writers_temporary_is_removed_by_the_next_write_into_its_folder
     live.write_text("in progress")
     atomic_write_text(tmp_path / "unrelated.json", "{}")
     assert sorted(p.name for p in tmp_path.iterdir()) == [live.name, "unrelated.json"]
+
+
+def test_capture_never_replaces_an_existing_trace_without_overwrite(tmp_path, capsys):
+    """`repro.engines.capture --out` replaced an existing (expensively captured) trace without a word."""
+    from repro.engines import capture
+
+    trace = synthetic_trace_dir(tmp_path / "trace")
+    before = (trace / "experts.npy").read_bytes()
+    code = capture.main(["recorder", str(tmp_path / "dump.pt"), "--shape", "deepseek_v2_lite", "--out", str(trace)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "already holds a routing trace; pass --overwrite" in err and "\n" not in err
+    assert (trace / "experts.npy").read_bytes() == before
