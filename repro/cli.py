@@ -28,11 +28,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from repro.atomic import atomic_write
+from repro.config_values import INT64_MAX
 from repro.errors import ReproError
 
 SEED_MAX = 2**32 - 1  # numpy takes larger seeds, torch.manual_seed does not (conf's seed check uses the same bound)
 PORT_MAX = 65535
-INT64_MAX = 2**63 - 1
 
 
 class OutputError(ReproError):
@@ -134,7 +134,7 @@ class OutputPath(Kind):
             f" ending in {' or '.join(self.suffixes)}" if self.suffixes else "")
 
     def __call__(self, text: str) -> Path:
-        if not text or text.endswith(os.sep) and self.what == "file":
+        if not text or (self.what == "file" and text.endswith(os.sep)):
             raise self.refuse(text)
         path = Path(text)
         if self.suffixes and not text.endswith(self.suffixes):
