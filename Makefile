@@ -124,6 +124,7 @@ gpu-all-dry:
 # python -m repro.engines.capture, then repro.run trace=...), MODEL a local checkpoint or hub id the engine loads;
 # the plan is checked against MODEL's config.json (MODEL_CONFIG=path overrides; SERVE_ARGS adds serve flags, e.g.
 # --allow-synthetic-plan). No default PLAN: none of the suite's offline jobs is fitted on a real model's routing.
+# bench-serving never replaces an earlier sweep of the same PLAN unless OVERWRITE=1.
 MODEL ?= deepseek-ai/DeepSeek-V2-Lite
 MODEL_CONFIG ?=
 SERVE_ARGS ?=
@@ -139,7 +140,8 @@ serve-vllm:
 bench-serving:
 	$(NEED_PLAN)
 	$(PY) -m repro.engines.bench_serving sweep --url http://127.0.0.1:8080 --router-metrics http://127.0.0.1:8080/metrics \
-	  --rates $(RATES) --out runs/serve_real/$(notdir $(PLAN)) workload=mmlu tokenizer=$(TOKENIZER) num_requests=500 output_len=128
+	  --rates $(RATES) --out runs/serve_real/$(notdir $(PLAN)) $(if $(OVERWRITE),--overwrite) \
+	  workload=mmlu tokenizer=$(TOKENIZER) num_requests=500 output_len=128
 # SGLang's pure-Python EPLB / expert-location modules on a CPU for tests/test_engines_crosscheck.py (engines.md §3)
 setup-engines-cpu:
 	$(PIP) install -q -e ".[engines-cpu]" && $(PIP) install -q --no-deps sglang==0.5.23

@@ -965,3 +965,18 @@ def test_capture_never_replaces_an_existing_trace_without_overwrite(tmp_path, ca
     err = capsys.readouterr().err.strip()
     assert code == 2 and "already holds a routing trace; pass --overwrite" in err and "\n" not in err
     assert (trace / "experts.npy").read_bytes() == before
+
+
+def test_a_real_serving_sweep_never_replaces_an_earlier_one_without_overwrite(tmp_path, capsys):
+    """`bench_serving sweep --out` replaced an earlier sweep's results (a real engine's measurements) silently."""
+    from repro.engines import bench_serving
+
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "real_per_rate.csv").write_text("rate\n40\n")
+    code = bench_serving.main(["sweep", "--url", "http://127.0.0.1:9", "--rates", "1", "--out", str(out),
+                               "--model", "m", "workload=mmlu"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "real_per_rate.csv exists; pass --overwrite" in err and "\n" not in err
+    assert (out / "real_per_rate.csv").read_text() == "rate\n40\n" and sorted(p.name for p in out.iterdir()) == [
+        "real_per_rate.csv"]

@@ -473,6 +473,8 @@ def run_sweep(args) -> pd.DataFrame:
         raise ConfigError(f"--rates {args.rates!r} is not a comma-separated list of numbers.") from e
     if not rates or not all(np.isfinite(rates)) or min(rates) <= 0 or args.max_in_flight < 1:
         raise ConfigError("--rates must be positive finite numbers and --max-in-flight >= 1.")
+    # before any request: a sweep of a real engine is costly, and a rerun into the same folder replaced the last one
+    cli.claim_output(Path(args.out) / "real_per_rate.csv", overwrite=args.overwrite)
     if args.warmup_requests < 0:
         raise ConfigError(f"--warmup-requests must be >= 0, got {args.warmup_requests}.")
     client = choose_client(args.client)
@@ -633,6 +635,7 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--url", required=True, help="the router (or the server itself, for a baseline)")
     sweep.add_argument("--rates", required=True, help="comma-separated request rates (req/s)")
     sweep.add_argument("--out", type=Path, required=True, help="folder for real_per_rate.csv (e.g. runs/serve_real/<name>)")
+    sweep.add_argument("--overwrite", action="store_true", help="replace the results of an earlier sweep in --out")
     sweep.add_argument("--model", help="the model field of each request (default: the first of /v1/models)")
     sweep.add_argument("--router-metrics", help="the router's /metrics URL, to record requests per rank and LAR")
     sweep.add_argument("--max-in-flight", type=cli.positive, default=1024)
