@@ -159,6 +159,53 @@ def test_every_number_option_has_a_shared_kind(option):
     assert option.kind not in (int, float), f"{option}: type={option.kind.__name__}; use a repro.cli kind"
 
 
+# output options that keep the contract by a check of their own (not repro.cli's claim), and how
+OWN_OUTPUT_RULES = {
+    ("bench", "--out"): "regenerates its own bench/results/<name>.json and SUMMARY.md",
+    ("bench.bench_fit_scale", "out"): "a scratch folder of generated shards for the scaling benchmark",
+    ("bench.cpu_check", "--out"): "checks every file it will write (cpu_check.json, both profiles) before calibrating",
+    ("bench.engine_cpu", "--out"): "regenerates its own results folder",
+    ("bench.gpu_check", "--out"): "a results folder per GPU run",
+    ("repro.engines.bench_serving", "--out"): "claims <out>/real_per_rate.csv before any request (--overwrite)",
+    ("repro.engines.capture", "--out"): "a trace folder: refuses a trace without --overwrite, and anything else",
+    ("repro.figures", "--out"): "regenerates the report's own figures folder; refuses a file",
+    ("repro.figures.breakeven", "--out"): "regenerates the report's own figures folder",
+    ("repro.figures.diff", "--out"): "check_out_dir: a folder, never a file",
+    ("repro.figures.table2", "--out"): "regenerates the report's own figures folder",
+    ("repro.sim.breakeven", "--out"): "replaces only its own earlier output; anything else there is refused",
+    ("repro.traces.import", "--out"): "a trace folder: refuses a trace without --overwrite, and anything else",
+    ("repro.traces.shards", "out"): "refuses an existing shards.json without --overwrite",
+}
+
+
+def output_options() -> list[tuple[str, str, object]]:
+    """(module, flag or positional name, type) of every argument named like an output (--out, out)."""
+    found = []
+
+    def walk(module: str, parser: argparse.ArgumentParser) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    walk(module, sub)
+            elif action.dest == "out":
+                found.append((module, (action.option_strings or [action.dest])[0], action.type))
+
+    for module in ARGPARSE_APPS:
+        walk(module, captured_parser(module))
+    return found
+
+
+def test_every_output_is_claimed_or_has_its_own_stated_rule():
+    """A new entry point's --out either goes through repro.cli's claim or is added to OWN_OUTPUT_RULES with how it
+    keeps the contract; a listed rule whose output is gone (or now claimed) must be removed."""
+    outputs = output_options()
+    unclaimed = {(m, flag) for m, flag, kind in outputs if not isinstance(kind, cli.OutputPath)}
+    missing = sorted(unclaimed - set(OWN_OUTPUT_RULES))
+    assert not missing, f"outputs with no claim and no stated rule: {missing}"
+    assert set(OWN_OUTPUT_RULES) <= unclaimed, f"stale rules: {sorted(set(OWN_OUTPUT_RULES) - unclaimed)}"
+    assert any(isinstance(kind, cli.OutputPath) for _, _, kind in outputs)  # positive control: claims are found
+
+
 # ---- generated bad values ----------------------------------------------------------------------------------------
 
 # ("--" is left out: argparse drops a "--" value, `--n=--` is `--n` at its default, before any type sees it)
