@@ -227,6 +227,10 @@ class ArgumentParser(argparse.ArgumentParser):
         raise SystemExit(2)
 
     def parse_known_args(self, args=None, namespace=None):
+        for arg in sys.argv[1:] if args is None else args:
+            # argparse drops a "--" value before the type sees it: `--n=--` left n at None (the fuzzer found it)
+            if isinstance(arg, str) and arg.startswith("-") and arg.endswith("=--"):
+                self.error(f"argument {arg.partition('=')[0]}: expected a value, got '--'")
         namespace, extras = super().parse_known_args(args, namespace)
         try:
             self.claim_outputs(namespace)

@@ -57,6 +57,8 @@ def test_a_refused_value_is_one_line_and_exit_2(tmp_path, capsys):
                    "must be an existing file")
     assert_refused(*parse(export_parser(), [config], capsys), "The following arguments are required: --out")
     assert_refused(*parse(export_parser(), [config, "--out", tmp_path / "o.csv"], capsys), "ending in .json")
+    assert_refused(*parse(export_parser(), [config, "--shard=--", "--out", tmp_path / "o.json"], capsys),
+                   "argument --shard: expected a value, got '--'")  # argparse alone set shard to None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
 
 
