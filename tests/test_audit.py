@@ -4,7 +4,11 @@ runs; a few cases end to end through `python -m repro.run` / `repro.tune` (exit 
 written). The last section holds issue 28's cases (a 299-case audit's remaining ones): spoiled traces, sweeps over
 systems with a system-specific key, partial merge and shards combine outputs, the router's malformed clients, NaN
 in metrics.json, unwritable or file --out, deep JSONL, orphaned streams, leftovers of killed or failed jobs, a
-degenerate trace, and byte-identical metrics.json across two runs.
+degenerate trace, and byte-identical metrics.json across two runs. The section after it holds issue 35's (a
+76-case audit's, and what the entry-point fuzzer of tests/test_entry_points.py found): outputs replaced without
+--overwrite or over an input, partial counts checked by the digest of every byte they counted, hostile JSONL,
+tracebacks of trust / validation / cpu_check / hf_export, workload keys a trace= job ignored, one config per job
+folder, refused configs leaving folders, process trees outliving a SIGKILL, and a killed writer's temporaries.
 
 The audit's other rows live beside the code they test:
 - data loss: importer --out, concurrent trace writers and readers, SIGTERM temp files, bad weights and meta.json
