@@ -807,10 +807,12 @@ def test_a_trace_job_refuses_every_workload_setting_of_the_command_line(override
     check_config(composed(override), overrides=[override])  # the same setting routes a workload: it applies
 
 
-def test_an_experiments_own_workload_settings_pass_with_trace():
+@pytest.mark.parametrize("overrides", [["experiment=exec", "trace=/x"],
+                                       ["experiment=paper_table2", "trace=/x", "workload.input_len=null"]])
+def test_an_experiments_own_workload_settings_pass_with_trace(overrides):
     """Positive control: exec sets workload.num_requests for the workload it routes; trace= replaces that workload
-    (the experiments' sweeps run on traces so), and only the user's own workload settings are refused."""
-    overrides = ["experiment=exec", "trace=/x"]
+    (the experiments' sweeps run on traces so), and only the user's own workload settings are refused; dropping a
+    setting (=null, as the input_len refusal asks) is not one."""
     check_config(composed(*overrides), overrides=overrides)
 
 
