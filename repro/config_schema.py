@@ -339,13 +339,14 @@ class CheckSweep(Callback):
     def on_multirun_start(self, config, **kwargs) -> None:
         if not str(config.hydra.sweeper.get("_target_", "")).endswith("BasicSweeper"):
             return  # another sweeper chooses its jobs as it goes: each job checks itself when it starts
+        command_line = list(config.hydra.overrides.task)  # the user's; an experiment's sweeper params are its own
         for overrides in sweep_jobs(config):
             try:
                 task = job_config(config, overrides)
             except OmegaConfBaseException:
                 continue  # an interpolation that does not resolve here: the job reports it itself
             try:
-                check_config(task, overrides)
+                check_config(task, command_line)
             except ReproError as e:
                 print(f"error: sweep job [{' '.join(overrides)}]: {e}", file=sys.stderr)
                 raise SystemExit(2) from None

@@ -986,3 +986,13 @@ def test_a_real_serving_sweep_never_replaces_an_earlier_one_without_overwrite(tm
     assert code == 2 and "real_per_rate.csv exists; pass --overwrite" in err and "\n" not in err
     assert (out / "real_per_rate.csv").read_text() == "rate\n40\n" and sorted(p.name for p in out.iterdir()) == [
         "real_per_rate.csv"]
+
+
+def test_a_sweep_on_a_trace_refuses_a_workload_setting_of_the_command_line(tmp_path):
+    """A workload value swept on the command line is the user's and is refused before the first job (an
+    experiment's own sweeper params, e.g. paper_dp's workload=mmlu, are not: test_run's sweeps on traces run them)."""
+    trace = synthetic_trace_dir(tmp_path / "trace")
+    res = run_module("repro.run", "-m", f"trace={trace}", "workload.num_requests=50,100",
+                     f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
+    assert_one_error_line(res, "workload.num_requests=50,100 cannot apply to trace=")
+    assert not (tmp_path / "sweep").exists()
