@@ -5,7 +5,7 @@ PIP := $(VENV)/bin/pip
 # torch 2.13.0 CPU build when no NVIDIA GPU is visible; with a GPU, the user's CUDA torch is kept
 HAVE_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: setup test test-sweeps reproduce experiments tune reproduce-beyond figures bench cpu-check cost-model gpu-check gpu-test gpu-all gpu-all-dry serve-sglang serve-vllm bench-serving setup-engines-cpu setup-vllm-cpu engine-cpu lint clean wandb-sync
+.PHONY: setup test test-fuzz test-sweeps reproduce experiments tune reproduce-beyond figures bench cpu-check cost-model gpu-check gpu-test gpu-all gpu-all-dry serve-sglang serve-vllm bench-serving setup-engines-cpu setup-vllm-cpu engine-cpu lint clean wandb-sync
 
 setup:
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -24,7 +24,12 @@ setup:
 # so any two may run at once (a module's fixtures are built once per worker)
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4; echo $$n)
 test:
-	$(PY) -m pytest -q -x -n $(TEST_WORKERS) --dist worksteal --durations=10 -m "not sweep and not engine"
+	$(PY) -m pytest -q -x -n $(TEST_WORKERS) --dist worksteal --durations=10 -m "not sweep and not engine and not fuzz"
+
+# the entry-point contract fuzzed at length (tests/test_entry_points.py: thousands of generated bad values, every
+# entry point run as a subprocess; a few minutes on 2 cores)
+test-fuzz:
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m fuzz tests/test_entry_points.py
 
 # every experiment's whole sweep on a small trace (~5 min on 2 cores): CI runs it after make test
 test-sweeps:
@@ -89,7 +94,7 @@ cpu-check:
 
 cost-model:
 	$(PY) -m bench --out bench/results --only cost_model
-	$(PY) -m repro.sim.trust --out runs/cost_model_trust
+	$(PY) -m repro.sim.trust --out runs/cost_model_trust --overwrite
 
 # one CUDA GPU: bf16/fp16 correctness of every Triton kernel, kernel timings vs a bf16 cuBLAS per-expert loop (and
 # vLLM's fused_experts when importable), never needed by tests or CI; calibration: conf/hardware/measured/<gpu>.yaml
@@ -119,6 +124,7 @@ gpu-all-dry:
 # python -m repro.engines.capture, then repro.run trace=...), MODEL a local checkpoint or hub id the engine loads;
 # the plan is checked against MODEL's config.json (MODEL_CONFIG=path overrides; SERVE_ARGS adds serve flags, e.g.
 # --allow-synthetic-plan). No default PLAN: none of the suite's offline jobs is fitted on a real model's routing.
+# bench-serving never replaces an earlier sweep of the same PLAN unless OVERWRITE=1.
 MODEL ?= deepseek-ai/DeepSeek-V2-Lite
 MODEL_CONFIG ?=
 SERVE_ARGS ?=
@@ -134,7 +140,8 @@ serve-vllm:
 bench-serving:
 	$(NEED_PLAN)
 	$(PY) -m repro.engines.bench_serving sweep --url http://127.0.0.1:8080 --router-metrics http://127.0.0.1:8080/metrics \
-	  --rates $(RATES) --out runs/serve_real/$(notdir $(PLAN)) workload=mmlu tokenizer=$(TOKENIZER) num_requests=500 output_len=128
+	  --rates $(RATES) --out runs/serve_real/$(notdir $(PLAN)) $(if $(OVERWRITE),--overwrite) \
+	  workload=mmlu tokenizer=$(TOKENIZER) num_requests=500 output_len=128
 # SGLang's pure-Python EPLB / expert-location modules on a CPU for tests/test_engines_crosscheck.py (engines.md §3)
 setup-engines-cpu:
 	$(PIP) install -q -e ".[engines-cpu]" && $(PIP) install -q --no-deps sglang==0.5.23

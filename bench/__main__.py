@@ -10,7 +10,6 @@ others. Exit status 1 when a benchmark raised (its error is recorded in its JSON
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import importlib
 import json
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from repro import cli
 from repro.atomic import atomic_write_text
 
 PREFIX = "bench_"
@@ -136,7 +136,7 @@ def summary_markdown(records: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     available = discover()
-    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
+    parser = cli.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="bench/results", help="directory for <name>.json and SUMMARY.md")
     parser.add_argument("--only", action="append", metavar="NAME", help=f"run only these ({', '.join(available)})")
     parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats (well under a minute)")
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         names = [m for n in args.only for m in GROUPS.get(n.removeprefix(PREFIX), [n.removeprefix(PREFIX)])]
         unknown = sorted(set(names) - set(available))
         if unknown:
-            print(f"unknown benchmark {', '.join(unknown)}; choose from {', '.join(available)}.", file=sys.stderr)
+            print(f"error: unknown benchmark {', '.join(unknown)}; choose from {', '.join(available)}.", file=sys.stderr)
             return 2
     out = Path(args.out)
     failed = False

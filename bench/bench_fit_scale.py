@@ -27,7 +27,6 @@ Legend: N tokens, L MoE layers, E experts, k experts per token.
 
 from __future__ import annotations
 
-import argparse
 import json
 import resource
 import shutil
@@ -39,6 +38,8 @@ from pathlib import Path
 
 import numpy as np
 from omegaconf import OmegaConf
+
+from repro import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 NUM_EXPERTS, TOP_K, NUM_LAYERS, VOCAB = 256, 8, 58, 129_280
@@ -146,16 +147,16 @@ def run(quick: bool) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.bench_fit_scale")
+    parser = cli.ArgumentParser(prog="python -m bench.bench_fit_scale")
     sub = parser.add_subparsers(dest="command", required=True)
     fit = sub.add_parser("fit", help="fit Sem-MoE on TRACE in this process and print one JSON line")
     fit.add_argument("trace")
-    fit.add_argument("--devices", type=int, default=8)
+    fit.add_argument("--devices", type=cli.positive, default=8)
     fit.add_argument("--attention", choices=("dp", "tp"), default="dp")
     gen = sub.add_parser("generate", help="write a sharded profile of --tokens tokens under OUT")
     gen.add_argument("out")
-    gen.add_argument("--tokens", type=int, default=10_000_000)
-    gen.add_argument("--layers", type=int, default=NUM_LAYERS)
+    gen.add_argument("--tokens", type=cli.positive, default=10_000_000)
+    gen.add_argument("--layers", type=cli.positive, default=NUM_LAYERS)
     args = parser.parse_args(argv)
     if args.command == "fit":
         print(json.dumps(fit_in_this_process(args.trace, args.devices, args.attention)))

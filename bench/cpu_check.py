@@ -32,7 +32,6 @@ Files there that this script did not write are never overwritten. About 2 minute
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -46,6 +45,7 @@ import numpy as np
 import torch
 import yaml
 
+from repro import cli
 from repro.atomic import atomic_write_text
 from repro.errors import ConfigError
 from repro.sim.hardware import MEASURED_DIR, load_hardware
@@ -304,16 +304,22 @@ def calibration_document(name: str, ranks: int, m: dict, fit: dict, load: dict) 
     }
 
 
-def _writable(path: Path, marker) -> None:
-    if path.exists() and not marker(path.read_text()):
+PROFILE_MARKERS = {"base": lambda text: text.startswith(f"# Written by {GENERATED_BY}"),
+                   "measured": lambda text: f"generated_by: {GENERATED_BY}" in text}
+
+
+def _writable(path: Path, marker, flag: str = "the profile") -> None:
+    """Refuse a path this run may not (re)write: a file another tool wrote, or a place that cannot hold a file."""
+    cli.claim_output(path, name=flag, overwrite=True)  # its own earlier calibration is regenerated
+    if path.exists() and not marker(path.read_text(errors="replace")):
         raise ConfigError(f"{path} exists and was not written by {GENERATED_BY}; move it away or pass another "
                           "directory, then run again.")
 
 
 def write_profile(hardware_dir: Path, measured_dir: Path, profile: dict, calibration: dict) -> list[Path]:
     base, measured = hardware_dir / f"{profile['name']}.yaml", measured_dir / f"{profile['name']}.yaml"
-    _writable(base, lambda text: text.startswith(f"# Written by {GENERATED_BY}"))
-    _writable(measured, lambda text: f"generated_by: {GENERATED_BY}" in text)
+    _writable(base, PROFILE_MARKERS["base"])
+    _writable(measured, PROFILE_MARKERS["measured"])
     header = (f"# Written by {GENERATED_BY} (python -m bench.cpu_check) on this host: one of {calibration['ranks']} "
               "gloo ranks of repro.exec is a device.\n# gpu.bf16_tflops / hbm_gbps hold the measured fp32 GEMM "
               "FLOP/s and copy bandwidth of a rank (efficiencies 1: achieved, not peak);\n# a2a: the gloo "
@@ -338,21 +344,31 @@ def calibrate(ranks: int, repeats: int, rows_list, peer_bytes, stat: str = "medi
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.cpu_check", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--repeats", type=int, default=25)
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser = cli.ArgumentParser(prog="python -m bench.cpu_check", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=cli.Integer(2), nargs="+", default=[2, 4],
+                        help="gloo ranks per profile (>= 2: an all-to-all needs two)")
+    parser.add_argument("--repeats", type=cli.positive, default=25)
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder of cpu_check.json (regenerated each run)")
     parser.add_argument("--hardware-dir", type=Path, default=HARDWARE_DIR)
     parser.add_argument("--measured-dir", type=Path, default=MEASURED_DIR)
     parser.add_argument("--name", default=None, help="host part of the profile names (default: the host name)")
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats (a rehearsal)")
     args = parser.parse_args(argv)
-    if min(args.ranks) < 2:
-        parser.error("--ranks must be >= 2 (an all-to-all needs two ranks)")
+    return cli.run(lambda: calibrate_profiles(args))
+
+
+def calibrate_profiles(args) -> None:
     rows_list, peer_bytes, repeats = EXPERT_ROWS, PEER_BYTES, args.repeats
     if args.quick:
         rows_list, peer_bytes, repeats = (1, 16, 256), (8, 4096, 65536), 3
     host = args.name or host_name()
+    # every file this run writes is checked before minutes of calibration (an --out file failed only at the end)
+    _writable(args.out / "cpu_check.json", lambda text: True, "--out")
+    for ranks in args.ranks:
+        name = profile_name(host, ranks)
+        for folder, kind, flag in ((args.hardware_dir, "base", "--hardware-dir"),
+                                   (args.measured_dir, "measured", "--measured-dir")):
+            _writable(folder / f"{name}.yaml", PROFILE_MARKERS[kind], flag)
     report = {"host": host, "cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
               "profiles": {}}
     for ranks in args.ranks:
@@ -373,7 +389,6 @@ def main(argv: list[str] | None = None) -> int:
               f"a2a {fit['latency_us']} us + bytes / {fit['gbps']} GB/s (max fit error {fit['max_rel_error']}), "
               f"load {load} -> {', '.join(map(str, paths))}", flush=True)
     atomic_write_text(args.out / "cpu_check.json", json.dumps(report, indent=1) + "\n")
-    return 0
 
 
 if __name__ == "__main__":

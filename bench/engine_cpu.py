@@ -43,7 +43,6 @@ is measured with it; this checks the single-device engine model (batching, prefi
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
@@ -56,6 +55,8 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
+
+from repro import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE_VENV = ROOT / ".venv-engine-cpu"
@@ -492,10 +493,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from repro.atomic import atomic_write, atomic_write_text
 
-    p = argparse.ArgumentParser(prog="python -m bench.engine_cpu", description=__doc__.splitlines()[0])
-    p.add_argument("--num-requests", type=int, default=240)
+    p = cli.ArgumentParser(prog="python -m bench.engine_cpu", description=__doc__.splitlines()[0])
+    p.add_argument("--num-requests", type=cli.positive, default=240)
     p.add_argument("--rates", default=",".join(f"{r:g}" for r in RATES))
-    p.add_argument("--port", type=int, default=8011)
+    p.add_argument("--port", type=cli.port, default=8011)
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--quick", action="store_true", help="fewer requests (a rehearsal)")
     args = p.parse_args(argv)

@@ -71,6 +71,7 @@ from bench.kernel_cases import (
     moe_inputs,
     shuffle_context,
 )
+from repro import cli
 from repro.atomic import atomic_write_text
 from repro.errors import ConfigError
 from repro.kernels import interpreter_on
@@ -463,9 +464,9 @@ def write_tuned(path: Path, table: dict) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.split("\n\n")[0])
+    parser = cli.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, type=Path, help="directory for gpu_check.json and gpu_check.csv")
-    parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS), help="tokens per step T")
+    parser.add_argument("--tokens", type=cli.positive, nargs="+", default=list(TOKENS), help="tokens per step T")
     parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES), help="data dtypes")
     parser.add_argument("--measured-dir", type=Path, default=None,
                         help=f"where <name>.yaml goes for the simulator (default {MEASURED_DIR}; not in a dry run)")

@@ -20,14 +20,13 @@ Legend: D ranks per pool.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import numpy as np
 
 from bench.signature_sources import DECODE_SHARE, SOURCES, job_config
-from repro.atomic import atomic_write_text
+from repro import cli
 from repro.eval.decode_phase import prompt_tail_as_decode
 from repro.parallel import ParallelConfig
 from repro.sim import ModelShape, load_hardware
@@ -93,17 +92,17 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.pd_sources", description=__doc__.splitlines()[0])
+    p = cli.ArgumentParser(prog="python -m bench.pd_sources", description=__doc__.splitlines()[0])
     p.add_argument("--sources", nargs="+", default=["tiny_gen32", "synthetic_deepseek_v2_lite"], choices=list(SOURCES))
-    p.add_argument("--devices", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--devices", type=cli.positive, default=8)
+    p.add_argument("--seed", type=cli.seed, default=0)
     p.add_argument("--split", default="evaluate", choices=["validate", "evaluate"])
-    p.add_argument("--rate", type=float, default=400.0)
-    p.add_argument("--out", type=Path)
+    p.add_argument("--rate", type=cli.rate, default=400.0)
+    cli.add_output(p, "--out", required=False, help="JSON file of every row (written atomically)")
     args = p.parse_args(argv)
     rows = [row for source in args.sources for row in measure(source, args.devices, args.seed, args.split, args.rate)]
-    if args.out:
-        atomic_write_text(args.out, json.dumps(rows, indent=1))
+    if args.out:  # claimed while parsing (never an existing file without --overwrite): written after the work
+        cli.write_text_output(args.out, json.dumps(rows, indent=1), overwrite=args.overwrite)
     print(table(rows))
 
 

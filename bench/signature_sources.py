@@ -15,13 +15,12 @@ Legend: D devices (EP degree), R requests.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import numpy as np
 
-from repro.atomic import atomic_write_text
+from repro import cli
 from repro.eval.decode_phase import decode_phase_metrics, prompt_tail_as_decode
 from repro.eval.time_cost import DEFAULT_SHAPE, load_shape, time_model
 from repro.parallel import ParallelConfig
@@ -121,22 +120,22 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.signature_sources", description=__doc__.splitlines()[0])
+    p = cli.ArgumentParser(prog="python -m bench.signature_sources", description=__doc__.splitlines()[0])
     p.add_argument("--sources", nargs="+", default=list(SOURCES), choices=list(SOURCES))
-    p.add_argument("--devices", type=int, default=8)
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--fit-seeds", type=int, nargs="+", help="rng seeds of the fits (default: each config seed)")
+    p.add_argument("--devices", type=cli.positive, default=8)
+    p.add_argument("--seeds", type=cli.seed, nargs="+", default=[0, 1, 2])
+    p.add_argument("--fit-seeds", type=cli.seed, nargs="+", help="rng seeds of the fits (default: each config seed)")
     p.add_argument("--split", default="evaluate", choices=["validate", "evaluate"])
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS), help="measure only these (default: all)")
-    p.add_argument("--decode-batch", type=int, help="decode in waves of this many requests (default: one static "
+    p.add_argument("--decode-batch", type=cli.positive, help="decode in waves of this many requests (default: one static "
                    "batch of every evaluated request, whose size grows with the split)")
-    p.add_argument("--out", type=Path, help="JSON file of every row (written atomically)")
+    cli.add_output(p, "--out", required=False, help="JSON file of every row (written atomically)")
     args = p.parse_args(argv)
     rows = [row for source in args.sources for seed in args.seeds
             for row in measure(source, args.devices, seed, args.split, args.fit_seeds, args.variants,
                                args.decode_batch)]
-    if args.out:
-        atomic_write_text(args.out, json.dumps(rows, indent=1))
+    if args.out:  # claimed while parsing (never an existing file without --overwrite): written after the work
+        cli.write_text_output(args.out, json.dumps(rows, indent=1), overwrite=args.overwrite)
     print(table(rows))
 
 

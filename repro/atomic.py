@@ -4,8 +4,8 @@ Every write goes to a temporary sibling that is renamed into place. A temporary 
 removed by the writer; one left behind by SIGTERM is removed by a SIGTERM handler that this module installs
 (once, from the main thread, the first time a write starts) and that then ends the process the way SIGTERM
 would have (or hands the signal to the handler that was there before). A temporary's name holds the writer's host
-and pid (`.<name>.<host>-<pid>-<random>`), so one left by a SIGKILLed writer is removed by the next write of the
-same path on that host once its process is gone.
+and pid (`.<name>.<host>-<pid>-<random>`), so one left by a SIGKILLed writer is removed by the next write into the
+same folder on that host once its process is gone.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from __future__ import annotations
 import atexit
 import ctypes
 import errno
-import glob
 import os
+import re
 import shutil
 import signal
 import socket
@@ -46,22 +46,30 @@ def process_alive(pid: int) -> bool:
 
 
 def remove_dead_temps(path: Path) -> None:
-    """Remove temporary siblings of `path` left by killed writers of this host (their process is gone); those of
-    live processes or other hosts (a shared file system) are left alone."""
+    """Remove the temporaries left by killed writers of this host (their process is gone) in the folder of `path`:
+    its own and those of every other output there (a killed import's hidden folder was removed only by a later
+    import to the same --out). Those of live processes or other hosts (a shared file system) are left alone."""
     path, host = Path(path), socket.gethostname()
-    for sibling in path.parent.glob(f".{glob.escape(path.name)}.*"):
-        rest = sibling.name[len(path.name) + 2:].removeprefix("old.")
-        parts = rest.rsplit("-", 2)  # host-pid-random (tempfile's random part has no "-")
-        if len(parts) == 3 and parts[0] == host and parts[1].isdigit() and not process_alive(int(parts[1])):
-            if sibling.is_dir() and not sibling.is_symlink():
-                shutil.rmtree(sibling, ignore_errors=True)
+    temp = re.compile(rf"^\..+\.(?:old\.)?{re.escape(host)}-(\d+)-[^-]+$")  # .<name>.[old.]<host>-<pid>-<random>
+    try:
+        siblings = list(os.scandir(path.parent))
+    except OSError:
+        return
+    for sibling in siblings:
+        found = temp.match(sibling.name)
+        if found and not process_alive(int(found.group(1))):
+            if sibling.is_dir(follow_symlinks=False):
+                shutil.rmtree(sibling.path, ignore_errors=True)
             else:
-                sibling.unlink(missing_ok=True)
+                Path(sibling.path).unlink(missing_ok=True)
 
 
-def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
+def atomic_write(path: Path, write: Callable[[Path], object], *, replace: bool = True) -> None:
     """Call write(tmp_path) on a temporary sibling of `path`, then rename it onto `path` with the permissions a
-    plain open() would give it (mkstemp's temporary file is owner-only)."""
+    plain open() would give it (mkstemp's temporary file is owner-only).
+
+    replace=False never replaces a file at `path`, even one that another process created while we wrote: the
+    temporary is published with link(), which fails with FileExistsError when `path` exists."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     _install_sigterm_cleanup()
@@ -72,12 +80,31 @@ def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
     try:
         write(Path(tmp))
         os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, path)
+        if replace:
+            os.replace(tmp, path)
+        else:
+            _publish_new_file(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     finally:
         _live_temps.pop(tmp, None)
+
+
+def _publish_new_file(tmp: str, path: Path) -> None:
+    """Give the finished temporary the name `path` unless something is there already (FileExistsError)."""
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        raise
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.EXDEV, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
+            raise
+        if os.path.lexists(path):  # a file system without hard links: check, then rename (a small race)
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(path)) from None
+        os.replace(tmp, path)
+        return
+    os.unlink(tmp)
 
 
 def atomic_write_text(path: Path, text: str) -> None:

@@ -9,7 +9,7 @@ those its conf/<group>/*.yaml options define, so a key a yaml adds is known with
 that no option defines is refused. Each group's own check lives with its code and is called from here
 (repro.parallel's check_parallel, repro.workloads.config's check_workload, the routing producers'
 check_*_config, repro.sim.hardware's check_hardware_config, repro.tracking's check_logger, repro.sim.simulate's
-check_sim_table / check_sim_config, repro.exec.trace_mode's check_exec_table / check_exec_config,
+check_sim_table / check_sim_config, repro.exec.config's check_exec_table / check_exec_fields,
 repro.tune_config's check_tune_config). System parameters are checked against the
 system class's signature and annotations. The schema only composes: it sits below the entry points that call it
 (run, tune, exec) and imports none of them (tests/test_layers.py).
@@ -43,6 +43,7 @@ from repro.config_values import (
     top_keys,
 )
 from repro.errors import ConfigError, ReproError, check_known_keys
+from repro.jobdir import check_run_config
 from repro.parallel import check_parallel
 from repro.tracking import check_logger
 from repro.tune_config import check_tune_config
@@ -218,31 +219,46 @@ def check_sim(sim: dict) -> None:
 
 
 def check_exec(exec_cfg: dict, parallel) -> None:
-    from repro.exec.trace_mode import check_exec_config, check_exec_table
+    from repro.exec.config import check_exec_fields, check_exec_table  # the group's own check, torch-free
 
     check_exec_table(exec_cfg)
-    check_exec_config(exec_cfg, parallel)
+    check_exec_fields(exec_cfg, parallel)
 
 
 # ---- the whole config -----------------------------------------------------------------------------------------
 
 
-def check_trace_ignores_nothing(config: dict) -> None:
-    """trace= evaluates routing that is already tokenized and cut: a workload setting that shapes requests would
-    be ignored without a word (paper_table2 on trace= gave one result for 256, 512 and 1,024 tokens)."""
+def check_trace_ignores_nothing(config: dict, overrides=()) -> None:
+    """trace= evaluates routing that is already tokenized and cut, and reads no workload key: a workload setting
+    would be ignored without a word (paper_table2 on trace= gave one result for 256, 512 and 1,024 tokens;
+    workload.num_requests, max_prompt_len and workload=arena_hard were ignored the same way). Refused: the length
+    keys, wherever they come from, and every workload override on the command line (`overrides`, as Hydra lists
+    them). An experiment's own workload settings describe the workload it routes; trace= replaces that workload
+    as a whole (the experiments' sweeps run on traces so), so they are not the user's and pass."""
+    trace = config["trace"]
     for key in ("input_len", "input_len_lognormal"):
         value = (config.get("workload") or {}).get(key)
         if value is not None:
             raise ConfigError(
-                f"workload.{key}={value} cannot apply to trace={config['trace']}: a trace's requests are already "
+                f"workload.{key}={value} cannot apply to trace={trace}: a trace's requests are already "
                 f"tokenized at their own lengths; drop workload.{key} (workload.{key}=null) or route the workload "
                 "instead of trace=."
             )
+    for override in overrides:
+        key, _, value = str(override).lstrip("+~").partition("=")
+        if value.strip().lower() in ("null", "none", "~"):
+            continue  # dropping a setting is what the refusals above ask for (the experiments' sweeps on traces do)
+        if key == "workload" or key.startswith("workload."):
+            raise ConfigError(
+                f"{key}={value} cannot apply to trace={trace}: a trace job evaluates the trace's own requests and "
+                f"reads no workload setting; drop {key}= or route the workload instead of trace=."
+            )
 
 
-def check_config(config: dict) -> None:
+def check_config(config: dict, overrides=()) -> None:
     """Raise one ConfigError sentence for the first unknown key or ill-typed / out-of-range value of a resolved
-    job config (the dict of OmegaConf.to_container(cfg, resolve=True)); return None when it is sound."""
+    job config (the dict of OmegaConf.to_container(cfg, resolve=True)); return None when it is sound. `overrides`:
+    the command line's overrides where known (what the user asked for, beyond the config files)."""
     check_root(config)
     from repro.workloads.config import check_workload  # the workload group's own check (imports its registry)
 
@@ -253,7 +269,7 @@ def check_config(config: dict) -> None:
             check_workload(group, config[group])
     if config.get("trace"):  # nothing is routed: the model's keys only, without importing its producer (torch)
         check_known_keys("model", config["model"], top_keys(option_keys("model")))
-        check_trace_ignores_nothing(config)
+        check_trace_ignores_nothing(config, overrides)
     else:
         check_model(config["model"])
     check_system(config["system"])
@@ -313,18 +329,24 @@ def multirun_argv(argv: list[str]) -> list[str]:
 
 class CheckSweep(Callback):
     """Hydra callback: before a multirun launches anything, check_config every job; the first bad one ends the
-    sweep with one `error:` line naming the job (exit code 2), as a single run would."""
+    sweep with one `error:` line naming the job (exit code 2), as a single run would. A single run is checked
+    before Hydra creates its folder (on_run_start)."""
+
+    def on_run_start(self, config, **kwargs) -> None:
+        overrides = list(config.hydra.overrides.task)
+        check_run_config(config, lambda task: check_config(task, overrides))
 
     def on_multirun_start(self, config, **kwargs) -> None:
         if not str(config.hydra.sweeper.get("_target_", "")).endswith("BasicSweeper"):
             return  # another sweeper chooses its jobs as it goes: each job checks itself when it starts
+        command_line = list(config.hydra.overrides.task)  # the user's; an experiment's sweeper params are its own
         for overrides in sweep_jobs(config):
             try:
                 task = job_config(config, overrides)
             except OmegaConfBaseException:
                 continue  # an interpolation that does not resolve here: the job reports it itself
             try:
-                check_config(task)
+                check_config(task, command_line)
             except ReproError as e:
                 print(f"error: sweep job [{' '.join(overrides)}]: {e}", file=sys.stderr)
                 raise SystemExit(2) from None

@@ -69,8 +69,13 @@ def _is_number(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and value == value  # not NaN
 
 
+INT64_MAX = 2**63 - 1  # every integer key ends in numpy or torch: a larger one overflowed deep inside a run
+
+
 def _in_range(value, spec: Value) -> bool:
     if spec.low is not None and (value < spec.low or (spec.low_open and value == spec.low)):
+        return False
+    if "int" in spec.types and _is_int(value) and abs(value) > INT64_MAX:
         return False
     return spec.high is None or not (value > spec.high or (spec.high_open and value == spec.high))
 
@@ -108,8 +113,10 @@ def check_value(key: str, value, spec: Value) -> None:
     if spec.allows(value):
         return
     hint = ""
-    if "int" in spec.types and isinstance(value, float) and value.is_integer():
+    if "int" in spec.types and isinstance(value, float) and value.is_integer() and spec.allows(int(value)):
         hint = f"; write {int(value)} without a decimal point"
+    elif "int" in spec.types and _is_int(value) and abs(value) > INT64_MAX:
+        hint = f", beyond the largest 64-bit integer {INT64_MAX}"
     raise ConfigError(f"{key} must be {spec.describe()}, got {value!r}{hint}.")
 
 

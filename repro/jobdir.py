@@ -1,13 +1,20 @@
-"""The job folder name under runs/<name>/, as the Hydra resolver `job_dirname` that conf/config.yaml's
-hydra.run.dir and hydra.sweep.subdir use. Every entry point composing that config (repro.run, repro.exec)
-imports this module, so the resolver is registered before Hydra resolves its run dir."""
+"""Job folders: the name under runs/<name>/, as the Hydra resolver `job_dirname` that conf/config.yaml's
+hydra.run.dir and hydra.sweep.subdir use (every entry point composing that config, repro.run and repro.exec,
+imports this module, so the resolver is registered before Hydra resolves its run dir); a single run's config check
+before Hydra creates its folder (check_run_config, for the Hydra callbacks); and the removal of a folder a refused
+job left holding only Hydra's own files (remove_failed_job_dir)."""
 
 from __future__ import annotations
 
 import hashlib
+import shutil
+import sys
 from pathlib import Path
 
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from repro.errors import ReproError
 
 
 def trace_label(path: str) -> str:
@@ -41,3 +48,36 @@ def job_dirname(override_dirname: str, trace: str | None, profile_trace: str | N
 
 
 OmegaConf.register_new_resolver("job_dirname", job_dirname, replace=True)
+
+
+# ---- job folders of refused or failed jobs (every Hydra entry point: run, tune, exec, count_job) ------------------
+
+
+def check_run_config(config, check) -> None:
+    """check(task) on a single run's resolved task config (no `hydra` node), before Hydra creates the run's folder;
+    a refusal is one `error:` line and exit code 2 (a refused config left a job folder of Hydra's files behind)."""
+    task = OmegaConf.to_container(config, resolve=False)
+    task.pop("hydra", None)
+    try:
+        task = OmegaConf.to_container(OmegaConf.create(task), resolve=True)
+    except OmegaConfBaseException:
+        return  # an interpolation that does not resolve here: the job reports it itself
+    try:
+        check(task)
+    except ReproError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def remove_failed_job_dir(out_dir: Path) -> None:
+    """Remove the folder of a job that failed before writing anything: only Hydra's .hydra/ and its empty
+    <job name>.log (run.log, tune.log, __main__.log, ...) are in it (a failed job left such folders behind). A folder
+    with results or a non-empty log is kept."""
+    try:
+        hydra_only = all(p.name == ".hydra" or (p.suffix == ".log" and p.is_file() and p.stat().st_size == 0)
+                         for p in out_dir.iterdir())
+        if hydra_only:
+            shutil.rmtree(out_dir, ignore_errors=True)
+    except OSError:
+        pass  # nothing to tidy, or not ours to tidy
+

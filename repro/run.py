@@ -36,7 +36,10 @@ from omegaconf import DictConfig, OmegaConf
 from repro.atomic import atomic_dir, atomic_write, process_alive
 from repro.config_schema import check_config, multirun_argv
 from repro.errors import ConfigError, ReproError
-from repro.jobdir import job_dirname  # noqa: F401  registers the resolver conf/config.yaml names its run dirs with
+from repro.jobdir import (
+    job_dirname,  # noqa: F401  registers the resolver conf/config.yaml names its run dirs with
+    remove_failed_job_dir,  # tune, exec and count_job take it from repro.jobdir
+)
 from repro.parallel import ParallelConfig
 from repro.traces import RoutingTrace, Split, read_trace, select_requests, split_indices, trace_digest, write_trace
 from repro.tracking import JobRun
@@ -390,12 +393,79 @@ def fit_and_evaluate(config: dict, profile: RoutingTrace, evaluation: RoutingTra
     return summary, result, plan
 
 
-def run_job(cfg: DictConfig, out_dir: Path) -> dict | None:
+def run_job(cfg: DictConfig, out_dir: Path, replace_other: bool = False) -> dict | None:
+    """One job into out_dir. replace_other=True lets it replace another config's finished results there (in code
+    only: the command line refuses, see job_claim)."""
     config = OmegaConf.to_container(cfg, resolve=True)
     make_job(config)  # config errors before any (slow) routing
-    # the W&B run starts with the job, before routing and training, and is marked failed if the job raises
-    with JobRun(config, out_dir) as tracking:
-        return tracked_job(config, out_dir, tracking)
+    with job_claim(out_dir, config, replace_other):  # one job folder, one config
+        # the W&B run starts with the job, before routing and training, and is marked failed if the job raises
+        with JobRun(config, out_dir) as tracking:
+            return tracked_job(config, out_dir, tracking)
+
+
+CLAIM = ".job-claim.json"  # the run working in a job folder: host, pid, config key (hidden: figures never read it)
+
+
+def first_difference(a, b, path: str = "") -> str:
+    """The dotted path of the first key whose value differs between two JSON-like configs ("" when equal)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in sorted(set(a) | set(b), key=str):
+            found = first_difference(a.get(key), b.get(key), f"{path}.{key}" if path else str(key))
+            if found:
+                return found
+        return ""
+    return "" if a == b else (path or "the config")
+
+
+@contextmanager
+def job_claim(out_dir: Path, config: dict, replace_other: bool = False) -> Iterator[None]:
+    """Hold out_dir for this config while the job runs. Refused (ConfigError, before any work): a folder holding
+    another config's finished results (a later run silently replaced them), and a folder another live process is
+    running a job in (two concurrent runs both "succeeded", the later one's results replacing the other's). A claim
+    left by a killed run of this host (its process gone) is taken over; the claim is removed when the job ends."""
+    out_dir = Path(out_dir)
+    metrics = out_dir / "metrics.json"
+    try:
+        done = json.loads(metrics.read_text()).get("config") if metrics.exists() else None
+    except (OSError, ValueError, AttributeError):
+        done = None  # unreadable: not a finished result of anyone's (the job replaces it)
+    if done is not None and done != config and not replace_other:
+        raise ConfigError(
+            f"{out_dir} holds the finished results of another config (it differs in {first_difference(done, config)});"
+            " choose another hydra.run.dir, or move that folder away to rerun there."
+        )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    claim, mine = out_dir / CLAIM, {"host": socket.gethostname(), "pid": os.getpid(), "config": config_key(config)}
+    for _ in range(2):  # a second try after removing a dead run's claim
+        try:
+            fd = os.open(claim, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            try:
+                holder = json.loads(claim.read_text())
+            except (OSError, ValueError):
+                holder = {}
+            if holder.get("host") == mine["host"] and isinstance(holder.get("pid"), int) and not process_alive(holder["pid"]):
+                claim.unlink(missing_ok=True)
+                continue
+            raise ConfigError(
+                f"{out_dir} is in use by another run (pid {holder.get('pid', '?')} on {holder.get('host', '?')}); "
+                "wait for it to finish, or choose another hydra.run.dir."
+            ) from None
+        with os.fdopen(fd, "w") as f:
+            json.dump(mine, f)
+        break
+    else:
+        raise ConfigError(f"{out_dir} was claimed by another run meanwhile; choose another hydra.run.dir.")
+    try:
+        yield
+    finally:
+        try:
+            still_mine = json.loads(claim.read_text()).get("pid") == mine["pid"]
+        except (OSError, ValueError, AttributeError):
+            still_mine = False
+        if still_mine:  # never another run's claim (one that took over ours, wrongly thinking us dead)
+            claim.unlink(missing_ok=True)
 
 
 def tracked_job(config: dict, out_dir: Path, tracking: JobRun) -> dict | None:
@@ -513,18 +583,10 @@ def _json_default(x):
     raise TypeError(f"not JSON serialisable: {type(x)}")
 
 
-HYDRA_ONLY = {".hydra", "run.log"}  # what Hydra itself puts in a job folder before the job runs
-
-
-def remove_failed_job_dir(out_dir: Path) -> None:
-    """Remove the folder of a job that failed before writing anything: only Hydra's .hydra/ and an empty run.log
-    are in it (a failed job left such folders behind). A folder with results or a non-empty log is kept."""
-    try:
-        entries = {p.name for p in out_dir.iterdir()}
-        if entries <= HYDRA_ONLY and (not (out_dir / "run.log").exists() or (out_dir / "run.log").stat().st_size == 0):
-            shutil.rmtree(out_dir, ignore_errors=True)
-    except OSError:
-        pass  # nothing to tidy, or not ours to tidy
+def log_failure(job: str) -> None:
+    """Write the exception being handled, with its traceback, into the job's log (a job that crashed after it started
+    left an empty log; the traceback went to the terminal only)."""
+    logging.getLogger(job).exception("%s failed", job)
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
@@ -536,6 +598,9 @@ def main(cfg: DictConfig) -> None:
         print(f"error: {e}", file=sys.stderr)
         remove_failed_job_dir(out_dir)
         raise SystemExit(2) from None
+    except Exception:
+        log_failure("repro.run")
+        raise
 
 
 if __name__ == "__main__":

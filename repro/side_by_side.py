@@ -27,23 +27,44 @@ import sys
 import time
 from pathlib import Path
 
+from repro import cli
+
 POLL_S = 0.2  # how often the two streams are checked (only latency: no result depends on it)
 STOP_GRACE_S = 30.0  # SIGTERM, then SIGKILL if a stream's process group is still there after this long
 TAIL_LINES = 40
 
 
 def stop(process: subprocess.Popen) -> None:
-    """SIGTERM the process group of `process` (its leader), SIGKILL it if it outlives the grace period."""
-    if process.poll() is not None:
-        return
+    """SIGTERM the process group `process` leads, SIGKILL what is left of it after the grace period. The group is
+    signalled even when its leader has exited already: a SIGKILLed guard left its stream running in the group (an
+    orphan under init)."""
     try:
         os.killpg(process.pid, signal.SIGTERM)
-        process.wait(timeout=STOP_GRACE_S)
-    except subprocess.TimeoutExpired:
+    except ProcessLookupError:  # nobody left in the group
+        process.poll()
+        return
+    deadline = time.monotonic() + STOP_GRACE_S
+    while time.monotonic() < deadline:
+        process.poll()  # reap the leader: a zombie would still count as a member of the group
+        if not group_alive(process.pid):
+            return
+        time.sleep(POLL_S)
+    try:
         os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
     except ProcessLookupError:
         pass
+    process.wait()
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of group `pgid` still runs."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a member we may not signal: still there
+        return True
+    return True
 
 
 def guard(parent: int, command: str) -> int:
@@ -105,11 +126,12 @@ def run(background: str, foreground: str, log: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m repro.side_by_side", description=__doc__.split("\n\n")[0])
+    parser = cli.ArgumentParser(prog="python -m repro.side_by_side", description=__doc__.split("\n\n")[0])
     parser.add_argument("--background", help="shell command line run with its output in --log")
     parser.add_argument("--foreground", help="shell command line run with its output here")
     parser.add_argument("--log", type=Path, help="file the background command's output goes to")
-    parser.add_argument("--guard", type=int, help=argparse.SUPPRESS)  # internal: a stream's guard (module docstring)
+    # internal: a stream's guard (module docstring)
+    parser.add_argument("--guard", type=cli.positive, help=argparse.SUPPRESS)
     parser.add_argument("--command", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.guard is not None:

@@ -36,7 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 from repro.atomic import atomic_write
 from repro.config_schema import check_config
 from repro.errors import ConfigError, ReproError
-from repro.run import build_traces, fit_and_evaluate, make_job, remove_failed_job_dir
+from repro.run import build_traces, fit_and_evaluate, log_failure, make_job, remove_failed_job_dir
 from repro.tune_config import REPORTED, SERVING_OBJECTIVES
 
 log = logging.getLogger("repro.tune")
@@ -172,6 +172,9 @@ def main(cfg: DictConfig) -> None:
         print(f"error: {e}", file=sys.stderr)
         remove_failed_job_dir(Path(HydraConfig.get().runtime.output_dir))
         raise SystemExit(2) from None
+    except Exception:
+        log_failure("repro.tune")
+        raise
 
 
 if __name__ == "__main__":

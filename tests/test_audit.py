@@ -4,7 +4,11 @@ runs; a few cases end to end through `python -m repro.run` / `repro.tune` (exit 
 written). The last section holds issue 28's cases (a 299-case audit's remaining ones): spoiled traces, sweeps over
 systems with a system-specific key, partial merge and shards combine outputs, the router's malformed clients, NaN
 in metrics.json, unwritable or file --out, deep JSONL, orphaned streams, leftovers of killed or failed jobs, a
-degenerate trace, and byte-identical metrics.json across two runs.
+degenerate trace, and byte-identical metrics.json across two runs. The section after it holds issue 35's (a
+76-case audit's, and what the entry-point fuzzer of tests/test_entry_points.py found): outputs replaced without
+--overwrite or over an input, partial counts checked by the digest of every byte they counted, hostile JSONL,
+tracebacks of trust / validation / cpu_check / hf_export, workload keys a trace= job ignored, one config per job
+folder, refused configs leaving folders, process trees outliving a SIGKILL, and a killed writer's temporaries.
 
 The audit's other rows live beside the code they test:
 - data loss: importer --out, concurrent trace writers and readers, SIGTERM temp files, bad weights and meta.json
@@ -57,10 +61,16 @@ BAD_VALUES = [
     # issue 28: a trace's requests are already cut: input_len was ignored without a word
     ("config", ["trace=/x", "workload.input_len=256"], "workload.input_len=256 cannot apply to trace=/x"),
     ("config", ["history=-1"], "history must be an integer >= 0, got -1."),
+    # issue 35: a count beyond int64 passed the check and overflowed inside the simulator (a job folder was left)
+    ("config", ["sim=default", "sim.seeds=100000000000000000000000"],
+     "sim.seeds must be an integer >= 1, got 100000000000000000000000, beyond the largest 64-bit integer"),
+    ("config", ["sim=default", "sim.seeds=1e23"], "sim.seeds must be an integer >= 1, got 1e+23."),
+    ("config", ["workload.num_requests=100000000000000000000000"], "beyond the largest 64-bit integer"),
     ("config", ["hardware.nodes=abc"], "hardware.nodes must be an integer >= 1, got 'abc'"),
     ("config", ["hardware.gpu.hbm_gbps=-1"], "gpu.hbm_gbps must be a positive number"),
     ("config", ["+exec=default", "exec.timeout_s=-1"], "exec.timeout_s must be a number > 0, got -1"),
     ("config", ["+exec=default", "exec.max_tokens=abc"], "exec.max_tokens must be an integer >= 1"),
+    ("config", ["+exec=default", "exec.kernel_backend=cuda"], "exec kernel backend must be one of ('auto', 'triton'"),
     ("config", ["+workload.x=1"], "workload has no key(s) ['x']"),
     ("config", ["workload.num_requests=abc"], "workload.num_requests must be an integer >= 1 or null"),
     ("config", ["+nosuchkey=1"], "the config has no key(s) ['nosuchkey']"),
@@ -270,8 +280,8 @@ def test_partial_merge_never_replaces_an_existing_file(counted):
     tmp_path, trace = counted
     csv = tmp_path / "routing.csv"
     csv.write_text("request,position,layer,expert\n")
-    for out, extra, fragment in ((csv, [], "must end in .npz"), (csv, ["--overwrite"], "must end in .npz"),
-                                 (tmp_path / "p0.npz", ["--overwrite"], "is one of the partial tables"),
+    for out, extra, fragment in ((csv, [], "ending in .npz"), (csv, ["--overwrite"], "ending in .npz"),
+                                 (tmp_path / "p0.npz", ["--overwrite"], "is one of this command's inputs"),
                                  (tmp_path / "foreign.npz", [], "exists; pass --overwrite")):
         before = out.read_bytes()
         res = run_cli("repro.affinity.partial", "merge", "--trace", trace, "--out", out, *extra, tmp_path / "p0.npz",
@@ -397,9 +407,11 @@ def test_engine_export_to_an_unwritable_place_is_one_sentence(tmp_path, capsys):
     job, _ = toy_job(tmp_path)
     blocker = tmp_path / "a_file"
     blocker.write_text("")
-    assert sglang.main(["export", str(job), "--out", str(blocker / "location.json")]) == 2  # root ignores chmod
+    with pytest.raises(SystemExit) as stop:  # refused while parsing, before the plan is read (root ignores chmod)
+        sglang.main(["export", str(job), "--out", str(blocker / "location.json")])
+    assert stop.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: cannot write --out") and "\n" not in err
+    assert err.startswith("error: --out") and "lies under the file" in err and "\n" not in err
 
 
 @pytest.mark.parametrize("depth", [10_000, 100_000])
@@ -531,3 +543,456 @@ def test_json_depth_counts_brackets_outside_strings_only(tmp_path):
     path.write_text((flat + "\n") * 2 + '{"a": ' + "[" * 40 + "]" * 40 + "}\n")
     with pytest.raises(TraceError, match=r"more than 32 levels deep \(line 3\)"):
         check_json_depth(path)
+
+
+# ---- issue 35: the second audit's cases ------------------------------------------------------------------------
+
+
+def test_partial_count_never_replaces_an_existing_table_without_overwrite(counted):
+    """`count --out X.npz` replaced any existing .npz and had no --overwrite."""
+    tmp_path, trace = counted
+    before = (tmp_path / "foreign.npz").read_bytes()
+    res = run_cli("repro.affinity.partial", "count", "--trace", trace, "--shard", 0, "--out", tmp_path / "foreign.npz",
+                  cwd=tmp_path)
+    assert res.returncode == 2
+    assert_clean_refusal(res, "exists; pass --overwrite")
+    assert (tmp_path / "foreign.npz").read_bytes() == before
+    res = run_cli("repro.affinity.partial", "count", "--trace", trace, "--shard", 0, "--out", tmp_path / "foreign.npz",
+                  "--overwrite", cwd=tmp_path)
+    assert res.returncode == 0 and (tmp_path / "foreign.npz").read_bytes() != before
+
+
+def test_partial_merge_refuses_a_part_of_a_capture_differing_in_one_token_past_the_old_sample(tmp_path):
+    """Identity was a sample (256 blocks of 4 KiB): a capture differing in one request passed once experts.npy
+    exceeded 1 MiB. The part now carries the digest of every byte it counted."""
+    import shutil
+
+    import numpy as np
+
+    from repro.affinity.partial import count_shard, merge_tables
+    from repro.traces import TraceMeta, make_trace, write_trace
+
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(200, 400, 1200)  # ~360k tokens x 2 layers x 2 experts x 2 bytes: > 1 MiB of routing
+    tokens = rng.integers(0, 50, int(lengths.sum()))
+    experts = rng.integers(0, 16, (len(tokens), 2, 2)).astype(np.int16)
+    experts[:, :, 1] = (experts[:, :, 0] + 1) % 16
+    meta = TraceMeta(model="imported", num_experts=16, top_k=2, layer_ids=(3, 4), vocab_size=50, dataset="x")
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    trace = write_trace(make_trace(meta, offsets, tokens, experts), tmp_path / "trace")
+    assert (trace / "experts.npy").stat().st_size > 256 * 4096
+    other = tmp_path / "other"
+    shutil.copytree(trace, other)
+    changed = experts.copy()
+    changed[offsets[500] + 7, 1] = (changed[offsets[500] + 7, 1] + 2) % 16  # one token of one request
+    write_trace(make_trace(meta, offsets, tokens, changed), other, if_exists="replace")
+    count_shard(other, 0, tmp_path / "foreign.npz")
+    with pytest.raises(TraceError, match=r"counted on another trace .* \(the routing of shard 0 differs"):
+        merge_tables(trace, [tmp_path / "foreign.npz"])
+    count_shard(trace, 0, tmp_path / "own.npz")
+    merge_tables(trace, [tmp_path / "own.npz"])  # its own part merges
+
+
+@pytest.mark.parametrize("field, value, fragment", [
+    ("expert", 99, "holds expert 99, outside 0..15"),
+    ("count", -3, "holds a count of -3"),
+    ("layer", 2, "holds layer 2, outside 0..1"),
+])
+def test_partial_merge_refuses_a_cell_that_cannot_come_from_the_trace(counted, field, value, fragment):
+    import numpy as np
+
+    from repro.affinity.partial import FIELDS, load_table, merge_tables
+
+    tmp_path, trace = counted
+    table = load_table(tmp_path / "p0.npz")
+    table[field] = table[field].copy()
+    table[field][0] = value
+    with open(tmp_path / "edited.npz", "wb") as f:
+        np.savez(f, **{name: table[name] for name in FIELDS})
+    with pytest.raises(TraceError, match=fragment):
+        merge_tables(trace, [tmp_path / "edited.npz"])
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_engine_export_never_replaces_an_existing_file_or_its_own_model_config(tmp_path, capsys, engine):
+    """`export --out` replaced an existing file, even the --model-config it had just read."""
+    import importlib
+
+    from test_engines_sglang import toy_job
+
+    module = importlib.import_module(f"repro.engines.{engine}")
+    job, _ = toy_job(tmp_path)
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"num_hidden_layers": 4, "n_routed_experts": 8, "first_k_dense_replace": 1}))
+    existing = tmp_path / "placement.json"
+    existing.write_text("keep me")
+    for out, extra, fragment in ((config, ["--overwrite"], "is one of this command's inputs"),
+                                 (existing, [], "exists; pass --overwrite")):
+        with pytest.raises(SystemExit) as stop:
+            module.main(["export", str(job), "--out", str(out), "--model-config", str(config), *extra])
+        assert stop.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: --out") and fragment in err and "\n" not in err
+    assert existing.read_text() == "keep me" and json.loads(config.read_text())["num_hidden_layers"] == 4
+    assert module.main(["export", str(job), "--out", str(existing), "--model-config", str(config), "--overwrite"]) == 0
+    assert existing.read_text() != "keep me"
+
+
+def _validation_row(**changes) -> dict:
+    row = {"id": "r", "kind": "nccl_alltoall", "profile": "h100", "ranks": 8, "size_bytes": 1024, "measured": 15,
+           "unit": "us", "in_sample": True, "source": "s", "setting": "x"}
+    return {**row, **changes}
+
+
+@pytest.mark.parametrize("changes, fragment", [
+    ({"measured": float("nan")}, "measured must be a finite positive number, got nan"),
+    ({"size_bytes": -1024}, "size_bytes must be a finite positive number, got -1024"),
+    ({"ranks": 0}, "ranks must be a positive integer, got 0"),
+    ({"profile": "h999"}, "profile 'h999' is not one of conf/hardware/*.yaml"),
+])
+def test_validation_refuses_a_row_it_cannot_price_in_one_line(tmp_path, capsys, changes, fragment):
+    """A row with `measured: .nan` or a negative size was priced; a refused table was printed as a traceback."""
+    import yaml
+
+    from repro.sim import validation
+
+    table = tmp_path / "table.yaml"
+    table.write_text(yaml.safe_dump({"rows": [_validation_row(**changes)]}))
+    assert validation.main(["--table", str(table)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and fragment in err and "\n" not in err
+    table.write_text(yaml.safe_dump({"rows": [_validation_row()]}))  # positive control: the same row, unspoiled
+    assert validation.main(["--table", str(table)]) == 0
+
+
+def test_trust_refuses_a_missing_or_empty_exec_file_and_a_file_as_out(tmp_path, capsys):
+    """A mistyped --exec, or a JSON without `results`, dropped the executor band and exited 0; a non-JSON --exec and
+    an existing file as --out were tracebacks."""
+    from repro.sim import trust
+
+    no_results, not_json, a_file = tmp_path / "empty.json", tmp_path / "junk.json", tmp_path / "a_file"
+    no_results.write_text(json.dumps({"name": "cost_model"}))
+    not_json.write_text("{not json")
+    a_file.write_text("keep me")
+    for argv, fragment in ((["--exec", str(tmp_path / "typo.json")], "must be an existing file"),
+                           (["--exec", str(a_file), "--out", str(a_file)], "is one of this command's inputs"),
+                           (["--out", str(a_file)], "is a file; name a folder")):
+        with pytest.raises(SystemExit) as stop:
+            trust.main([*argv, "--out", str(tmp_path / "out")] if "--out" not in argv else argv)
+        assert stop.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and fragment in err and "\n" not in err, err
+    for path, fragment in ((no_results, "holds no bench.bench_cost_model `results`"),
+                           (not_json, "is not a readable bench.bench_cost_model result")):
+        with pytest.raises(ConfigError, match=fragment):
+            trust.exec_errors(path, required=True)
+    assert a_file.read_text() == "keep me" and not (tmp_path / "out").exists()
+
+
+def test_cpu_check_refuses_a_file_as_out_before_calibrating(tmp_path, capsys, monkeypatch):
+    """`bench.cpu_check --out <a file>` ran the whole calibration, wrote its profiles, then failed with a traceback."""
+    from bench import cpu_check
+
+    def no_calibration(*args, **kwargs):
+        raise AssertionError("the calibration started")
+
+    monkeypatch.setattr(cpu_check, "calibrate", no_calibration)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("keep me")
+    code = cpu_check.main(["--out", str(a_file), "--hardware-dir", str(tmp_path / "hw"),
+                           "--measured-dir", str(tmp_path / "hw" / "measured"), "--quick"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith("error: --out") and "lies under the file" in err and "\n" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"] and a_file.read_text() == "keep me"
+
+
+def test_hf_export_refuses_an_out_it_cannot_write_before_loading_anything(tmp_path):
+    """`hf_export --out` somewhere unwritable was a traceback."""
+    trace = synthetic_trace_dir(tmp_path / "trace")
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    res = run_cli("repro.engines.hf_export", "--trace", trace, "--out", a_file / "ckpt", cwd=tmp_path)
+    assert res.returncode == 2
+    assert_clean_refusal(res, "lies under the file")
+
+
+@pytest.mark.parametrize("case", ["escaped backslash before a closing quote", "gzip-compressed"])
+def test_import_refuses_deep_nesting_hidden_by_an_escape_or_compression(tmp_path, case):
+    """`"r1\\\\"` (a string ending in an escaped backslash) hid the nesting after it from the depth check, and 10,000
+    levels then segfaulted the importer (leaving a hidden temp folder); a .gz file skipped the check entirely."""
+    import gzip
+
+    deep = "[" * 10_000 + "]" * 10_000
+    row = '{"request_id": "r1\\\\", "position": 0, "layer": 0, "token": 5, "experts": ' + deep + "}"
+    text = json.dumps({"request_id": "r0", "position": 0, "layer": 0, "token": 5, "experts": [1, 2]}) + "\n" + row + "\n"
+    if case == "gzip-compressed":
+        table = tmp_path / "routing.jsonl.gz"
+        table.write_bytes(gzip.compress(text.replace('"r1\\\\"', '"r1"').encode()))
+        extra = ["--format", "jsonl"]
+    else:
+        table = tmp_path / "routing.jsonl"
+        table.write_text(text)
+        extra = []
+    res = run_cli("repro.traces.import", table, "--out", tmp_path / "trace", *extra, cwd=tmp_path)
+    assert_clean_refusal(res, "nests a value more than 32 levels deep (line 2)")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [table.name]
+
+
+def test_json_depth_reads_escapes_by_the_parity_of_their_backslashes(tmp_path):
+    from repro.traces.tabular import check_json_depth
+
+    path = tmp_path / "t.jsonl"
+    for string, deep_is_in_a_string in (('"a\\\\"', False), ('"a\\\\\\"', True), ('"a\\\\\\\\"', False)):
+        # "a\\" ends its string; "a\\\" does not (the third backslash escapes the quote); "a\\\\" ends it again
+        path.write_text('{"x": ' + string + ', "y": ' + "[" * 40 + "]" * 40 + "}\n")
+        if deep_is_in_a_string:
+            check_json_depth(path)
+        else:
+            with pytest.raises(TraceError, match="more than 32 levels deep"):
+                check_json_depth(path)
+    # a malformed line (an unclosed string) does not hide the next line's nesting
+    path.write_text('{"x": "unclosed}\n{"y": ' + "[" * 40 + "]" * 40 + "}\n")
+    with pytest.raises(TraceError, match=r"\(line 2\)"):
+        check_json_depth(path)
+
+
+@pytest.mark.parametrize("module, overrides", [
+    ("repro.run", ["+no_such_key=1", "logger=none"]),
+    ("repro.tune", ["+tune.constraints.nope=1", "logger=none"]),
+    ("repro.exec", ["parallel.devices=0", "logger=none"]),
+    ("repro.affinity.count_job", ["trace=/x", "shard=-1"]),
+    ("repro.affinity.count_job", ["trace=/x", "+no_such_key=1"]),  # an unknown key was ignored
+])
+def test_a_refused_config_leaves_no_folder_at_all(tmp_path, module, overrides):
+    """repro.tune and the count job kept the job folder of a refused config (and repro.run its empty parents): the
+    config is now checked before Hydra creates anything."""
+    env = dict(os.environ, WANDB_MODE="disabled", REPRO_CACHE=str(tmp_path / "cache"), PYTHONPATH=str(ROOT))
+    res = subprocess.run([sys.executable, "-m", module, *overrides], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert_one_error_line(res, "")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_job_that_crashes_after_it_started_says_why_in_its_log(tmp_path):
+    """A job that failed after it started left run.log at 0 bytes: the Hydra apps' mains now log any failure that is
+    not a refused input (those remove the folder) with its traceback, through Hydra's file handler on the root."""
+    import logging
+
+    from repro.run import log_failure
+
+    handler = logging.FileHandler(tmp_path / "run.log")
+    logging.getLogger().addHandler(handler)
+    try:
+        try:
+            raise RuntimeError("the executor lost rank 3")
+        except RuntimeError:
+            log_failure("repro.run")
+    finally:
+        logging.getLogger().removeHandler(handler)
+        handler.close()
+    text = (tmp_path / "run.log").read_text()
+    assert "repro.run failed" in text and "RuntimeError: the executor lost rank 3" in text and "Traceback" in text
+
+
+@pytest.mark.parametrize("override", ["workload.num_requests=50", "workload.max_prompt_len=64", "workload=arena_hard",
+                                      "++workload.label_field=subject"])
+def test_a_trace_job_refuses_every_workload_setting_of_the_command_line(override):
+    """With trace=, workload.num_requests, workload.max_prompt_len and workload=arena_hard were ignored without a
+    word (issue 35 item 4; the rule behind input_len)."""
+    overrides = ["trace=/x", override]
+    with pytest.raises(ConfigError) as error:
+        check_config(composed(*overrides), overrides=overrides)
+    key = override.lstrip("+").split("=")[0]
+    assert f"{override.lstrip('+')} cannot apply to trace=/x" in str(error.value) and key in str(error.value)
+    check_config(composed(override), overrides=[override])  # the same setting routes a workload: it applies
+
+
+@pytest.mark.parametrize("overrides", [["experiment=exec", "trace=/x"],
+                                       ["experiment=paper_table2", "trace=/x", "workload.input_len=null"]])
+def test_an_experiments_own_workload_settings_pass_with_trace(overrides):
+    """Positive control: exec sets workload.num_requests for the workload it routes; trace= replaces that workload
+    (the experiments' sweeps run on traces so), and only the user's own workload settings are refused; dropping a
+    setting (=null, as the input_len refusal asks) is not one."""
+    check_config(composed(*overrides), overrides=overrides)
+
+
+def test_run_refuses_a_workload_setting_with_trace_before_creating_anything(tmp_path):
+    trace = synthetic_trace_dir(tmp_path / "trace")
+    res = run_module("repro.run", f"trace={trace}", "workload.num_requests=50", f"hydra.run.dir={tmp_path / 'job'}",
+                     cwd=tmp_path)
+    assert_one_error_line(res, "workload.num_requests=50 cannot apply to trace=")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["trace"]
+
+
+def test_a_second_config_into_a_finished_job_folder_is_refused(tmp_path):
+    """Two different configs with the same hydra.run.dir both exited 0, the later replacing the other's results."""
+    trace = synthetic_trace_dir(tmp_path / "trace")
+    job = tmp_path / "job"
+    res = run_module("repro.run", f"trace={trace}", "system=ep", "parallel.devices=2", f"hydra.run.dir={job}", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    before = (job / "metrics.json").read_bytes()
+    res = run_module("repro.run", f"trace={trace}", "system=eplb", "parallel.devices=2", f"hydra.run.dir={job}", cwd=tmp_path)
+    assert_one_error_line(res, "holds the finished results of another config (it differs in system.name)")
+    assert (job / "metrics.json").read_bytes() == before and not (job / ".job-claim.json").exists()
+    res = run_module("repro.run", f"trace={trace}", "system=ep", "parallel.devices=2", f"hydra.run.dir={job}", cwd=tmp_path)
+    assert res.returncode == 0 and "already finished" in res.stdout + res.stderr  # the same config resumes
+
+
+def test_a_job_folder_in_use_by_a_live_run_is_refused_and_a_dead_runs_claim_is_taken_over(tmp_path):
+    """Concurrent runs into one folder could both "succeed"; the second is now refused while the first holds it."""
+    from repro.run import CLAIM, job_claim
+
+    job, config = tmp_path / "job", {"system": {"name": "ep"}}
+    with job_claim(job, config):
+        with pytest.raises(ConfigError, match=r"is in use by another run \(pid \d+"):
+            # a second process is simulated by a claim of another live pid (our parent's)
+            (job / CLAIM).write_text(json.dumps({"host": __import__("socket").gethostname(), "pid": os.getppid()}))
+            with job_claim(job, {"system": {"name": "eplb"}}):
+                pass
+    assert json.loads((job / CLAIM).read_text())["pid"] == os.getppid()  # the first run leaves the other's claim
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (job / CLAIM).write_text(json.dumps({"host": __import__("socket").gethostname(), "pid": int(dead.stdout)}))
+    with job_claim(job, config):  # its process is gone: the claim is taken over
+        assert json.loads((job / CLAIM).read_text())["pid"] == os.getpid()
+    assert not (job / CLAIM).exists()
+
+
+def test_diff_lists_a_job_unreadable_in_b_as_unreadable_not_as_only_in_a(tmp_path, capsys):
+    """figures.diff listed a job whose metric is NaN in B as "only in A", as if B had never run it."""
+    from test_figures_robust import write_job
+
+    from repro.figures.diff import main as diff_main
+
+    for side in ("a", "b"):
+        write_job(tmp_path / side, "paper_dp", "ep", lar=0.5)
+        job = write_job(tmp_path / side, "paper_dp", "semmoe", lar=0.7)
+        if side == "b":
+            (job / "metrics.json").write_text((job / "metrics.json").read_text().replace("0.7", "NaN"))
+    write_job(tmp_path / "a", "paper_dp", "eplb", lar=0.6)  # really only in A
+    assert diff_main([str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "out")]) == 0
+    printed = capsys.readouterr().out
+    assert "unreadable in B (1):" in printed and "only in A (1):" in printed
+    unreadable = printed.split("unreadable in B (1):")[1]
+    assert "semmoe" in unreadable.splitlines()[1] and "eplb" in printed.split("only in A (1):")[1].splitlines()[1]
+    assert "## Jobs unreadable in B (1)" in (tmp_path / "out" / "diff.md").read_text()
+
+
+@pytest.mark.parametrize("victim", ["guard", "stream shell"])
+def test_sigkill_of_one_stream_process_ends_both_streams(tmp_path, victim):
+    """SIGKILL of one side_by_side guard left that guard's stream running under init; SIGKILL of a stream's shell
+    left its children. side_by_side now stops a stream's whole process group even when its leader is gone."""
+    import signal
+    import time
+
+    from test_side_by_side import alive
+
+    pids = {name: tmp_path / f"{name}.pid" for name in ("bg", "fg")}
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "repro.side_by_side", "--log", str(tmp_path / "bg.log"),
+         "--background", f"sleep 60 & echo $! > {pids['bg']}; wait", "--foreground", f"sleep 60 & echo $! > {pids['fg']}; wait"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.perf_counter() + 20
+    while not all(p.exists() and p.read_text().strip() for p in pids.values()) and time.perf_counter() < deadline:
+        time.sleep(0.05)
+    sleepers = [int(p.read_text()) for p in pids.values()]
+    guard = os.getpgid(sleepers[1])  # the foreground guard leads its stream's group
+    shell = int(subprocess.run(["ps", "-o", "ppid=", "-p", str(sleepers[1])], capture_output=True, text=True).stdout)
+    os.kill(guard if victim == "guard" else shell, signal.SIGKILL)
+    assert driver.wait(timeout=40) != 0
+    deadline = time.perf_counter() + 10
+    while any(alive(pid) for pid in sleepers) and time.perf_counter() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(pid) for pid in sleepers)
+
+
+SERVE_WITH_FAKE_ENGINE = """
+import sys
+from repro.engines import bench_serving as b
+pids = sys.argv[1]
+sleeper = ["sh", "-c", f"echo $$ >> {pids}; exec sleep 60"]
+b.serve_commands = lambda args: (sleeper, {}, sleeper)  # an engine and a router that only sleep
+b._wait_healthy = lambda *args: None
+sys.exit(b.main(["serve", "--plan", "x", "--model-path", "m"]))
+"""
+
+
+@pytest.mark.parametrize("victim", ["serve", "engine"])
+def test_sigkill_in_bench_serving_serve_ends_the_whole_tree(tmp_path, victim):
+    """SIGKILL of `bench_serving serve` left the engine and the router running under init; a killed engine left the
+    router running. The children die with serve (PR_SET_PDEATHSIG), and serve stops the router when the engine dies."""
+    import signal
+    import time
+
+    from test_side_by_side import alive
+
+    pids = tmp_path / "pids"
+    serve = subprocess.Popen([sys.executable, "-c", SERVE_WITH_FAKE_ENGINE, str(pids)], cwd=ROOT,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.perf_counter() + 30
+    while (not pids.exists() or len(pids.read_text().split()) < 2) and time.perf_counter() < deadline:
+        time.sleep(0.05)
+    engine, router = (int(p) for p in pids.read_text().split())
+    os.kill(serve.pid if victim == "serve" else engine, signal.SIGKILL)
+    status = serve.wait(timeout=60)
+    if victim == "engine":
+        assert status == 1 and "error: the engine exited with status -9" in serve.stderr.read()
+    deadline = time.perf_counter() + 10
+    while (alive(engine) or alive(router)) and time.perf_counter() < deadline:
+        time.sleep(0.05)
+    assert not alive(engine) and not alive(router)
+
+
+def test_a_killed_writers_temporary_is_removed_by_the_next_write_into_its_folder(tmp_path):
+    """A killed import's hidden temp folder was removed only by a later import to the same --out; any write into
+    that folder now removes it (a live writer's temporary is kept)."""
+    import socket
+
+    from repro.atomic import atomic_write_text
+
+    host = socket.gethostname()
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout)
+    killed = tmp_path / f".trace.{host}-{dead}-abc123"
+    killed.mkdir()
+    (killed / "experts.npy").write_bytes(b"x")
+    live = tmp_path / f".other.{host}-{os.getpid()}-def456"
+    live.write_text("in progress")
+    atomic_write_text(tmp_path / "unrelated.json", "{}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [live.name, "unrelated.json"]
+
+
+def test_capture_never_replaces_an_existing_trace_without_overwrite(tmp_path, capsys):
+    """`repro.engines.capture --out` replaced an existing (expensively captured) trace without a word."""
+    from repro.engines import capture
+
+    trace = synthetic_trace_dir(tmp_path / "trace")
+    before = (trace / "experts.npy").read_bytes()
+    code = capture.main(["recorder", str(tmp_path / "dump.pt"), "--shape", "deepseek_v2_lite", "--out", str(trace)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "already holds a routing trace; pass --overwrite" in err and "\n" not in err
+    assert (trace / "experts.npy").read_bytes() == before
+
+
+def test_a_real_serving_sweep_never_replaces_an_earlier_one_without_overwrite(tmp_path, capsys):
+    """`bench_serving sweep --out` replaced an earlier sweep's results (a real engine's measurements) silently."""
+    from repro.engines import bench_serving
+
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "real_per_rate.csv").write_text("rate\n40\n")
+    code = bench_serving.main(["sweep", "--url", "http://127.0.0.1:9", "--rates", "1", "--out", str(out),
+                               "--model", "m", "workload=mmlu"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "real_per_rate.csv exists; pass --overwrite" in err and "\n" not in err
+    assert (out / "real_per_rate.csv").read_text() == "rate\n40\n" and sorted(p.name for p in out.iterdir()) == [
+        "real_per_rate.csv"]
+
+
+def test_a_sweep_on_a_trace_refuses_a_workload_setting_of_the_command_line(tmp_path):
+    """A workload value swept on the command line is the user's and is refused before the first job (an
+    experiment's own sweeper params, e.g. paper_dp's workload=mmlu, are not: test_run's sweeps on traces run them)."""
+    trace = synthetic_trace_dir(tmp_path / "trace")
+    res = run_module("repro.run", "-m", f"trace={trace}", "workload.num_requests=50,100",
+                     f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
+    assert_one_error_line(res, "workload.num_requests=50,100 cannot apply to trace=")
+    assert not (tmp_path / "sweep").exists()

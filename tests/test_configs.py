@@ -97,3 +97,11 @@ def test_config_check_tables_name_the_keys_the_code_reads():
     assert set(SIM) <= SIM_KEYS and set(SIM_SLO) == SLO_KEYS
     assert systems_taking("replicas_per_device") == ["eplb", "semmoe_hottest", "semmoe_replicated"]
     assert systems_taking("theta")[:2] == ["semmoe", "semmoe_exact"]
+
+
+def test_the_torch_free_exec_check_names_the_kernel_backends_and_dtypes_the_executor_has():
+    from repro.exec.config import DTYPE_NAMES, KERNEL_BACKENDS
+    from repro.exec.trace_mode import DTYPES
+    from repro.kernels import BACKENDS
+
+    assert KERNEL_BACKENDS == BACKENDS and sorted(DTYPE_NAMES) == sorted(DTYPES)

@@ -197,7 +197,7 @@ def test_launch_refuses_another_tokenizer_unless_allowed(tmp_path, capsys):
     model_dir = toy_model_dir(tmp_path)
     job, _ = toy_job(tmp_path, model={"kind": "hf", "checkpoint": str(model_dir), "tokenizer": "hf:other/model"})
     out = tmp_path / "loc.json"
-    argv = ["launch", str(job), "--out", str(out), "--model-path", str(model_dir)]
+    argv = ["launch", str(job), "--out", str(out), "--model-path", str(model_dir), "--overwrite"]  # launched 3 times
     assert sglang.main(argv) == 2
     assert "tokenizer 'hf:other/model'" in capsys.readouterr().err and not out.exists()
     assert sglang.main([*argv, "--allow-tokenizer-mismatch"]) == 0

@@ -100,7 +100,8 @@ def test_export_holds_moe_layers_only(tmp_path):
     # a plan covering fewer MoE layers than the model: the others keep vLLM's initial map
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"num_hidden_layers": 6, "n_routed_experts": NUM_EXPERTS, "first_k_dense_replace": 1}))
-    assert vllm_engine.main(["export", str(job), "--out", str(out), "--model-config", str(config), "--layer-ids", "1,3,5"]) == 0
+    assert vllm_engine.main(["export", str(job), "--out", str(out), "--model-config", str(config), "--layer-ids", "1,3,5",
+                             "--overwrite"]) == 0
     rows = np.asarray(json.loads(out.read_text())["physical_to_logical_map"])
     assert rows.shape == (5, NUM_EXPERTS + 4)
     np.testing.assert_array_equal(rows[[0, 2, 4]], placement.physical_to_logical)

@@ -178,9 +178,11 @@ def test_diff_refuses_a_negative_threshold(tmp_path, capsys, threshold):
     write_job(tmp_path / "a", "paper_dp", "ep")
     write_job(tmp_path / "b", "paper_dp", "ep")
     out = tmp_path / "out"
-    assert diff_main([str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(out), "--threshold", threshold]) == 2
+    with pytest.raises(SystemExit) as stop:  # refused while parsing (repro.cli.non_negative)
+        diff_main([str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(out), "--threshold", threshold])
     err = capsys.readouterr().err.strip()
-    assert err.startswith(f"error: the threshold {float(threshold)} is not a number >= 0") and "\n" not in err
+    assert stop.value.code == 2 and "\n" not in err
+    assert err.startswith(f"error: argument --threshold: must be a finite number >= 0, got '{threshold}'")
     assert not out.exists()
     with pytest.raises(ReproError, match="threshold"):
         diff_runs(load_results(tmp_path / "a"), load_results(tmp_path / "b"), threshold=-0.5)

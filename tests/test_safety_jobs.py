@@ -63,7 +63,7 @@ def test_a_kill_at_every_publishing_step_leaves_the_old_job_or_no_finished_job(t
     run_job(old_cfg, tmp_path / "count")  # count the renames of a rerun over an old job, as below
     with monkeypatch.context() as m:
         done = kill_after(m, 10**9)
-        run_job(new_cfg, tmp_path / "count")
+        run_job(new_cfg, tmp_path / "count", replace_other=True)
     renames = len(done)
     # staged, then published (timings.json is written once, beside metrics.json)
     assert renames >= 2 * len({name.split("/")[0] for name in expected_new} - {"timings.json"})
@@ -78,7 +78,7 @@ def test_a_kill_at_every_publishing_step_leaves_the_old_job_or_no_finished_job(t
         with monkeypatch.context() as m:
             kill_after(m, calls)
             try:
-                run_job(new_cfg, old_job)
+                run_job(new_cfg, old_job, replace_other=True)
                 finished = True
             except Killed:
                 finished = False
@@ -94,7 +94,7 @@ def test_a_kill_at_every_publishing_step_leaves_the_old_job_or_no_finished_job(t
             shutil.rmtree(old_job)
             shutil.copytree(tmp_path / "old_copy", old_job)
     assert unfinished > 0  # some kill points fell inside publishing (else this test checked nothing)
-    run_job(new_cfg, old_job)  # the rerun with the changed config completes
+    run_job(new_cfg, old_job, replace_other=True)  # the rerun with the changed config completes
     published = snapshot(old_job)
     assert published.keys() == expected_new.keys() and "sim_per_rate.csv" not in published
     for name in published.keys() - {"timings.json"}:  # wall-clock seconds; metrics.json is the same bytes
@@ -126,7 +126,8 @@ def test_a_hard_kill_mid_publish_leaves_no_finished_job_and_the_rerun_cleans_up(
             return real(src, dst)
         os.replace = replace
         run_job(OmegaConf.create(compose("logger=none", "trace={trace}", "parallel.tokens_per_step=256",
-                                         "cache_dir={tmp_path / 'cache'}", "system=eplb")), Path({str(job)!r}))
+                                         "cache_dir={tmp_path / 'cache'}", "system=eplb")), Path({str(job)!r}),
+                replace_other=True)
     """)
     res = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert res.returncode == 9, res.stderr[-2000:]

@@ -42,7 +42,7 @@ def _write(tmp_path: Path, rows) -> Path:
     ({"kind": "guess"}, "kind must be one of"),
     ({"in_sample": "yes"}, "in_sample must be true or false"),
     ({"unit": "ms"}, "is measured in us"),
-    ({"measured": 0}, "measured must be a positive number"),
+    ({"measured": 0}, "measured must be a finite positive number"),
 ])
 def test_bad_rows_are_one_sentence(tmp_path, change, message):
     row = dict(next(r for r in ROWS if r["kind"] == "nccl_alltoall"), **change)

@@ -1,18 +1,20 @@
 """Partial count tables: profile each shard of a sharded trace in its own job, then merge the tables exactly.
 
-    python -m repro.affinity.partial count --trace T --shard I --out parts/I.npz [--prompt-only]
+    python -m repro.affinity.partial count --trace T --shard I --out parts/I.npz [--prompt-only] [--overwrite]
     python -m repro.affinity.partial merge --trace T --out merged.npz [--overwrite] parts/*.npz
 
 `count` reads shard I of the sharded trace T (repro.traces.shards; a plain trace is one shard, I = 0) in chunks
 and writes its sparse token -> expert counts; `merge` checks that the partials are one per shard of T (each
-stores T's identity and its shard index) and sums them. Counts are integers, so the merged table equals the
-single-process `token_expert_counts(read_trace(T))` exactly, whatever the sharding. Everything is saved and
-loaded with allow_pickle=False and written atomically (a refused merge writes nothing). On a cluster the
-count jobs are independent: a SLURM job array (one task per shard), or a Hydra multirun over the shard index.
+stores T's identity, its shard index and the digest of the exact routing it counted) and sums them. Counts are
+integers, so the merged table equals the single-process `token_expert_counts(read_trace(T))` exactly, whatever
+the sharding. Everything is saved and loaded with allow_pickle=False and written atomically (a refused merge writes
+nothing; an existing table is replaced only with --overwrite). On a cluster the count jobs are independent: a
+SLURM job array (one task per shard), or a Hydra multirun over the shard index.
 
 A table (partial or merged) is an .npz of plain arrays:
-    identity <U64 (scalar)  sha256 of T's shards (meta.json, requests.json, offsets.npy, sampled routing)
+    identity <U64 (scalar)  sha256 of T's shards' meta.json, requests.json and offsets.npy (trace_identity)
     shards int64[P]         the shard indices it covers (one for a partial, all for a merged table)
+    shard_digest <U16[P]    trace_digest of each of those shards (every byte of its routing): what was counted
     num_shards int64, num_layers int64, num_experts int64, prompt_only bool
     token_vocab int32[t]    sorted token ids seen; occurrences int64[t] tokens per id
     layer int64[nnz], row int64[nnz], expert int64[nnz], count int64[nnz]: nonzero (layer, token row, expert)
@@ -23,7 +25,7 @@ Legend: S shards, L MoE layers, E experts, t distinct token ids, nnz nonzero cel
 
 from __future__ import annotations
 
-import argparse
+import functools
 import hashlib
 import sys
 import zipfile
@@ -31,13 +33,13 @@ from pathlib import Path
 
 import numpy as np
 
+from repro import cli
 from repro.affinity.tables import profile_chunks, profile_tokens, profile_vocab
-from repro.atomic import atomic_write
-from repro.errors import ReproError, TraceError
-from repro.traces import RoutingTrace, read_trace
+from repro.errors import TraceError
+from repro.traces import RoutingTrace, read_trace, trace_digest
 from repro.traces.manifest import is_sharded, manifest_shards
 
-FIELDS = ("identity", "shards", "num_shards", "num_layers", "num_experts", "prompt_only", "token_vocab",
+FIELDS = ("identity", "shards", "shard_digest", "num_shards", "num_layers", "num_experts", "prompt_only", "token_vocab",
           "occurrences", "layer", "row", "expert", "count")
 MERGE_EVERY = 8  # chunks whose sparse counts are collected before they are re-summed (bounds the COO lists)
 
@@ -48,39 +50,39 @@ def shard_dirs(trace_path: str | Path) -> list[Path]:
 
 
 IDENTITY_FILES = ("meta.json", "requests.json", "offsets.npy")
-ROUTING_FILES = ("experts.npy", "weights.npy")  # sampled: another capture of the same requests differs there
-ROUTING_SAMPLES, SAMPLE_BYTES = 256, 4096
 
 
 def trace_identity(trace_path: str | Path) -> str:
-    """sha256 (hex), in shard order, of each shard's meta.json, requests.json and offsets.npy, and of the size and
-    256 evenly spaced 4 KiB blocks of its experts.npy (and weights.npy): the same for every copy of one sharded
-    trace, different for another capture, even of the same requests and tokens; cheap (at most 1 MiB of routing
-    read per shard)."""
+    """sha256 (hex), in shard order, of each shard's meta.json, requests.json and offsets.npy: what the trace is
+    (its requests and how it is cut into shards). Which routing each shard holds is shard_digest's."""
     h = hashlib.sha256()
     for directory in shard_dirs(trace_path):
-        for name in IDENTITY_FILES + ROUTING_FILES:
+        for name in IDENTITY_FILES:
             try:
-                if name in IDENTITY_FILES:
-                    h.update((directory / name).read_bytes())
-                elif (directory / name).exists():
-                    h.update(sampled_bytes(directory / name))
+                h.update((directory / name).read_bytes())
             except OSError as e:
                 raise TraceError(f"cannot read {directory / name} ({e.strerror}); is {trace_path} a complete trace?") from e
     return h.hexdigest()
 
 
-def sampled_bytes(path: Path) -> bytes:
-    """The file's size and ROUTING_SAMPLES evenly spaced blocks of SAMPLE_BYTES (the whole file when smaller)."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        if size <= ROUTING_SAMPLES * SAMPLE_BYTES:
-            return str(size).encode() + f.read()
-        blocks = [str(size).encode()]
-        for start in np.linspace(0, size - SAMPLE_BYTES, ROUTING_SAMPLES).astype(np.int64).tolist():
-            f.seek(start)
-            blocks.append(f.read(SAMPLE_BYTES))
-    return b"".join(blocks)
+def shard_digest(directory: str | Path) -> str:
+    """trace_digest of one shard: every byte of its routing, streamed in row chunks. A capture that differs from
+    another in one expert of one token has another digest (a sample of the routing once let such a part through).
+    Computed once per process for a given state of the shard's files (_cached_digest)."""
+    directory = Path(directory)
+    try:
+        files = sorted(p for p in directory.iterdir() if p.is_file() and not p.name.startswith("."))
+        signature = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns, p.stat().st_ino) for p in files)
+    except OSError as e:
+        raise TraceError(f"cannot read the shard {directory} ({e.strerror or e}); is it a complete trace?") from e
+    return _cached_digest(str(directory.resolve()), signature)
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_digest(directory: str, signature: tuple) -> str:
+    """The digest of the shard whose files had `signature` (name, size, mtime, inode): one rewritten since is read
+    again."""
+    return trace_digest(read_trace(directory))
 
 
 def sum_sparse(keys: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -114,26 +116,28 @@ def shard_counts(trace: RoutingTrace, prompt_only: bool = False) -> dict[str, np
     }
 
 
-def count_shard(trace_path: str | Path, shard: int, out: str | Path, prompt_only: bool = False) -> Path:
-    """Write the partial table of shard `shard` of the trace at trace_path to `out` (atomically)."""
+def count_shard(trace_path: str | Path, shard: int, out: str | Path, prompt_only: bool = False,
+                overwrite: bool = False) -> Path:
+    """Write the partial table of shard `shard` of the trace at trace_path to `out` (atomically; an existing `out`
+    only with overwrite=True)."""
+    cli.claim_output(out, overwrite=overwrite)  # before the counting, which can take long
     dirs = shard_dirs(trace_path)
     if not 0 <= shard < len(dirs):
         raise TraceError(f"shard {shard} is not one of the {len(dirs)} shards of {trace_path} (0..{len(dirs) - 1}).")
     table = shard_counts(read_trace(dirs[shard]), prompt_only)
     table.update(identity=np.str_(trace_identity(trace_path)), shards=np.array([shard], dtype=np.int64),
-                 num_shards=np.int64(len(dirs)))
-    return save_table(table, out)
+                 shard_digest=np.array([shard_digest(dirs[shard])]), num_shards=np.int64(len(dirs)))
+    return save_table(table, out, overwrite=overwrite)
 
 
-def save_table(table: dict[str, np.ndarray], out: str | Path) -> Path:
-    out = Path(out)
+def save_table(table: dict[str, np.ndarray], out: str | Path, overwrite: bool = False, inputs=()) -> Path:
+    """Write a table to `out` atomically; an existing file only with overwrite=True (--overwrite)."""
 
     def write(tmp: Path) -> None:
         with open(tmp, "wb") as f:  # a file object: np.savez would append .npz to a temporary name
             np.savez(f, **{name: table[name] for name in FIELDS})
 
-    atomic_write(out, write)
-    return out
+    return cli.write_output(out, write, overwrite=overwrite, inputs=inputs)
 
 
 def load_table(path: str | Path) -> dict[str, np.ndarray]:
@@ -159,6 +163,13 @@ def merge_tables(trace_path: str | Path, paths: list) -> dict[str, np.ndarray]:
                 f"{path} was counted on another trace than {trace_path} (its identity differs); re-run its count job "
                 "on this trace."
             )
+        for shard, digest in zip(table["shards"].tolist(), table["shard_digest"].tolist(), strict=True):
+            if not 0 <= shard < len(dirs) or digest != shard_digest(dirs[shard]):
+                raise TraceError(
+                    f"{path} was counted on another trace than {trace_path} (the routing of shard {shard} differs in "
+                    "some token); re-run its count job on this trace."
+                )
+        check_counts(path, table, trace_path)
         if bool(table["prompt_only"]) != bool(tables[0]["prompt_only"]):
             raise TraceError(f"{path} has prompt_only={bool(table['prompt_only'])} unlike {paths[0]}; count all shards alike.")
         for shard in table["shards"].tolist():
@@ -180,11 +191,33 @@ def merge_tables(trace_path: str | Path, paths: list) -> dict[str, np.ndarray]:
         counts.append(t["count"])
     keys, summed = sum_sparse(np.concatenate(keys), np.concatenate(counts))
     return {
-        "identity": np.str_(identity), "shards": np.arange(len(dirs), dtype=np.int64), "num_shards": np.int64(len(dirs)),
+        "identity": np.str_(identity), "shards": np.arange(len(dirs), dtype=np.int64),
+        "shard_digest": np.array([shard_digest(d) for d in dirs]), "num_shards": np.int64(len(dirs)),
         "num_layers": np.int64(num_layers), "num_experts": np.int64(num_experts), "prompt_only": tables[0]["prompt_only"],
         "token_vocab": vocab, "occurrences": occurrences,
         "layer": keys // cells, "row": keys % cells // num_experts, "expert": keys % num_experts, "count": summed,
     }
+
+
+def check_counts(path, table: dict[str, np.ndarray], trace_path) -> None:
+    """Refuse a table whose cells cannot come from the trace: shapes that disagree, an expert, layer or token row out
+    of range, a count or an occurrence that is not positive (a hand-edited or corrupted part was once merged)."""
+    meta = read_trace(shard_dirs(trace_path)[0]).meta
+    num_layers, num_experts, rows = int(table["num_layers"]), int(table["num_experts"]), len(table["token_vocab"])
+    if num_experts != meta.num_experts or num_layers != len(meta.layer_ids):
+        raise TraceError(f"{path} counts {num_layers} layers x {num_experts} experts but {trace_path} has "
+                         f"{len(meta.layer_ids)} x {meta.num_experts}; re-run its count job on this trace.")
+    cells = {name: table[name] for name in ("layer", "row", "expert", "count")}
+    if len({len(a) for a in cells.values()}) != 1 or len(table["occurrences"]) != rows:
+        raise TraceError(f"{path} has cell arrays of different lengths; re-run its count job.")
+    for name, high in (("layer", num_layers), ("row", rows), ("expert", num_experts)):
+        values = cells[name]
+        if values.size and (values.min() < 0 or values.max() >= high):
+            bad = values[(values < 0) | (values >= high)][0]
+            raise TraceError(f"{path} holds {name} {bad}, outside 0..{high - 1}; re-run its count job.")
+    for name in ("count", "occurrences"):
+        if table[name].size and table[name].min() <= 0:
+            raise TraceError(f"{path} holds a {name} of {table[name].min()} (counts are positive); re-run its count job.")
 
 
 def dense_counts(table: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
@@ -194,47 +227,28 @@ def dense_counts(table: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     return table["token_vocab"], counts.astype(np.float32)
 
 
-def check_out(out: str | Path, inputs: list, overwrite: bool) -> None:
-    """Refuse an --out that would destroy data: not an .npz, one of the inputs, or (without --overwrite) an existing
-    file; an existing input CSV was once silently replaced by the merged table."""
-    out = Path(out)
-    if out.suffix != ".npz":
-        raise TraceError(f"--out {out} must end in .npz (a count table); choose another name.")
-    if any(out.resolve() == Path(p).resolve() for p in inputs):
-        raise TraceError(f"--out {out} is one of the partial tables being merged; write the merged table elsewhere.")
-    if out.exists() and not overwrite:
-        raise TraceError(f"--out {out} exists; pass --overwrite to replace it, or choose a new file.")
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m repro.affinity.partial", description=__doc__.split("\n\n")[0])
+    parser = cli.ArgumentParser(prog="python -m repro.affinity.partial", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     count = sub.add_parser("count", help="count one shard's token -> expert activations")
-    count.add_argument("--trace", required=True)
-    count.add_argument("--shard", type=int, required=True)
-    count.add_argument("--out", required=True)
+    count.add_argument("--trace", type=cli.existing_dir, required=True)
+    count.add_argument("--shard", type=cli.count, required=True)
+    cli.add_output(count, "--out", suffix=".npz", help="the partial table to write (a re-run needs --overwrite)")
     count.add_argument("--prompt-only", action="store_true")
     merge = sub.add_parser("merge", help="sum one partial table per shard into one table")
-    merge.add_argument("--trace", required=True)
-    merge.add_argument("--out", required=True)
-    merge.add_argument("--overwrite", action="store_true", help="replace an existing --out")
-    merge.add_argument("partials", nargs="+")
+    merge.add_argument("--trace", type=cli.existing_dir, required=True)
+    cli.add_output(merge, "--out", suffix=".npz", help="the merged table to write")
+    merge.add_argument("partials", nargs="+", type=cli.existing_file)
     args = parser.parse_args(argv)
-    try:
+
+    def work() -> None:
         if args.command == "count":
-            check_out(args.out, [], overwrite=True)  # a count job re-run replaces its own part
-            out = count_shard(args.trace, args.shard, args.out, args.prompt_only)
+            out = count_shard(args.trace, args.shard, args.out, args.prompt_only, overwrite=args.overwrite)
         else:
-            check_out(args.out, args.partials, args.overwrite)
-            out = save_table(merge_tables(args.trace, args.partials), args.out)
-    except ReproError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except OSError as e:  # an unwritable --out folder, a full disk
-        print(f"error: cannot write {args.out} ({e.strerror or e}); choose a writable place.", file=sys.stderr)
-        return 1
-    print(out)
-    return 0
+            out = save_table(merge_tables(args.trace, args.partials), args.out, args.overwrite, inputs=args.partials)
+        print(out)
+
+    return cli.run(work)
 
 
 if __name__ == "__main__":

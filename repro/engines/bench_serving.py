@@ -49,6 +49,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
+import functools
 import importlib.util
 import json
 import os
@@ -67,6 +69,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from repro import cli
 from repro.atomic import atomic_write, atomic_write_text
 from repro.errors import ConfigError, ReproError
 from repro.sim.metrics import LATENCIES, STATISTICS, statistic
@@ -470,6 +473,8 @@ def run_sweep(args) -> pd.DataFrame:
         raise ConfigError(f"--rates {args.rates!r} is not a comma-separated list of numbers.") from e
     if not rates or not all(np.isfinite(rates)) or min(rates) <= 0 or args.max_in_flight < 1:
         raise ConfigError("--rates must be positive finite numbers and --max-in-flight >= 1.")
+    # before any request: a sweep of a real engine is costly, and a rerun into the same folder replaced the last one
+    cli.claim_output(Path(args.out) / "real_per_rate.csv", overwrite=args.overwrite)
     if args.warmup_requests < 0:
         raise ConfigError(f"--warmup-requests must be >= 0, got {args.warmup_requests}.")
     client = choose_client(args.client)
@@ -526,11 +531,11 @@ def serve_commands(args) -> tuple[list[str], dict, list[str]]:
     env: dict = {}
     if args.engine == "sglang":
         location = folder / "init_expert_location.json"
-        sglang.export_location(saved, location)
+        sglang.export_location(saved, location, overwrite=True)  # the job's own derived file, re-made each serve
         engine = sglang.launch_command(args.model_path, location, placement.num_devices, attention, redundant, args.server_port)
     else:
         location = folder / "vllm_placement.json"
-        vllm.export_placement(saved, location)
+        vllm.export_placement(saved, location, overwrite=True)
         assignment, *engine = vllm.launch_command(args.model_path, location, placement.num_devices, attention, redundant,
                                                   args.server_port)
         key, _, value = assignment.partition("=")
@@ -557,6 +562,20 @@ def _wait_healthy(url: str, seconds: float, process: subprocess.Popen) -> None:
 
 
 STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+CHILD_POLL_S = 1.0  # how often serve checks that the engine and the router still run
+
+
+def die_with(parent: int) -> None:
+    """preexec_fn of the engine and the router: the kernel sends them SIGTERM when `parent` (this process) dies, even
+    by SIGKILL, so neither outlives `serve` as an orphan under init (Linux; elsewhere nothing)."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # a child starts able to take the stop signals
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
 
 
 def run_serve(args) -> int:
@@ -567,38 +586,48 @@ def run_serve(args) -> int:
     print(shlex.join(router))
     if args.print:
         return 0
-    server = subprocess.Popen(engine, env={**os.environ, **env})
-    proxy = None
+    tied = functools.partial(die_with, os.getpid())
+    server = subprocess.Popen(engine, env={**os.environ, **env}, preexec_fn=tied)
+    proxy, status = None, 0
     try:
         _wait_healthy(f"http://127.0.0.1:{args.server_port}/health", args.startup_timeout, server)
-        proxy = subprocess.Popen(router)
-        # sigwait takes a signal only while it is blocked; unblocked, SIGTERM would kill this process before the
-        # finally below stops the engine and the router
+        proxy = subprocess.Popen(router, preexec_fn=tied)
+        # sigtimedwait takes a signal only while it is blocked; unblocked, SIGTERM would kill this process before the
+        # finally below stops the engine and the router. Between signals the two are polled: when one dies, the
+        # other is stopped (a killed engine left the router forwarding to nothing).
         signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         print(f"serving: engine on :{args.server_port}, router on :{args.router_port}; Ctrl-C stops both", file=sys.stderr)
-        signal.sigwait(STOP_SIGNALS)
+        while server.poll() is None and proxy.poll() is None:
+            if signal.sigtimedwait(STOP_SIGNALS, CHILD_POLL_S) is not None:
+                break
+        for name, process in (("engine", server), ("router", proxy)):
+            if process.poll() is not None:
+                print(f"error: the {name} exited with status {process.returncode}; stopped the other one too.",
+                      file=sys.stderr)
+                status = 1
+                break
     finally:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
         for process in (proxy, server):
             if process is not None and process.poll() is None:
                 process.terminate()
                 process.wait(60)
-    return 0
+    return status
 
 
 def build_parser() -> argparse.ArgumentParser:
     from repro.engines.sglang import _layout_args, _serving_args
 
-    p = argparse.ArgumentParser(prog="python -m repro.engines.bench_serving", description=__doc__.splitlines()[0])
+    p = cli.ArgumentParser(prog="python -m repro.engines.bench_serving", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="export the placement, start the engine and the router")
     serve.add_argument("--engine", choices=["sglang", "vllm"], default="sglang")
     serve.add_argument("--plan", type=Path, required=True, help="job directory under runs/ or its plan/ folder")
     serve.add_argument("--model-path", required=True, help="HF id or local folder the engine serves")
     serve.add_argument("--tokenizer", help="the router's tokenizer (default: the job's)")
-    serve.add_argument("--server-port", type=int, default=30000)
-    serve.add_argument("--router-port", type=int, default=8080)
-    serve.add_argument("--startup-timeout", type=float, default=1800.0)
+    serve.add_argument("--server-port", type=cli.port, default=30000)
+    serve.add_argument("--router-port", type=cli.port, default=8080)
+    serve.add_argument("--startup-timeout", type=cli.rate, default=1800.0)
     serve.add_argument("--print", action="store_true", help="only print the commands")
     _layout_args(serve)
     _serving_args(serve)
@@ -606,14 +635,15 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--url", required=True, help="the router (or the server itself, for a baseline)")
     sweep.add_argument("--rates", required=True, help="comma-separated request rates (req/s)")
     sweep.add_argument("--out", type=Path, required=True, help="folder for real_per_rate.csv (e.g. runs/serve_real/<name>)")
+    sweep.add_argument("--overwrite", action="store_true", help="replace the results of an earlier sweep in --out")
     sweep.add_argument("--model", help="the model field of each request (default: the first of /v1/models)")
     sweep.add_argument("--router-metrics", help="the router's /metrics URL, to record requests per rank and LAR")
-    sweep.add_argument("--max-in-flight", type=int, default=1024)
-    sweep.add_argument("--timeout", type=float, default=1800.0, help="seconds per request")
-    sweep.add_argument("--seed", type=int, default=0)
+    sweep.add_argument("--max-in-flight", type=cli.positive, default=1024)
+    sweep.add_argument("--timeout", type=cli.rate, default=1800.0, help="seconds per request")
+    sweep.add_argument("--seed", type=cli.seed, default=0)
     sweep.add_argument("--client", choices=CLIENTS, default="auto",
                        help="sglang.bench_serving, vllm bench serve, or the built-in client (auto: the first installed)")
-    sweep.add_argument("--warmup-requests", type=int, default=8,
+    sweep.add_argument("--warmup-requests", type=cli.count, default=8,
                        help="requests sent before the first rate and not measured (vLLM installs the plan at its "
                             "first EPLB rearrangement)")
     sweep.add_argument("--no-progress", action="store_true")

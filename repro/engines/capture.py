@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from repro import cli
 from repro.engines.layout import ModelLayout
 from repro.engines.payloads import (
     RETURN_FLAG,
@@ -50,6 +51,7 @@ from repro.engines.payloads import (
 )
 from repro.errors import ConfigError, ReproError, TraceError
 from repro.traces import RoutingTrace, TraceMeta, make_trace, read_trace, write_trace
+from repro.traces.format import check_trace_destination, trace_dir_state
 
 ENGINES = ("sglang", "vllm")
 RETRY_STATUSES = {429, 500, 502, 503, 504}
@@ -363,33 +365,34 @@ def _served(args, engine: str) -> tuple[ServedModel, object | None]:
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", type=Path, required=True, help="trace directory to write (replaced if it exists)")
+    p.add_argument("--out", type=Path, required=True, help="trace directory to write (new or empty)")
+    p.add_argument("--overwrite", action="store_true", help="replace the routing trace already at --out")
     p.add_argument("--model-config", type=Path, help="the served model's HF config.json")
     p.add_argument("--shape", help="a simulator shape name (conf/sim/shape) instead of --model-config")
-    p.add_argument("--top-k", type=int, help="experts per token (default: num_experts_per_tok of the config)")
+    p.add_argument("--top-k", type=cli.positive, help="experts per token (default: num_experts_per_tok of the config)")
     p.add_argument("--model-name", help="meta.model of the trace (default: the config's name)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m repro.engines.capture", description=__doc__.splitlines()[0])
+    p = cli.ArgumentParser(prog="python -m repro.engines.capture", description=__doc__.splitlines()[0])
     p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:30000")
     p.add_argument("--engine", choices=ENGINES, default="sglang")
     _model_args(p)
     p.add_argument("--plan", type=Path, help="job dir / plan dir the SGLang server was launched with")
     p.add_argument("--location", type=Path, help="--init-expert-location JSON the SGLang server was launched with")
     p.add_argument("--layer-ids", help="model layer of each plan row (default: from the job)")
-    p.add_argument("--ep-size", type=int, help="EP degree (default: the job's)")
+    p.add_argument("--ep-size", type=cli.positive, help="EP degree (default: the job's)")
     p.add_argument("--reference-trace", type=Path, help="a trace of the same model to test the served placement against")
-    p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--retries", type=int, default=3)
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request attempt")
+    p.add_argument("--concurrency", type=cli.positive, default=16)
+    p.add_argument("--retries", type=cli.count, default=3)
+    p.add_argument("--timeout", type=cli.rate, default=600.0, help="seconds per request attempt")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("workload", nargs="+", help="workload=<name> and load_workload key=value arguments")
     return p
 
 
 def build_import_parser(kind: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=f"python -m repro.engines.capture {kind}")
+    p = cli.ArgumentParser(prog=f"python -m repro.engines.capture {kind}")
     p.add_argument("inputs", type=Path, nargs="+")
     _model_args(p)
     p.add_argument("--dataset", default="", help="dataset name for the trace")
@@ -397,14 +400,28 @@ def build_import_parser(kind: str) -> argparse.ArgumentParser:
     if kind == "responses":
         p.add_argument("--engine", choices=ENGINES, default="sglang")
         p.add_argument("--location", type=Path, help="--init-expert-location JSON of the SGLang server")
-        p.add_argument("--ep-size", type=int)
+        p.add_argument("--ep-size", type=cli.positive)
     return p
 
 
-def _live(argv: list[str]) -> tuple[RoutingTrace, Path]:
+def if_exists(args) -> str:
+    return "replace" if args.overwrite else "error"
+
+
+def check_out(args) -> None:
+    """Refuse, before any work, an --out that write_trace may not write: a routing trace already there without
+    --overwrite (a capture once replaced an earlier one silently), or anything that is not a trace."""
+    if trace_dir_state(args.out)[0] == "trace" and not args.overwrite:
+        raise ConfigError(f"--out {args.out} already holds a routing trace; pass --overwrite to replace it or choose "
+                          "another folder.")
+    check_trace_destination(args.out, if_exists(args))
+
+
+def _live(argv: list[str]) -> tuple[RoutingTrace, argparse.Namespace]:
     from repro.workloads import load_workload
 
     args = build_parser().parse_args(argv)
+    check_out(args)  # before a capture that can take hours
     if args.concurrency < 1 or args.retries < 0 or args.timeout <= 0:
         raise ConfigError("--concurrency must be >= 1, --retries >= 0 and --timeout > 0.")
     name, kwargs = _workload_kwargs(args.workload)
@@ -425,11 +442,12 @@ def _live(argv: list[str]) -> tuple[RoutingTrace, Path]:
         tokenizer=workload.tokenizer, vocab_size=workload.vocab_size, source=f"capture:{served.engine}",
         request_ids=[r.id for r in workload.requests], labels=workload.labels, extra=extra,
     )
-    return trace, args.out
+    return trace, args
 
 
-def _import(kind: str, argv: list[str]) -> tuple[RoutingTrace, Path]:
+def _import(kind: str, argv: list[str]) -> tuple[RoutingTrace, argparse.Namespace]:
     args = build_import_parser(kind).parse_args(argv)
+    check_out(args)
     if kind == "recorder":
         args.engine = "sglang"
         args.location = None
@@ -467,17 +485,18 @@ def _import(kind: str, argv: list[str]) -> tuple[RoutingTrace, Path]:
         routed, served, model=args.model_name or served.layout.name, dataset=args.dataset, tokenizer=args.tokenizer,
         vocab_size=1, source=f"import:{kind}", extra=extra,
     )
-    return trace, args.out
+    return trace, args
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if argv and argv[0] in ("recorder", "responses"):
-            trace, out = _import(argv[0], argv[1:])
+            trace, args = _import(argv[0], argv[1:])
         else:
-            trace, out = _live(argv)
-        write_trace(trace, out)
+            trace, args = _live(argv)
+        out = args.out
+        write_trace(trace, out, if_exists=if_exists(args))
     except ReproError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

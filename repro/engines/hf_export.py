@@ -15,7 +15,6 @@ Legend: V real vocabulary, M model vocabulary (vocab_top + 1), H hidden size.
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import sys
@@ -24,8 +23,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from repro import cli
 from repro.atomic import atomic_dir
-from repro.errors import ConfigError, ReproError
+from repro.errors import ConfigError
 
 # Mixtral v1's special ids (mistral-common's tokenizer.model.v1); the suite's prompts never contain them
 BOS_ID, EOS_ID = 1, 2
@@ -74,7 +74,11 @@ def export_checkpoint(model, vocab, out: str | Path, tokenizer: str = "mixtral")
         shutil.copyfile(sentencepiece, tmp / "tokenizer.model")
         (tmp / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, indent=1))
 
-    if not atomic_dir(out, write_into):
+    try:
+        published = atomic_dir(out, write_into)
+    except OSError as e:  # a read-only folder, a full disk
+        raise ConfigError(f"cannot write --out {out} ({e.strerror or e}); choose a writable place.") from None
+    if not published:
         raise ConfigError(f"{out} appeared while the checkpoint was written; nothing of ours is there.")
     return out
 
@@ -83,20 +87,20 @@ def main(argv: list[str] | None = None) -> int:
     from repro.exec.model import load_tiny_model
     from repro.traces import read_trace
 
-    p = argparse.ArgumentParser(prog="python -m repro.engines.hf_export", description=__doc__.splitlines()[0])
-    p.add_argument("--trace", type=Path, required=True, help="a trace the tiny model routed (its cache key names it)")
+    p = cli.ArgumentParser(prog="python -m repro.engines.hf_export", description=__doc__.splitlines()[0])
+    p.add_argument("--trace", type=cli.existing_dir, required=True,
+                   help="a trace the tiny model routed (its cache key names it)")
     p.add_argument("--cache-dir", type=Path, default=Path("runs/cache"), help="where the tiny model is cached")
-    p.add_argument("--out", type=Path, required=True, help="new folder for the checkpoint")
+    p.add_argument("--out", type=cli.output_dir, required=True, help="new folder for the checkpoint")
     args = p.parse_args(argv)
-    try:
+
+    def work() -> None:
         trace = read_trace(args.trace)
         model, vocab = load_tiny_model(trace, cache_dir=args.cache_dir)
         export_checkpoint(model, vocab, args.out, trace.meta.tokenizer)
-    except ReproError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(args.out)
-    return 0
+        print(args.out)
+
+    return cli.run(work)
 
 
 if __name__ == "__main__":

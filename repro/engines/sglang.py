@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from repro.atomic import atomic_write_text
+from repro import cli
 from repro.engines.layout import ModelLayout, SavedPlan, check_serving, load_plan, parse_layer_ids, served_model_layout
 from repro.errors import ConfigError, ReproError, TraceError
 
@@ -125,18 +125,16 @@ def read_location(path: str | Path, layout: ModelLayout, ep_size: int, num_redun
     return check_location(data, layout, ep_size, num_redundant_experts, where=str(path))
 
 
-def export_location(saved: SavedPlan, out: str | Path) -> np.ndarray:
-    """Write the plan's `--init-expert-location` JSON to `out` (atomically, after SGLang's checks); returns it."""
+def export_location(saved: SavedPlan, out: str | Path, overwrite: bool = False) -> np.ndarray:
+    """Write the plan's `--init-expert-location` JSON to `out` (atomically, after SGLang's checks; an existing file
+    only with overwrite=True); returns it."""
     out = Path(out)
     if out.suffix != ".json":
         raise ConfigError(f"--out {out} must end in .json: SGLang reads the flag as a file path only then.")
     rows = location_rows(saved)
     check_location({LOCATION_KEY: rows.tolist()}, saved.layout, saved.placement.num_devices,
                    saved.placement.num_slots - saved.placement.num_experts)
-    try:
-        atomic_write_text(out, json.dumps({LOCATION_KEY: rows.tolist()}, separators=(",", ":")))
-    except OSError as e:  # a missing or read-only folder, a full disk
-        raise ConfigError(f"cannot write --out {out} ({e.strerror or e}); choose a writable place.") from e
+    cli.write_text_output(out, json.dumps({LOCATION_KEY: rows.tolist()}, separators=(",", ":")), overwrite=overwrite)
     return rows
 
 
@@ -236,10 +234,10 @@ def shout(message: str) -> None:
 
 
 def _layout_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model-config", type=Path, help="the served model's HF config.json (what SGLang reads)")
+    p.add_argument("--model-config", type=cli.existing_file, help="the served model's HF config.json (what SGLang reads)")
     p.add_argument("--shape", help="a simulator shape name (conf/sim/shape), when the config.json is not at hand")
     p.add_argument("--layer-ids", help="model layer of each plan row, e.g. 0,7,15 or 1-26 (default: from the job)")
-    p.add_argument("--ep-size", type=int, help="EP degree (default: the job's parallel.devices)")
+    p.add_argument("--ep-size", type=cli.positive, help="EP degree (default: the job's parallel.devices)")
 
 
 def _layout(args) -> ModelLayout | None:
@@ -277,27 +275,28 @@ def load_for_serving(args, model_path: str) -> SavedPlan:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m repro.engines.sglang", description=__doc__.splitlines()[0])
+    p = cli.ArgumentParser(prog="python -m repro.engines.sglang", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
     export = sub.add_parser("export", help="write a plan's --init-expert-location JSON")
-    export.add_argument("plan", type=Path, help="a job directory under runs/ or its plan/ folder")
-    export.add_argument("--out", type=Path, required=True, help="JSON file to write (must end in .json)")
+    export.add_argument("plan", type=cli.existing_path, help="a job directory under runs/ or its plan/ folder")
+    cli.add_output(export, "--out", help="JSON file to write (must end in .json)")
     _layout_args(export)
     launch = sub.add_parser("launch", help="export, then print the sglang.launch_server command for it")
-    launch.add_argument("plan", type=Path)
-    launch.add_argument("--out", type=Path, required=True)
+    launch.add_argument("plan", type=cli.existing_path)
+    cli.add_output(launch, "--out", help="JSON file to write (must end in .json)")
     launch.add_argument("--model-path", required=True, help="--model-path for SGLang (HF id or local folder)")
-    launch.add_argument("--port", type=int, default=30000)
+    launch.add_argument("--port", type=cli.port, default=30000)
     launch.add_argument("--attention", choices=["dp", "tp"], help="default: the job's parallel.attention")
     _layout_args(launch)
     _serving_args(launch)
     check = sub.add_parser("check", help="apply SGLang's rules to an --init-expert-location JSON")
-    check.add_argument("location", type=Path)
-    check.add_argument("--num-redundant-experts", type=int, help="the server's --ep-num-redundant-experts")
+    check.add_argument("location", type=cli.existing_file)
+    check.add_argument("--num-redundant-experts", type=cli.count, help="the server's --ep-num-redundant-experts")
     _layout_args(check)
     served = sub.add_parser("served", help="compare the map a recorder dump says the server used with the JSON")
-    served.add_argument("location", type=Path)
-    served.add_argument("--dump", type=Path, nargs="+", required=True, help="per_pass / per_token recorder .pt files")
+    served.add_argument("location", type=cli.existing_file)
+    served.add_argument("--dump", type=cli.existing_file, nargs="+", required=True,
+                        help="per_pass / per_token recorder .pt files")
     _layout_args(served)
     return p
 
@@ -307,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command in ("export", "launch"):
             saved = load_for_serving(args, args.model_path) if args.command == "launch" else load_saved(args)
-            rows = export_location(saved, args.out)
+            rows = export_location(saved, args.out, overwrite=args.overwrite)
             placement = saved.placement
             print(
                 f"wrote {args.out}: {rows.shape[0]} layers x {rows.shape[1]} slots ({len(saved.layer_ids)} from the "

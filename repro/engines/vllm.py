@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from repro.atomic import atomic_write_text
+from repro import cli
 from repro.engines.layout import SavedPlan
 from repro.errors import ConfigError, ReproError
 
@@ -85,8 +85,9 @@ def check_placement(data, where: str = "the placement") -> dict:
     return dict(data, physical_to_logical_map=rows.astype(np.int64))
 
 
-def export_placement(saved: SavedPlan, out: str | Path) -> dict:
-    """Write the plan's vLLM placement JSON to `out` atomically; returns the document."""
+def export_placement(saved: SavedPlan, out: str | Path, overwrite: bool = False) -> dict:
+    """Write the plan's vLLM placement JSON to `out` atomically (an existing file only with overwrite=True);
+    returns the document."""
     rows = placement_rows(saved)
     document = {
         "format": FORMAT, "vllm": SUPPORTED_VLLM, "model": saved.layout.name,
@@ -94,10 +95,7 @@ def export_placement(saved: SavedPlan, out: str | Path) -> dict:
         "ep_size": saved.placement.num_devices, "physical_to_logical_map": rows.tolist(),
     }
     check_placement(document)
-    try:
-        atomic_write_text(Path(out), json.dumps(document, separators=(",", ":")))
-    except OSError as e:  # a missing or read-only folder, a full disk
-        raise ConfigError(f"cannot write --out {out} ({e.strerror or e}); choose a writable place.") from e
+    cli.write_text_output(out, json.dumps(document, separators=(",", ":")), overwrite=overwrite)
     return document
 
 
@@ -213,18 +211,18 @@ def _allow_policy_name(name: str) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from repro.engines.sglang import _layout_args, _serving_args
 
-    p = argparse.ArgumentParser(prog="python -m repro.engines.vllm", description=__doc__.splitlines()[0])
+    p = cli.ArgumentParser(prog="python -m repro.engines.vllm", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
     for name in ("export", "launch"):
         cmd = sub.add_parser(name)
-        cmd.add_argument("plan", type=Path, help="a job directory under runs/ or its plan/ folder")
-        cmd.add_argument("--out", type=Path, required=True, help="placement JSON to write")
+        cmd.add_argument("plan", type=cli.existing_path, help="a job directory under runs/ or its plan/ folder")
+        cli.add_output(cmd, "--out", help="placement JSON to write")
         _layout_args(cmd)
         if name == "launch":
             cmd.add_argument("--model", required=True, help="model for `vllm serve` (HF id or local folder)")
-            cmd.add_argument("--port", type=int, default=8000)
+            cmd.add_argument("--port", type=cli.port, default=8000)
             cmd.add_argument("--attention", choices=["dp", "tp"], help="default: the job's parallel.attention")
-            cmd.add_argument("--step-interval", type=int, default=64, help="EPLB step_interval")
+            cmd.add_argument("--step-interval", type=cli.positive, default=64, help="EPLB step_interval")
             _serving_args(cmd)
     return p
 
@@ -235,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         saved = load_for_serving(args, args.model) if args.command == "launch" else load_saved(args)
-        document = export_placement(saved, args.out)
+        document = export_placement(saved, args.out, overwrite=args.overwrite)
     except ReproError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

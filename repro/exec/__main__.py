@@ -92,8 +92,17 @@ def main(cfg: DictConfig) -> None:
 
             run_job(cfg, out_dir)
     except ReproError as e:
+        from repro.run import remove_failed_job_dir
+
         print(f"error: {e}", file=sys.stderr)
+        if not in_torchrun():  # ranks share the folder: rank 0's staging decides what stays
+            remove_failed_job_dir(out_dir)
         raise SystemExit(2) from None
+    except Exception:
+        from repro.run import log_failure
+
+        log_failure("repro.exec")
+        raise
 
 
 if __name__ == "__main__":

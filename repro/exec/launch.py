@@ -50,8 +50,8 @@ import torch
 import torch.distributed as dist
 
 from repro.errors import ConfigError, ReproError
+from repro.exec.config import DIST_BACKENDS
 
-DIST_BACKENDS = ("gloo", "nccl")
 TERMINATE_GRACE_S = 3.0  # after a SIGTERM to the driver, how long its ranks get to exit before SIGKILL
 PARENT_POLL_S = 1.0  # how often a rank checks that its driver is still its parent
 ORPHAN_EXIT_CODE = 1  # a rank whose driver is gone exits with this (nobody reads it)

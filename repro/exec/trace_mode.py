@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -50,9 +50,17 @@ import pandas as pd
 import torch
 import torch.distributed as dist
 
-from repro.config_values import FLAG, check_table, integer, number, text
-from repro.errors import ConfigError, TraceError, check_known_keys
-from repro.exec.launch import DIST_BACKENDS, in_torchrun, join, launch, worker_device
+from repro.errors import ConfigError, TraceError
+from repro.exec.config import (  # noqa: F401  ExecConfig and the checks are part of this module's API
+    DEFAULT_ATOL,
+    EXEC_MODES,
+    EXEC_TABLE,
+    MODEL_LOGIT_ATOL,
+    ExecConfig,
+    check_exec_fields,
+    check_exec_table,
+)
+from repro.exec.launch import in_torchrun, join, launch, worker_device
 from repro.exec.moe import (
     COLLECTIVES,
     CommRecord,
@@ -65,87 +73,13 @@ from repro.exec.moe import (
 from repro.systems.base import Plan
 from repro.traces import RoutingTrace, select_requests
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-EXEC_MODES = ("trace", "model")
-MODEL_LOGIT_ATOL = 1e-4  # fp32 logits of the distributed tiny model vs the single-process transformers model
-DEFAULT_ATOL = {"float32": 1e-5, "float16": 1e-2, "bfloat16": 1e-1}
-
-
-@dataclass(frozen=True)
-class ExecConfig:
-    """The `exec` config group (conf/exec/default.yaml documents each field)."""
-
-    mode: str = "trace"  # trace: random layers with the trace's routing replayed; model: the tiny model end to end
-    world_size: int | None = None  # None: the plan's device count (any other value is an error)
-    backend: str = "gloo"
-    kernel_backend: str = "auto"
-    hidden_size: int = 256
-    intermediate_size: int = 512
-    dtype: str = "float32"
-    max_tokens: int = 2048
-    timeout_s: float = 300.0
-    atol: float | None = None  # None: DEFAULT_ATOL of the dtype
-    barrier_timing: bool = False  # CommRecord.barrier: collective seconds without the wait for late ranks
-
-    @classmethod
-    def from_config(cls, config: dict) -> ExecConfig:
-        check_known_keys("exec", config, [f.name for f in fields(cls)])
-        return cls(**config)
-
-    @property
-    def tolerance(self) -> float:
-        return DEFAULT_ATOL[self.dtype] if self.atol is None else float(self.atol)
-
-
-EXEC_TABLE = {  # ExecConfig's fields: types and ranges; choices and cross-field rules are check_exec_config's
-    "mode": text(),
-    "world_size": integer(1, null=True),
-    "backend": text(),
-    "kernel_backend": text(),
-    "hidden_size": integer(1),
-    "intermediate_size": integer(1),
-    "dtype": text(),
-    "max_tokens": integer(1),
-    "timeout_s": number(0, low_open=True),
-    "barrier_timing": FLAG,
-    "atol": number(0, low_open=True, null=True),
-}
-
-
-def check_exec_table(exec_cfg: dict) -> None:
-    """The job config's exec group: every key known, every value of its type and range (one ConfigError sentence)."""
-    check_table("exec", exec_cfg, EXEC_TABLE, [f.name for f in fields(ExecConfig)])
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}  # DTYPE_NAMES' torch types
 
 
 def check_exec_config(exec_cfg: ExecConfig | dict, parallel, world_size: int | None = None) -> ExecConfig:
-    """The ExecConfig of `exec_cfg`, or one ConfigError sentence for what cannot run here (before any routing).
-
-    parallel: the job's ParallelConfig; world_size: the ranks that will run (None: exec.world_size, else the
-    plan's devices).
-    """
-    if isinstance(exec_cfg, dict):
-        exec_cfg = ExecConfig.from_config(exec_cfg)
-    if exec_cfg.mode not in EXEC_MODES:
-        raise ConfigError(f"exec.mode must be one of {EXEC_MODES}, got {exec_cfg.mode!r}.")
-    if exec_cfg.backend not in DIST_BACKENDS:
-        raise ConfigError(f"exec.backend must be one of {DIST_BACKENDS}, got {exec_cfg.backend!r}.")
-    if exec_cfg.dtype not in DTYPES:
-        raise ConfigError(f"exec.dtype must be one of {sorted(DTYPES)}, got {exec_cfg.dtype!r}.")
-    on_gpu = exec_cfg.backend == "nccl"
-    if exec_cfg.dtype == "bfloat16" and not on_gpu:
-        raise ConfigError(
-            "exec.dtype=bfloat16 runs on GPUs only (exec.backend=nccl); use float32 or float16 with gloo on the CPU."
-        )
-    resolve_kernel_backend(exec_cfg.kernel_backend, torch.device("cuda" if on_gpu else "cpu"))
-    for name in ("hidden_size", "intermediate_size", "max_tokens"):
-        if int(getattr(exec_cfg, name)) < 1:
-            raise ConfigError(f"exec.{name} must be >= 1, got {getattr(exec_cfg, name)}.")
-    requested = world_size if world_size is not None else exec_cfg.world_size
-    if requested is not None and requested != parallel.devices:
-        raise ConfigError(
-            f"the exec world size is {requested} but the plan places experts on {parallel.devices} devices; run "
-            f"{parallel.devices} ranks (exec.world_size=null) or fit the plan with parallel.devices={requested}."
-        )
+    """check_exec_fields (repro.exec.config), then what depends on this machine: the kernel backend on its device."""
+    exec_cfg = check_exec_fields(exec_cfg, parallel, world_size)
+    resolve_kernel_backend(exec_cfg.kernel_backend, torch.device("cuda" if exec_cfg.backend == "nccl" else "cpu"))
     return exec_cfg
 
 

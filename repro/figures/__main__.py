@@ -1,9 +1,9 @@
 """`python -m repro.figures --runs runs --out figures [--html]`: render figures and figures/REPORT.md
 (and, with --html, figures/REPORT.html: the same report as one self-contained file with the images inlined)."""
 
-import argparse
 import sys
 
+from repro import cli
 from repro.errors import ReproError
 from repro.figures.jobs import check_out_dir
 from repro.figures.report import write_report
@@ -11,7 +11,7 @@ from repro.tracking import log_report_figures
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = cli.ArgumentParser(prog="python -m repro.figures", description=__doc__)
     parser.add_argument("--runs", default="runs")
     parser.add_argument("--out", default="figures")
     parser.add_argument("--html", action="store_true", help="also write REPORT.html beside REPORT.md")

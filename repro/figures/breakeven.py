@@ -11,7 +11,6 @@ lines) and one table (break-even LAR gain per setting).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -24,6 +23,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from repro import cli
 from repro.errors import ReproError  # noqa: E402
 from repro.figures.jobs import log, read_jobs  # noqa: E402
 from repro.figures.render import markdown_table, save_png  # noqa: E402
@@ -219,7 +219,7 @@ def breakeven_section(runs_dir: str | Path, out_dir: str | Path, summary: pd.Dat
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m repro.figures.breakeven", description=__doc__.split("\n")[0])
+    parser = cli.ArgumentParser(prog="python -m repro.figures.breakeven", description=__doc__.split("\n")[0])
     parser.add_argument("--runs", default="runs", help="runs folder (results in <runs>/breakeven)")
     parser.add_argument("--out", default="figures", help="where the PNG goes")
     args = parser.parse_args(argv)

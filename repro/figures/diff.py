@@ -28,6 +28,7 @@ listed, not fatal. Exit code 0 whatever changed; 2 with one sentence on stderr, 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -38,6 +39,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from repro import cli
 from repro.atomic import atomic_write_text  # noqa: E402
 from repro.errors import ReproError  # noqa: E402
 from repro.figures.html import write_html  # noqa: E402
@@ -148,7 +150,8 @@ def diff_runs(summary_a: pd.DataFrame, summary_b: pd.DataFrame, threshold: float
     summary_a, summary_b: one row per job (load_results), with the `key` columns unique per job.
     Returns one row per change, key columns then `metric`, `a`, `b`, `delta` (b - a), `ratio` (b / a), `status`:
     "changed" (|ratio - 1| > threshold, or a = 0 != b, or one side lacks the metric), "only in A" or "only in B"
-    (a whole job; metric "", numbers NaN), and `traces` ("same", "different", "unknown"; "" for one-sided jobs).
+    (a whole job; metric "", numbers NaN; mark_unreadable turns those present but unreadable on the other side into
+    "unreadable in B" / "unreadable in A"), and `traces` ("same", "different", "unknown"; "" for one-sided jobs).
     Rows are sorted by key, then in metric_columns order. Raises ReproError when matched jobs ran on different
     traces (trace_digests) unless allow_different_traces, or when the threshold is negative.
     """
@@ -177,6 +180,26 @@ def diff_runs(summary_a: pd.DataFrame, summary_b: pd.DataFrame, threshold: float
     diff = pd.concat([changes, *only], ignore_index=True)
     # matched jobs on different traces, changed or not, so the report can say how many were labelled
     diff.attrs["jobs_on_different_traces"] = int((traces == "different").sum())
+    return diff
+
+
+ONE_SIDED = ("only in A", "only in B", "unreadable in A", "unreadable in B")
+
+
+def mark_unreadable(diff: pd.DataFrame, summaries: tuple[pd.DataFrame, pd.DataFrame], roots: tuple[str, str],
+                    skipped: tuple[list[SkippedJob], list[SkippedJob]], key: list[str]) -> pd.DataFrame:
+    """Relabel a job "only in A" whose folder is in B too but was skipped there as unreadable (a metrics.json holding
+    NaN, say) as "unreadable in B", and the same the other way: it is not missing from B, and the list said so."""
+    for side, other in ((0, 1), (1, 0)):
+        unreadable = {os.path.relpath(job.metrics_path.parent, roots[other]) for job in skipped[other]}
+        rows = diff.index[diff["status"] == f"only in {'AB'[side]}"]
+        if not unreadable or not len(rows):
+            continue
+        run_dirs = _keyed(summaries[side], key, "AB"[side])["run_dir"]
+        for i in rows:
+            at = tuple(diff.loc[i, key]) if len(key) > 1 else diff.at[i, key[0]]
+            if os.path.relpath(run_dirs.loc[at], roots[side]) in unreadable:
+                diff.at[i, "status"] = f"unreadable in {'AB'[other]}"
     return diff
 
 
@@ -284,7 +307,7 @@ def render_text(diff: pd.DataFrame, labels: list[str], threshold: float, n_match
     lines = [f"warning: {w}" for w in warnings]
     lines += [table.to_string(index=False) if len(table) else
               f"no metric changed by more than {threshold:.1%} in the {n_matched} jobs of both sets."]
-    for status in ("only in A", "only in B"):
+    for status in ONE_SIDED:
         jobs = job_labels(diff[diff["status"] == status], labels)
         lines += [f"{status} ({len(jobs)}):"] + [f"  {j}" for j in jobs] if jobs else []
     return "\n".join(lines)
@@ -305,7 +328,7 @@ def render_markdown(diff: pd.DataFrame, labels: list[str], runs: tuple[str, str]
     lines += [markdown_table(table) if len(table) else "None above the threshold.", ""]
     if figure is not None:
         lines += [f"![Relative changes]({figure.name})", ""]
-    for status in ("only in A", "only in B"):
+    for status in ONE_SIDED:
         names = job_labels(diff[diff["status"] == status], labels)
         lines += [f"## Jobs {status} ({len(names)})", ""] + [f"- {n}" for n in names] + [""]
     return "\n".join(lines)
@@ -324,11 +347,13 @@ def write_diff(diff: pd.DataFrame, labels: list[str], runs: tuple[str, str], cou
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.ArgumentParser(prog="python -m repro.figures.diff", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs_a", metavar="RUNS_A")
     parser.add_argument("runs_b", metavar="RUNS_B")
     parser.add_argument("--out", help="also write diff.md, diff.csv, diff.html and diff_changes.png here")
-    parser.add_argument("--threshold", type=float, default=0.01, help="smallest |B/A - 1| reported (default 0.01)")
+    parser.add_argument("--threshold", type=cli.non_negative, default=0.01,
+                        help="smallest |B/A - 1| reported (default 0.01)")
     parser.add_argument("--ignore", default="", help=f"comma-separated key columns not matched on, of {list(KEY)}")
     parser.add_argument("--allow-different-traces", action="store_true",
                         help="compare matched jobs whose trace_digests differ, labelling their rows, instead of refusing")
@@ -344,8 +369,9 @@ def main(argv=None) -> int:
             check_out_dir(args.out)
         (summary_a, skipped_a), (summary_b, skipped_b) = read_results(args.runs_a), read_results(args.runs_b)
         diff = diff_runs(summary_a, summary_b, args.threshold, tuple(key), args.allow_different_traces)
+        diff = mark_unreadable(diff, (summary_a, summary_b), (args.runs_a, args.runs_b), (skipped_a, skipped_b), key)
         labels = label_columns(summary_a, summary_b, tuple(key))
-        n_matched = len(summary_a) - int((diff["status"] == "only in A").sum())
+        n_matched = len(summary_a) - int(diff["status"].isin(["only in A", "unreadable in B"]).sum())
         warnings = notes(diff, (skipped_a, skipped_b))
         print(render_text(diff, labels, args.threshold, n_matched, warnings))
         if args.out:

@@ -20,7 +20,6 @@ sees the same arrivals and request draws seed by seed).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -28,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from repro import cli
 from repro.atomic import atomic_write
 from repro.errors import ReproError
 from repro.figures.jobs import log, read_jobs
@@ -230,7 +230,7 @@ def table2_section(summary: pd.DataFrame, out_dir: str | Path, experiment: str =
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.ArgumentParser(prog="python -m repro.figures.table2", description=__doc__.splitlines()[0])
     parser.add_argument("--runs", default="runs", help="the runs directory (read only)")
     parser.add_argument("--out", default="figures", help="where table2.csv goes")
     parser.add_argument("--experiment", default=EXPERIMENT)

@@ -18,11 +18,11 @@ their defaults. Takes a few minutes on 2 cores.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 
 import numpy as np
 
+from repro import cli
 from repro.affinity.stats import affinity_statistics  # layer: a CLI fitting Table-1 stats; nothing imports it
 from repro.routing.replay import load_replay_tables, resolve_table_paths, route_with_replay
 from repro.routing.synthetic import route_with_synthetic
@@ -84,10 +84,10 @@ def score(stats: dict, targets: dict) -> float:
 def main(argv=None) -> None:
     from repro.workloads import load_workload
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.ArgumentParser(prog="python -m repro.routing.fit_synthetic", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="olmoe-1b-7b")
     parser.add_argument("--tokenizer", default="olmoe")
-    parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument("--requests", type=cli.positive, default=1000)
     parser.add_argument("--concentration", default="0.8,0.9,0.95")
     parser.add_argument("--skew", default="0.3,0.6,0.9")
     parser.add_argument("--persistence", default="0.3,0.6,0.9")

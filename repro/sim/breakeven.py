@@ -30,7 +30,6 @@ k experts per token.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -40,6 +39,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from repro import cli
 from repro.atomic import atomic_dir
 from repro.errors import ConfigError, ReproError
 from repro.sim.costs import CostModel, LevelLoad, phase_seconds
@@ -346,15 +346,17 @@ def write_results(out: Path, grid: pd.DataFrame, table: pd.DataFrame, meta: dict
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m repro.sim.breakeven", description=__doc__.split("\n")[0])
+    parser = cli.ArgumentParser(prog="python -m repro.sim.breakeven", description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="runs/breakeven", help="output folder (default runs/breakeven)")
     parser.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS), help="conf/sim/shape names")
     parser.add_argument("--hardware", nargs="+", default=list(DEFAULT_HARDWARE), help="conf/hardware names")
     parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
-    parser.add_argument("--tokens", nargs="+", type=int, default=list(DEFAULT_TOKENS), help="tokens per rank per iteration")
-    parser.add_argument("--imbalance", nargs="+", type=float, default=list(DEFAULT_IMBALANCE),
+    parser.add_argument("--tokens", nargs="+", type=cli.positive, default=list(DEFAULT_TOKENS),
+                        help="tokens per rank per iteration")
+    parser.add_argument("--imbalance", nargs="+", type=cli.Number(1), default=list(DEFAULT_IMBALANCE),
                         help="Sem-MoE's busiest-rank max/mean load (EP's is 1.0; 1.0 for both is always included)")
-    parser.add_argument("--gain-step", type=float, default=GAIN_STEP, help="LAR gain step of the ratio grid")
+    parser.add_argument("--gain-step", type=cli.Number(0, 1, low_open=True), default=GAIN_STEP,
+                        help="LAR gain step of the ratio grid")
     args = parser.parse_args(argv)
     try:
         grid, table, meta = compute(args.models, args.hardware, args.backends, args.tokens, args.imbalance,

@@ -1,6 +1,6 @@
 """How far to trust the cost model: its measured errors, and which break-even cells survive them.
 
-    python -m repro.sim.trust [--exec bench/results/cost_model.json] [--out runs/cost_model_trust]
+    python -m repro.sim.trust [--exec bench/results/cost_model.json] [--out runs/cost_model_trust] [--overwrite]
 
 Collects the cost model's measured errors (issue 26) and re-prices the "when does co-scheduling pay" map
 (repro.sim.breakeven) with each term scaled by them:
@@ -18,14 +18,13 @@ Writes <out>/trust.json atomically (repro.figures.trust renders it into the repo
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 import numpy as np
 
-from repro.atomic import atomic_write_text
+from repro import cli
 from repro.errors import ConfigError
 from repro.sim import breakeven
 from repro.sim.costs import CostModel
@@ -46,22 +45,32 @@ def scaled_deployment(dep: breakeven.Deployment, comm: float, compute: float) ->
     return breakeven.Deployment(s, hw, dep.backend, CostModel(s, hw, mapping, hw.num_devices, "dp", dep.backend))
 
 
-def exec_errors(path: Path) -> dict | None:
+def exec_errors(path: Path, required: bool = False) -> dict | None:
     """{phase: {median_abs_error, max_abs_error, median_signed_error}} of bench.bench_cost_model's result file
-    (the "all" group), plus "load" and "order"; None when the file is absent or holds no result."""
-    if not Path(path).is_file():
+    (the "all" group), plus "load" and "order". The default file may be absent or hold a failed run (None: the
+    executor band is left out, and the report says so); a file the user named (required=True) must hold a result,
+    and a file that is there must be one (ConfigError otherwise: a mistyped --exec once dropped the band silently)."""
+    path = Path(path)
+    redo = "rerun `python -m bench --only cost_model` or pass --exec to another file"
+    if not path.is_file():
+        if required:
+            raise ConfigError(f"--exec {path} is not a file; {redo}.")
         return None
     try:
-        record = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        raise ConfigError(f"{path} is not a readable bench.bench_cost_model result; rerun `python -m bench --only "
-                          "cost_model` or pass --exec to another file.") from None
+        record = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError):
+        raise ConfigError(f"{path} is not a readable bench.bench_cost_model result; {redo}.") from None
     results = record.get("results") if isinstance(record, dict) else None
     if not results:
-        return None
-    summary = results["summary"]
-    out = {phase: summary[phase]["all"] for phase in ("gating", "dispatch", "experts", "combine", "dispatch_sim")}
-    out["best_of_repeats"] = {p: v["all"] for p, v in (summary.get("best_of_repeats") or {}).items()}
+        if required or not isinstance(record, dict) or "ok" not in record:
+            raise ConfigError(f"{path} holds no bench.bench_cost_model `results`; {redo}.")
+        return None  # the default file of a failed bench run: no executor measurement to band
+    try:
+        summary = results["summary"]
+        out = {phase: summary[phase]["all"] for phase in ("gating", "dispatch", "experts", "combine", "dispatch_sim")}
+        out["best_of_repeats"] = {p: v["all"] for p, v in (summary.get("best_of_repeats") or {}).items()}
+    except (KeyError, TypeError, AttributeError):
+        raise ConfigError(f"{path}'s `results` lack the per-phase summary bench.bench_cost_model writes; {redo}.") from None
     out["order"] = summary.get("order")
     out["load"] = results.get("load_before_after")
     out["started_utc"] = record.get("started_utc")
@@ -138,8 +147,10 @@ def _num(x: float) -> float | None:
     return None if np.isnan(x) else round(float(x), 4)
 
 
-def compute(exec_path: Path = EXEC_RESULTS, **breakeven_kwargs) -> dict:
-    exec_err = exec_errors(exec_path)
+def compute(exec_path: Path | None = None, **breakeven_kwargs) -> dict:
+    """The bands and the re-priced map; exec_path None reads the default bench result when there is one."""
+    exec_err = exec_errors(exec_path or EXEC_RESULTS, required=exec_path is not None)
+    exec_path = exec_path or EXEC_RESULTS
     published = published_errors()
     band_map = bands(exec_err, published)
     cells = breakeven_under_bands(band_map, **breakeven_kwargs)
@@ -158,15 +169,18 @@ def band_summary(cells: list[dict], band: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m repro.sim.trust", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--exec", type=Path, default=EXEC_RESULTS, help="bench.bench_cost_model's result JSON")
-    parser.add_argument("--out", type=Path, default=OUT)
+    parser = cli.ArgumentParser(prog="python -m repro.sim.trust", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--exec", type=cli.existing_file, default=None,
+                        help=f"bench.bench_cost_model's result JSON (default: {EXEC_RESULTS} when it exists)")
+    cli.add_output(parser, "--out", what="dir", default=OUT, help="folder to write trust.json into")
     args = parser.parse_args(argv)
-    result = compute(args.exec)
-    atomic_write_text(args.out / "trust.json", json.dumps(result, indent=1) + "\n")
-    print(f"bands {json.dumps(result['bands'])}\nbreak-even cells per band: {result['breakeven_by_band']}"
-          f"\n-> {args.out / 'trust.json'}")
-    return 0
+
+    def work() -> None:
+        result = compute(args.exec)
+        out = cli.write_text_output(args.out / "trust.json", json.dumps(result, indent=1) + "\n", overwrite=args.overwrite)
+        print(f"bands {json.dumps(result['bands'])}\nbreak-even cells per band: {result['breakeven_by_band']}\n-> {out}")
+
+    return cli.run(work)
 
 
 if __name__ == "__main__":

@@ -13,13 +13,13 @@ Legend: T tokens per rank, D ranks, E experts, k experts per token, M nodes.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import numpy as np
 import yaml
 
+from repro import cli
 from repro.errors import ConfigError
 from repro.sim.costs import CostModel, LevelLoad, a2a_seconds, phase_seconds
 from repro.sim.hardware import Hardware, load_hardware
@@ -44,7 +44,7 @@ def load_table(path: Path = TABLE) -> list[dict]:
     """The validated rows of a validation table (ConfigError naming the row and field otherwise)."""
     try:
         document = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as e:
+    except (OSError, yaml.YAMLError, UnicodeDecodeError, RecursionError) as e:
         raise ConfigError(f"{path} is not a readable YAML validation table ({type(e).__name__}).") from None
     rows = document.get("rows") if isinstance(document, dict) else None
     if not isinstance(rows, list) or not rows:
@@ -64,14 +64,33 @@ def load_table(path: Path = TABLE) -> list[dict]:
             raise ConfigError(f"{where}: a {kind} row is measured in {KINDS[kind][0]}, got unit {row['unit']!r}.")
         if not isinstance(row["in_sample"], bool):
             raise ConfigError(f"{where}: in_sample must be true or false, got {row['in_sample']!r}.")
-        if isinstance(row["measured"], bool) or not isinstance(row["measured"], int | float) or row["measured"] <= 0:
-            raise ConfigError(f"{where}: measured must be a positive number, got {row['measured']!r}.")
+        if not _positive_number(row["measured"]):  # NaN passed `<= 0` and was priced
+            raise ConfigError(f"{where}: measured must be a finite positive number, got {row['measured']!r}.")
+        for field in ("ranks", "ep"):
+            if field in row and not (_positive_number(row[field]) and float(row[field]).is_integer()):
+                raise ConfigError(f"{where}: {field} must be a positive integer, got {row[field]!r}.")
+        if "size_bytes" in row and not _positive_number(row["size_bytes"]):
+            raise ConfigError(f"{where}: size_bytes must be a finite positive number, got {row['size_bytes']!r}.")
+        tokens = row.get("tokens_per_rank", [1])
+        if not isinstance(tokens, list) or not tokens or not all(_positive_number(t) and float(t).is_integer()
+                                                                   for t in tokens):
+            raise ConfigError(f"{where}: tokens_per_rank must be a non-empty list of positive integers, got {tokens!r}.")
+        for field, folder in (("profile", "hardware"), ("shape", "sim/shape")):
+            known = isinstance(row.get(field), str) and (ROOT / "conf" / folder / f"{row[field]}.yaml").is_file()
+            if field in row and not known:
+                raise ConfigError(f"{where}: {field} {row[field]!r} is not one of conf/{folder}/*.yaml.")
         if "direction" in row and row["direction"] not in ("dispatch", "combine"):
             raise ConfigError(f"{where}: direction must be dispatch or combine, got {row['direction']!r}.")
+        if not isinstance(row["id"], str):
+            raise ConfigError(f"{where}: id must be a string, got {row['id']!r}.")
         if row["id"] in seen:
             raise ConfigError(f"{where}: id {row['id']!r} appears twice.")
         seen.add(row["id"])
     return rows
+
+
+def _positive_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and np.isfinite(value) and value > 0
 
 
 def _profile(row: dict, nodes: int | None = None) -> Hardware:
@@ -215,10 +234,14 @@ def error_summary(rows: list[dict]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m repro.sim.validation", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--table", type=Path, default=TABLE)
+    parser = cli.ArgumentParser(prog="python -m repro.sim.validation", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--table", type=cli.existing_file, default=TABLE)
     args = parser.parse_args(argv)
-    rows = validate(args.table)
+    return cli.run(lambda: print_validation(args.table))
+
+
+def print_validation(table: Path) -> None:
+    rows = validate(table)
     print(f"{'id':<36} {'sample':<7} {'measured':>10} {'predicted':>10} {'error':>7}  unit")
     for r in rows:
         print(f"{r['id']:<36} {'in' if r['in_sample'] else 'OUT':<7} {r['measured']:>10.4g} {r['predicted']:>10.4g} "
@@ -226,7 +249,6 @@ def main(argv: list[str] | None = None) -> int:
     for name, s in error_summary(rows).items():
         print(f"{name}: {s['rows']} rows, median |error| {s['median_abs_error']:.1%}, max {s['max_abs_error']:.1%} "
               f"({s['worst']})")
-    return 0
 
 
 if __name__ == "__main__":

@@ -17,21 +17,22 @@ import argparse
 import sys
 from pathlib import Path
 
+from repro import cli
 from repro.errors import ReproError
 from repro.traces.format import check_trace_destination, trace_dir_state
 from repro.traces.tabular import DEFAULT_BATCH_ROWS, import_table_to_dir
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m repro.traces.import", description=__doc__.splitlines()[0])
+    p = cli.ArgumentParser(prog="python -m repro.traces.import", description=__doc__.splitlines()[0])
     p.add_argument("input", type=Path, help="CSV, JSONL or Parquet file, one row per (request, position, layer)")
     p.add_argument("--out", type=Path, required=True, help="trace directory to write (new or empty)")
     p.add_argument("--overwrite", action="store_true", help="replace the routing trace already at --out")
     p.add_argument("--format", choices=["csv", "jsonl", "parquet"], help="default: from the file suffix")
     p.add_argument("--model", default="", help="model name for meta.model (default: 'imported')")
-    p.add_argument("--num-experts", type=int, help="experts per layer (default: largest expert id + 1)")
-    p.add_argument("--top-k", type=int, help="experts per token (default: the length of the first row's list)")
-    p.add_argument("--vocab-size", type=int, help="tokenizer vocabulary size (default: largest token id + 1)")
+    p.add_argument("--num-experts", type=cli.positive, help="experts per layer (default: largest expert id + 1)")
+    p.add_argument("--top-k", type=cli.positive, help="experts per token (default: the length of the first row's list)")
+    p.add_argument("--vocab-size", type=cli.positive, help="tokenizer vocabulary size (default: largest token id + 1)")
     p.add_argument("--dataset", help="dataset name (default: the input file's stem)")
     p.add_argument("--tokenizer", default="", help="tokenizer the token ids come from, for meta.tokenizer")
     p.add_argument("--token-col", help="default: token_id if present (ids), else token (surface strings)")
@@ -43,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--label-col", help="default: label if present")
     p.add_argument("--phase-col", help="prefill/decode per token; default: phase if present")
     p.add_argument("--prefill-len-col", help="prompt length per request; default: prefill_len if present")
-    p.add_argument("--batch-rows", type=int, default=DEFAULT_BATCH_ROWS,
+    p.add_argument("--batch-rows", type=cli.positive, default=DEFAULT_BATCH_ROWS,
                    help=f"rows read and checked at once; bounds memory (default {DEFAULT_BATCH_ROWS:,})")
     return p
 

@@ -24,12 +24,12 @@ Legend: S shards, R requests, N tokens, L MoE layers, k experts per token.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 from pathlib import Path
 
+from repro import cli
 from repro.atomic import atomic_write_text
 from repro.errors import ReproError, TraceError
 from repro.traces.format import combine_shards, read_sharded_trace, read_trace  # noqa: F401 (read_sharded_trace: public here too)
@@ -62,7 +62,7 @@ def write_manifest(out: str | os.PathLike, shard_dirs: list, overwrite: bool = F
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m repro.traces.shards", description=__doc__.split("\n\n")[0])
+    parser = cli.ArgumentParser(prog="python -m repro.traces.shards", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     combine = sub.add_parser("combine", help="write OUT/shards.json over existing trace directories (no copies)")
     combine.add_argument("out")

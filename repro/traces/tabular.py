@@ -222,20 +222,35 @@ def check_json_depth(path: Path, limit: int = MAX_JSON_DEPTH) -> None:
     """Refuse a JSON Lines file with a value nested deeper than `limit` ([ and { outside strings), streaming.
 
     pyarrow's JSON reader recurses per level: a value nested 50,000 deep crashed the process (segfault) and
-    10,000 deep ran for minutes. The file is read in whole lines; a block whose lines open at most `limit`
-    brackets each (strings included: an upper bound) passes at once, any other is scanned exactly."""
+    10,000 deep ran for minutes. The file is read as pyarrow reads it (a .gz / .bz2 / .zst / .lz4 name is
+    decompressed: a compressed file once skipped this check) in whole lines; a block whose lines open at most
+    `limit` brackets each (strings included: an upper bound) passes at once, any other is scanned exactly."""
     lines = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(DEPTH_SCAN_BYTES) + f.readline():  # whole lines: every value starts at depth 0
-            b = np.frombuffer(chunk, dtype=np.uint8)
-            opens = (b == ord("[")) | (b == ord("{"))
-            if _most_opens_on_a_line(b, opens) > limit and (at := _first_too_deep(b, opens, limit)) >= 0:
-                line = lines + chunk.count(b"\n", 0, at) + 1
-                raise TraceError(
-                    f"{path} nests a value more than {limit} levels deep (line {line}); "
-                    "a routing table's rows are flat: fix the file or export it again."
-                )
-            lines += chunk.count(b"\n")
+    for chunk in _line_blocks(path):
+        b = np.frombuffer(chunk, dtype=np.uint8)
+        opens = (b == ord("[")) | (b == ord("{"))
+        if _most_opens_on_a_line(b, opens) > limit and (at := _first_too_deep(b, opens, limit)) >= 0:
+            line = lines + chunk.count(b"\n", 0, at) + 1
+            raise TraceError(
+                f"{path} nests a value more than {limit} levels deep (line {line}); "
+                "a routing table's rows are flat: fix the file or export it again."
+            )
+        lines += chunk.count(b"\n")
+
+
+def _line_blocks(path: Path) -> Iterator[bytes]:
+    """The file's bytes, decompressed as pyarrow's readers decompress them, in blocks of whole lines of about
+    DEPTH_SCAN_BYTES (a longer line is one block)."""
+    with pa.input_stream(str(path), compression="detect") as stream:
+        rest = b""
+        while block := stream.read(DEPTH_SCAN_BYTES):
+            data = rest + block
+            cut = data.rfind(b"\n") + 1
+            rest = data[cut:]
+            if cut:
+                yield data[:cut]
+        if rest:
+            yield rest
 
 
 def _most_opens_on_a_line(b: np.ndarray, opens: np.ndarray) -> int:
@@ -247,14 +262,26 @@ def _most_opens_on_a_line(b: np.ndarray, opens: np.ndarray) -> int:
 
 
 def _first_too_deep(b: np.ndarray, opens: np.ndarray, limit: int) -> int:
-    """Index of the first byte nesting deeper than `limit` outside strings (a quote after a backslash does not
-    toggle the in-string state), or -1."""
-    quote = b == ord('"')
-    quote[1:] &= b[:-1] != ord("\\")
-    inside = np.cumsum(quote, dtype=np.int32) % 2 == 1  # in a string (its opening quote too)
+    """Index of the first byte nesting deeper than `limit` outside strings, or -1. A quote toggles the in-string
+    state unless an odd run of backslashes precedes it (`"r1\\\\"` ends its string: a rule of "the byte before is a
+    backslash" hid the nesting after it); quotes and levels start afresh on every line, so a malformed line cannot
+    hide the next one's nesting."""
+    index = np.arange(len(b))
+    line_start = np.maximum.accumulate(np.where(b == ord("\n"), index, -1))  # last newline at or before each byte
+    backslash = b == ord("\\")
+    last_other = np.maximum.accumulate(np.where(backslash, -1, index))  # last byte that is not a backslash
+    run_before = np.zeros(len(b), dtype=np.int64)  # backslashes just before each byte
+    run_before[1:] = index[:-1] - last_other[:-1]
+    quote = (b == ord('"')) & (run_before % 2 == 0)
+    inside = _since_line_start(np.cumsum(quote, dtype=np.int64), line_start) % 2 == 1  # its opening quote too
     closes = (b == ord("]")) | (b == ord("}"))
-    level = np.cumsum(np.where(inside, 0, opens.astype(np.int32) - closes), dtype=np.int32)
+    level = _since_line_start(np.cumsum(np.where(inside, 0, opens.astype(np.int64) - closes)), line_start)
     return int(np.argmax(level > limit)) if level.max() > limit else -1
+
+
+def _since_line_start(running: np.ndarray, line_start: np.ndarray) -> np.ndarray:
+    """A running sum restarted after every newline (line_start: index of the last newline at or before each byte)."""
+    return running - np.where(line_start >= 0, running[np.maximum(line_start, 0)], 0)
 
 
 def _columns_of(path: Path, fmt: str) -> list[str]:
