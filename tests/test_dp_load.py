@@ -138,20 +138,41 @@ def test_without_an_engine_a_load_balancer_reads_what_it_handed_out(heavy_tail):
     assert tokens.max() / tokens.mean() < 1.1  # round robin: 2000 x 40 tokens on rank 0 alone, max/mean ~ 7.5
 
 
-def test_load_aware_semmoe_keeps_locality_at_light_load_and_sheds_it_under_a_backlog():
+@pytest.fixture(scope="module")
+def cliques():
     """Disjoint cliques: class c's tokens come from vocabulary block c and route to experts 8c..8c+7, so the
     co-clustering puts each clique on one device and affinity can serve every activation locally."""
     rng = np.random.default_rng(3)
     classes = rng.integers(0, DEVICES, 400)
-    trace = planted_trace(np.full(400, 24), seed=3, token_block=classes, expert_block=classes)
+    return planted_trace(np.full(400, 24), seed=3, token_block=classes, expert_block=classes)
+
+
+@pytest.mark.parametrize("rule, slack", [("shortest_queue", 0.0), ("wait", 1.0)])  # the configured default; wait
+def test_load_aware_semmoe_keeps_locality_at_light_load(cliques, rule, slack):
     parallel = ParallelConfig(devices=DEVICES, attention="dp")
-    semmoe = make_system("semmoe", dp_scheduler="load", dp_balance_weight=0.0, n_starts=1, polish_rounds=0,
-                         n_steps=2, ft_steps=0)
-    plan = semmoe.fit(trace, parallel, np.random.default_rng(0))
-    ep = make_system("shortest_queue").fit(trace, parallel, np.random.default_rng(0))
+    semmoe = make_system("semmoe", dp_scheduler="load", dp_load_rule=rule, dp_load_slack=slack, n_starts=1,
+                         polish_rounds=0, n_steps=2, ft_steps=0)
+    plan = semmoe.fit(cliques, parallel, np.random.default_rng(0))
+    balancer = make_system("shortest_queue").fit(cliques, parallel, np.random.default_rng(0))
     light = np.arange(200) * 0.05  # one request every 50 ms: every rank idle at each arrival
-    lar = {name: serve(p, trace, light).per_rate.iloc[0]["lar"] for name, p in (("semmoe", plan), ("ep", ep))}
+    lar = {name: serve(p, cliques, light).per_rate.iloc[0]["lar"] for name, p in (("semmoe", plan), ("ep", balancer))}
     assert lar["semmoe"] > 0.9 and lar["ep"] < 0.3, lar
+    if rule == "shortest_queue":
+        # without an engine the plan's own handed-out counts are the queue: exactly Algorithm 2's round-robin mask
+        args = (cliques.token_ids, cliques.offsets, cliques.prefill_len)
+        plan.reset()
+        load_aware = plan.assign_requests(*args)
+        plan.dp_scheduler = "paper"
+        plan.reset()
+        np.testing.assert_array_equal(load_aware, plan.assign_requests(*args))
+
+
+def test_load_aware_semmoe_sheds_locality_under_a_backlog(cliques):
+    parallel = ParallelConfig(devices=DEVICES, attention="dp")
+    semmoe = make_system("semmoe", dp_scheduler="load", dp_load_rule="wait", dp_load_slack=1.0, n_starts=1,
+                         polish_rounds=0, n_steps=2, ft_steps=0)
+    plan = semmoe.fit(cliques, parallel, np.random.default_rng(0))
+    trace = cliques
     # the favourite rank keeps a request while its backlog is within the slack (1 iteration), not beyond
     prompt = np.asarray(trace.token_ids[: int(trace.offsets[1])])
     args = (prompt, np.array([0, len(prompt)]), np.array([len(prompt)]))

@@ -20,7 +20,7 @@ REGISTRY: dict[str, str] = {
     "gimbal": "repro.systems.dp_balance:Gimbal",
     "least_wait": "repro.systems.dp_balance:LeastWait",  # Sem-MoE dp_scheduler=load's load rule without affinity
     "semmoe": "repro.systems.semmoe:SemMoE",
-    # the paper's Attention-DP scheduler (Algorithm 2) for the reproduction verdict; semmoe defaults to dp_scheduler=time
+    # the paper's Attention-DP scheduler (Algorithm 2) for the reproduction verdict; semmoe defaults to dp_scheduler=load
     "semmoe_paper": "repro.systems.semmoe:SemMoEPaper",
     # beyond the paper: r extra slots per device filled by co-clustering, or with the hottest experts (baseline)
     "semmoe_replicated": "repro.systems.semmoe.replicate:SemMoEReplicated",

@@ -3,8 +3,9 @@
 One file per algorithm, each readable on its own (its docstring has the shape legend and the method):
   cocluster.py  Algorithm 1, offline: balanced token-expert co-clustering -> expert placement.
   dp.py         Algorithm 2, Attention-DP: request scoring and the round-robin dev_mask assignment, online
-                or jointly per mask window (batch_window, looks ahead); and the time-aware online scheduler
-                that balances queued tokens instead of request counts (dp_scheduler=time).
+                or jointly per mask window (batch_window, looks ahead); the time-aware online scheduler
+                that balances queued tokens instead of request counts (dp_scheduler=time); and the load-aware one
+                that reads the engine's live state (dp_scheduler=load, the configured default).
   tp.py         Algorithm 3, online Attention-TP: predicted device per token and the align to equal slices.
   system.py     `SemMoE` (fit: Algorithm 1 on a profile, then the online tables) and `SemMoEPlan`.
 
