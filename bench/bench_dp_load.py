@@ -16,7 +16,9 @@ from repro.parallel import ParallelConfig
 from repro.systems import make_system
 from repro.systems.load import RankLoad
 
-SYSTEMS = ("shortest_queue", "minimum_tokens", "vllm_dp", "balance_route", "gimbal", "least_wait", "semmoe_load")
+SYSTEMS = ("shortest_queue", "minimum_tokens", "vllm_dp", "balance_route", "gimbal", "least_wait")
+# Sem-MoE dp_scheduler=load under its configured default rule and under the wait rule
+SEMMOE_RULES = {"semmoe_load_shortest_queue": ("shortest_queue", 0.0), "semmoe_load_wait": ("wait", 1.0)}
 
 
 def decision_rate(plan, token_ids: np.ndarray, prompt_len: int, num_requests: int, devices: int) -> float:
@@ -44,11 +46,10 @@ def run(quick: bool, devices: int = 8, prompt_len: int = 1024) -> dict:
     num_requests = 1000 if quick else 20_000
     token_ids = rng.integers(129_280, size=num_requests * prompt_len).astype(np.int32)
     out = {"devices": devices, "prompt_len": prompt_len, "requests": num_requests}
-    for name in SYSTEMS:
-        if name == "semmoe_load":
-            system = make_system("semmoe", n_steps=2, dp_scheduler="load")
-        else:
-            system = make_system(name)
+    systems = {name: make_system(name) for name in SYSTEMS}
+    systems |= {name: make_system("semmoe", n_steps=2, dp_scheduler="load", dp_load_rule=rule, dp_load_slack=slack)
+                for name, (rule, slack) in SEMMOE_RULES.items()}
+    for name, system in systems.items():
         plan = system.fit(profile, parallel, np.random.default_rng(0))
         rate = max(decision_rate(plan, token_ids, prompt_len, num_requests, devices) for _ in range(1 if quick else 3))
         out[f"{name}_requests_per_s"] = rate

@@ -273,7 +273,7 @@ def test_write_report_includes_the_paper_section(runs, tmp_path):
 
 def test_the_paper_figures_judge_algorithm_2_in_attention_dp():
     """Where a DP experiment ran semmoe_paper, the paper figures call it semmoe and the time-aware default
-    semmoe_time; TP rows and experiments without semmoe_paper are unchanged."""
+    semmoe_load; TP rows and experiments without semmoe_paper are unchanged."""
     import pandas as pd
 
     from repro.figures.paper import as_the_papers_system
@@ -282,7 +282,7 @@ def test_the_paper_figures_judge_algorithm_2_in_attention_dp():
         "experiment": ["a", "a", "a", "b", "c"], "attention": ["dp", "dp", "dp", "dp", "tp"],
         "system": ["ep", "semmoe", "semmoe_paper", "semmoe", "semmoe"]})
     renamed = as_the_papers_system(summary)
-    assert renamed["system"].tolist() == ["ep", "semmoe_time", "semmoe", "semmoe", "semmoe"]
+    assert renamed["system"].tolist() == ["ep", "semmoe_load", "semmoe", "semmoe", "semmoe"]
     assert summary["system"].tolist()[1:3] == ["semmoe", "semmoe_paper"]  # the input is left alone
 
 

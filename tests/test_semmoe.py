@@ -314,14 +314,15 @@ def test_online_is_the_default_in_code_and_config():
     assert SemMoE(**params).dp_token_price == 0.0
 
 
-def test_time_scheduler_is_the_configured_default_and_the_paper_one_stays_selectable():
-    """conf/system/semmoe.yaml runs dp_scheduler=time (chosen on validate, see its comment); the class default and
-    system=semmoe_paper run the paper's Algorithm 2, which refuses a time weight."""
+def test_load_scheduler_is_the_configured_default_and_the_paper_one_stays_selectable():
+    """conf/system/semmoe.yaml runs dp_scheduler=load with the engines' shortest queue and no slack (chosen by
+    serving on validate, see its comment); the class default and system=semmoe_paper run the paper's Algorithm 2,
+    which refuses a time weight."""
     from omegaconf import OmegaConf
 
     params = OmegaConf.to_container(OmegaConf.load("conf/system/semmoe.yaml"))["params"]
-    assert params["dp_scheduler"] == "time" and params["dp_balance_weight"] > 0
-    assert SemMoE(**params).dp_scheduler == "time" and SemMoE().dp_scheduler == "paper"
+    assert (params["dp_scheduler"], params["dp_load_rule"], params["dp_load_slack"]) == ("load", "shortest_queue", 0)
+    assert SemMoE(**params).dp_scheduler == "load" and SemMoE().dp_scheduler == "paper"
     paper = OmegaConf.to_container(OmegaConf.load("conf/system/semmoe_paper.yaml"))["params"]
     assert make_system("semmoe_paper", **{**params, **paper}).dp_scheduler == "paper"
     with pytest.raises(ConfigError, match="semmoe_paper runs the paper's DP scheduler"):
@@ -336,8 +337,9 @@ def stream(token_ids, lengths):
 @pytest.mark.parametrize(
     "params",
     [{}, {"load_aware_lambda": 0.5}, {"dp_window": 2}, {"dp_scoring": "expected"},
-     {"dp_scheduler": "time", "dp_balance_weight": 0.5}, {"dp_scheduler": "time", "dp_balance_weight": 0.0}],
-    ids=["masked_argmax", "load_aware", "wider_window", "expected_scores", "time", "time_affinity_only"],
+     {"dp_scheduler": "time", "dp_balance_weight": 0.5}, {"dp_scheduler": "time", "dp_balance_weight": 0.0},
+     {"dp_scheduler": "load", "dp_load_rule": "shortest_queue", "dp_load_slack": 0.0}],
+    ids=["masked_argmax", "load_aware", "wider_window", "expected_scores", "time", "time_affinity_only", "engine_load"],
 )
 def test_online_rank_of_a_request_ignores_later_prompts(community_split, params):
     # black box: assign a stream; rewrite every prompt after request i (new tokens, new lengths); reassign from a

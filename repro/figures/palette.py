@@ -20,7 +20,7 @@ SYSTEM_COLORS = {
     "moetuner": "#dd8452",
     "semmoe": "#c44e52",
     "semmoe_paper": "#e377c2",  # Algorithm 2 (the paper's DP scheduler); in the paper figures it is named semmoe
-    "semmoe_time": "#937860",  # the time-aware default, when the paper figures name Algorithm 2 semmoe
+    "semmoe_load": "#937860",  # the load-aware default, when the paper figures name Algorithm 2 semmoe
     "semmoe_exact": "#7f7f7f",
     "semmoe_replicated": "#8172b3",
     "semmoe_hottest": "#da8bc3",

@@ -871,14 +871,14 @@ FIGURES = (fig1_breakdown, fig4_latency_throughput, tables5_6_throughput_under_s
 
 def as_the_papers_system(summary: pd.DataFrame) -> pd.DataFrame:
     """summary with the paper's Sem-MoE named `semmoe` in every experiment: in Attention-DP that is Algorithm 2
-    (system=semmoe_paper) wherever an experiment ran it, and the suite's time-aware default is then `semmoe_time`
+    (system=semmoe_paper) wherever an experiment ran it, and the suite's load-aware default is then `semmoe_load`
     (the paper's figures judge the paper's algorithm, not ours). Rows of other experiments are unchanged."""
     if "system" not in summary or "attention" not in summary:
         return summary
     summary = summary.copy()
     for _, rows in summary[summary["attention"] == "dp"].groupby("experiment"):
         if "semmoe_paper" in set(rows["system"]):
-            renamed = rows["system"].replace({"semmoe": "semmoe_time", "semmoe_paper": "semmoe"})
+            renamed = rows["system"].replace({"semmoe": "semmoe_load", "semmoe_paper": "semmoe"})
             summary.loc[rows.index, "system"] = renamed
     return summary
 
@@ -898,7 +898,7 @@ def paper_section(summary: pd.DataFrame, out_dir: str | Path) -> list[str]:
             "small, replayed or synthetic model rather than the paper's is said so in bold at each result; "
             "simulated absolute times are uncalibrated, so ratios between systems are the result. In Attention-DP, "
             "Sem-MoE here is the paper's Algorithm 2 (`system=semmoe_paper`) wherever the experiment ran it; the "
-            "suite's time-aware default is in the per-experiment sections. Table 1 and "
+            "suite's load-aware default is in the per-experiment sections. Table 1 and "
             "Tables 3-4 are in the per-experiment sections below.", "", *headline(summary), *body]
 
 
