@@ -136,9 +136,10 @@ def test_cli_batch_rows(tmp_path, capsys):
     path = write_table(small_table(), tmp_path / "in.csv")
     assert cli.main([str(path), "--out", str(tmp_path / "a"), "--batch-rows", "3"]) == 0
     assert read_trace(tmp_path / "a").num_tokens == 4
-    assert cli.main([str(path), "--out", str(tmp_path / "b"), "--batch-rows", "0"]) == 2
+    with pytest.raises(SystemExit) as refused:  # refused while parsing, before anything is read or written
+        cli.main([str(path), "--out", str(tmp_path / "b"), "--batch-rows", "0"])
     err = capsys.readouterr().err
-    assert "batch_rows is 0; use an integer of at least 1" in err and not (tmp_path / "b").exists()
+    assert refused.value.code == 2 and "--batch-rows" in err and "got '0'" in err and not (tmp_path / "b").exists()
 
 
 def test_sigterm_during_import_leaves_no_trace(tmp_path):
