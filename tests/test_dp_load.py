@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from test_sim import load_yaml, random_routing, sim_config
 
+from repro.errors import ConfigError
 from repro.eval.accounting import home_devices
 from repro.parallel import ParallelConfig
 from repro.sim import simulate
@@ -45,6 +46,8 @@ def test_each_rule_ranks_as_its_source_does():
     assert np.argmin(rank_load(near_full, "balance_route", 10, 50)) == 1
     # wait: queued prefill over the budget its decodes leave (rank 0: 60 / 40 > rank 1: 90 / 90)
     assert np.argmin(rank_load(view(prefill=(50, 80), decoding=(60, 10)), "wait", 10, 20)) == 1
+    with pytest.raises(ConfigError, match="unknown DP load rule 'nope'"):
+        rank_load(view(), "nope", 10, 20)
 
 
 def test_slack_argmax_lets_affinity_choose_only_among_near_least_loaded_ranks():

@@ -65,10 +65,6 @@ class RankLoad:
     max_batched_tokens: int
     max_running_requests: int = 1 << 62
 
-    @property
-    def num_ranks(self) -> int:
-        return len(self.running)
-
     @classmethod
     def idle(cls, num_ranks: int, kv_capacity_tokens: int, max_batched_tokens: int,
              max_running_requests: int = 1 << 62) -> RankLoad:
@@ -97,7 +93,8 @@ def rank_load(view: RankLoad, rule: str, prompt_len: int, request_tokens: int) -
         kv = (view.kv_used_tokens + request_tokens) / max(view.kv_capacity_tokens, 1)
         tokens = (view.decoding + view.queued_prefill_tokens + prompt_len) / max(view.max_batched_tokens, 1)
         return margin_price(kv) + margin_price(tokens)
-    raise ConfigError(f"unknown DP load rule {rule!r}; choose one of {LOAD_RULES}.")
+    check_rule(rule)  # raises: every known rule returned above
+    raise AssertionError(rule)
 
 
 def margin_price(utilisation: np.ndarray) -> np.ndarray:
