@@ -24,8 +24,8 @@ from repro.figures.palette import series_style  # noqa: E402
 from repro.figures.paper import paper_section  # noqa: E402
 from repro.figures.render import FRACTIONS, markdown_table, metric_axis, save_png  # noqa: E402
 from repro.figures.replication import replication_section  # noqa: E402
-from repro.figures.table2 import table2_section  # noqa: E402
 from repro.figures.serving import gain_split_section, sign_section  # noqa: E402
+from repro.figures.table2 import table2_section  # noqa: E402
 from repro.figures.trust import trust_section  # noqa: E402
 from repro.figures.verdict import verdict_section  # noqa: E402
 
