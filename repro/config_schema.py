@@ -9,7 +9,7 @@ those its conf/<group>/*.yaml options define, so a key a yaml adds is known with
 that no option defines is refused. Each group's own check lives with its code and is called from here
 (repro.parallel's check_parallel, repro.workloads.config's check_workload, the routing producers'
 check_*_config, repro.sim.hardware's check_hardware_config, repro.tracking's check_logger, repro.sim.simulate's
-check_sim_table / check_sim_config, repro.exec.config's check_exec_table / check_exec_fields,
+check_sim_table / check_sim_config, repro.exec_config's check_exec_table / check_exec_fields,
 repro.tune_config's check_tune_config). System parameters are checked against the
 system class's signature and annotations. The schema only composes: it sits below the entry points that call it
 (run, tune, exec) and imports none of them (tests/test_layers.py).
@@ -219,7 +219,7 @@ def check_sim(sim: dict) -> None:
 
 
 def check_exec(exec_cfg: dict, parallel) -> None:
-    from repro.exec.config import check_exec_fields, check_exec_table  # the group's own check, torch-free
+    from repro.exec_config import check_exec_fields, check_exec_table  # the group's own check, torch-free
 
     check_exec_table(exec_cfg)
     check_exec_fields(exec_cfg, parallel)

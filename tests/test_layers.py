@@ -13,14 +13,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS = [
     ("repro.errors", "repro.atomic", "repro.config_values", "repro.parallel", "repro.jobdir", "repro.tracking",
-     "repro.tune_config", "repro.cli", "repro.exec.config"),  # exec.config: the exec group's check, torch-free
+     "repro.tune_config", "repro.cli", "repro.exec_config"),  # exec_config: the exec group's check, torch-free
     ("repro.traces",),
     ("repro.workloads",),
     ("repro.routing",),
     ("repro.affinity",),
     ("repro.systems",),
     ("repro.kernels",),
-    ("repro.eval.counting",),
+    ("repro.sim.counting",),  # exact counting under both the evaluator and the cost model
     ("repro.sim.hardware", "repro.sim.shapes", "repro.sim.traffic", "repro.sim.costs"),  # the one cost model
     ("repro.eval",),
     ("repro.sim",),

@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from repro.errors import ConfigError, ReproError
-from repro.exec.config import DIST_BACKENDS
+from repro.exec_config import DIST_BACKENDS
 
 TERMINATE_GRACE_S = 3.0  # after a SIGTERM to the driver, how long its ranks get to exit before SIGKILL
 PARENT_POLL_S = 1.0  # how often a rank checks that its driver is still its parent

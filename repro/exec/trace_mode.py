@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from repro.errors import ConfigError, TraceError
-from repro.exec.config import (  # noqa: F401  ExecConfig and the checks are part of this module's API
+from repro.exec_config import (  # noqa: F401  ExecConfig and the checks are part of this module's API
     DEFAULT_ATOL,
     EXEC_MODES,
     EXEC_TABLE,
@@ -77,7 +77,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 def check_exec_config(exec_cfg: ExecConfig | dict, parallel, world_size: int | None = None) -> ExecConfig:
-    """check_exec_fields (repro.exec.config), then what depends on this machine: the kernel backend on its device."""
+    """check_exec_fields (repro.exec_config), then what depends on this machine: the kernel backend on its device."""
     exec_cfg = check_exec_fields(exec_cfg, parallel, world_size)
     resolve_kernel_backend(exec_cfg.kernel_backend, torch.device("cuda" if exec_cfg.backend == "nccl" else "cpu"))
     return exec_cfg

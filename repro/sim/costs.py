@@ -34,7 +34,7 @@ import numba
 import numpy as np
 
 from repro.errors import ConfigError
-from repro.eval.counting import count_rows_at
+from repro.sim.counting import count_rows_at
 from repro.sim.hardware import Backend, Hardware, Phase, interpolate
 from repro.sim.shapes import ModelShape, RoutingMap
 from repro.sim.traffic import BatchTraffic

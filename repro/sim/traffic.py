@@ -1,7 +1,7 @@
 """Where the tokens of a batch are served and which copies cross devices: the evaluator's counting, per iteration.
 
 `batch_traffic` is the per-iteration form of `repro.eval.accounting.account` (both count with
-`repro.eval.counting.count_rows`; tests check them equal):
+`repro.sim.counting.count_rows`; tests check them equal):
 activation (token n, layer l, slot j) of a token living on device s is served by physical slot
 slot_table[l, s, expert] on device dst = slot // slots_per_device; a token travels once to each distinct remote
 device (DeepEP's per-rank dedup), and once to each distinct remote node where the backend forwards inside the
@@ -20,7 +20,7 @@ from typing import NamedTuple
 import numpy as np
 
 from repro.errors import ConfigError
-from repro.eval.counting import count_rows, count_rows_at
+from repro.sim.counting import count_rows, count_rows_at
 from repro.systems.base import Placement
 
 
@@ -73,11 +73,8 @@ def batch_traffic(
     slot_table_LDE int[L, D, E] from `dispatch_slots`. Returns BatchTraffic (shapes in its docstring).
     """
     num_layers, num_devices, _ = slot_table_LDE.shape
-    num_nodes = -(-num_devices // devices_per_node)
-    activations = np.zeros((num_groups, num_layers, num_devices, num_devices), dtype=np.int64)
-    copies = np.zeros_like(activations)
-    node_copies = np.zeros((num_groups, num_layers, num_devices, num_nodes if num_nodes > 1 else 0), dtype=np.int64)
-    slot_tokens = np.zeros((num_groups, num_layers, num_devices * slots_per_device), dtype=np.int64)
+    num_nodes, (activations, copies, node_copies, slot_tokens) = _zero_tables(
+        num_groups, num_layers, num_devices, devices_per_node, slots_per_device)
     bad_row = count_rows(np.asarray(group_N), home_NL, np.asarray(experts_NLk), slot_table_LDE,
                          slot_table_LDE // slots_per_device, devices_per_node, activations, copies, node_copies,
                          slot_tokens)
@@ -86,6 +83,17 @@ def batch_traffic(
                           f"({slot_table_LDE.shape[2]} experts, {num_devices} devices); check the trace's model.")
     return BatchTraffic(activations=activations, copies=copies,
                         node_copies=node_copies if num_nodes > 1 else None, slot_tokens=slot_tokens)
+
+
+def _zero_tables(num_groups: int, num_layers: int, num_devices: int, devices_per_node: int,
+                 slots_per_device: int) -> tuple[int, tuple[np.ndarray, ...]]:
+    """(nodes, the four zeroed int64 tables of BatchTraffic the counting loop fills; node_copies has 0 columns
+    on one node)."""
+    num_nodes = -(-num_devices // devices_per_node)
+    activations = np.zeros((num_groups, num_layers, num_devices, num_devices), dtype=np.int64)
+    node_copies = np.zeros((num_groups, num_layers, num_devices, num_nodes if num_nodes > 1 else 0), dtype=np.int64)
+    slot_tokens = np.zeros((num_groups, num_layers, num_devices * slots_per_device), dtype=np.int64)
+    return num_nodes, (activations, np.zeros_like(activations), node_copies, slot_tokens)
 
 
 def device_tables(slot_table_LDE: np.ndarray, slots_per_device: int) -> tuple[np.ndarray, np.ndarray]:
@@ -104,11 +112,8 @@ def stream_traffic(rows_N: np.ndarray, group_N: np.ndarray, home_NL: np.ndarray,
     `device_tables`, and int64[G, 3] per group: activations, local activations, remote copies (what the engine
     reports)."""
     num_layers, num_devices, _ = slot_table_LDE.shape
-    num_nodes = -(-num_devices // devices_per_node)
-    activations = np.zeros((num_groups, num_layers, num_devices, num_devices), dtype=np.int64)
-    copies = np.zeros_like(activations)
-    node_copies = np.zeros((num_groups, num_layers, num_devices, num_nodes if num_nodes > 1 else 0), dtype=np.int64)
-    slot_tokens = np.zeros((num_groups, num_layers, num_devices * slots_per_device), dtype=np.int64)
+    num_nodes, (activations, copies, node_copies, slot_tokens) = _zero_tables(
+        num_groups, num_layers, num_devices, devices_per_node, slots_per_device)
     stats = np.zeros((num_groups, 3), dtype=np.int64)
     bad_row = count_rows_at(np.arange(len(rows_N)), rows_N, group_N, home_NL, experts_RLk, slot_table_LDE, device_tables_[0], device_tables_[1],
                             devices_per_node, activations, copies, node_copies, slot_tokens, stats)
