@@ -100,8 +100,8 @@ def test_config_check_tables_name_the_keys_the_code_reads():
 
 
 def test_the_torch_free_exec_check_names_the_kernel_backends_and_dtypes_the_executor_has():
-    from repro.exec_config import DTYPE_NAMES, KERNEL_BACKENDS
     from repro.exec.trace_mode import DTYPES
+    from repro.exec_config import DTYPE_NAMES, KERNEL_BACKENDS
     from repro.kernels import BACKENDS
 
     assert KERNEL_BACKENDS == BACKENDS and sorted(DTYPE_NAMES) == sorted(DTYPES)

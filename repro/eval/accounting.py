@@ -27,8 +27,8 @@ import numpy as np
 import pandas as pd
 
 from repro.errors import ConfigError, ReproError, TraceError
-from repro.sim.counting import count_rows
 from repro.eval.time_cost import PARTS, TimeModel, time_estimate  # imports repro.sim only when a time is priced
+from repro.sim.counting import count_rows
 from repro.systems.base import Plan
 from repro.traces import RoutingTrace
 

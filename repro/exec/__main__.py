@@ -49,6 +49,7 @@ def check_torchrun_world_size(parallel) -> None:
 def torchrun_job(config: dict, out_dir: Path) -> None:
     """This process's part of a torchrun exec job; only rank 0 writes (staged, then published as repro.run does)."""
     from repro.exec.trace_mode import ExecConfig, run_exec_job
+
     # layer: `python -m repro.exec` is an entry point beside repro.run (the layer above the executor), so it uses
     # the runner's job steps; it is the only file of repro/exec that imports upward, and only at call time
     from repro.run import build_traces, fit_and_evaluate, make_job, publish_job, staging_dir

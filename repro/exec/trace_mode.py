@@ -51,15 +51,6 @@ import torch
 import torch.distributed as dist
 
 from repro.errors import ConfigError, TraceError
-from repro.exec_config import (  # noqa: F401  ExecConfig and the checks are part of this module's API
-    DEFAULT_ATOL,
-    EXEC_MODES,
-    EXEC_TABLE,
-    MODEL_LOGIT_ATOL,
-    ExecConfig,
-    check_exec_fields,
-    check_exec_table,
-)
 from repro.exec.launch import in_torchrun, join, launch, worker_device
 from repro.exec.moe import (
     COLLECTIVES,
@@ -69,6 +60,15 @@ from repro.exec.moe import (
     resolve_kernel_backend,
     shuffled_all_gather,
     shuffled_reduce_scatter,
+)
+from repro.exec_config import (  # noqa: F401  ExecConfig and the checks are part of this module's API
+    DEFAULT_ATOL,
+    EXEC_MODES,
+    EXEC_TABLE,
+    MODEL_LOGIT_ATOL,
+    ExecConfig,
+    check_exec_fields,
+    check_exec_table,
 )
 from repro.systems.base import Plan
 from repro.traces import RoutingTrace, select_requests
