@@ -1,4 +1,4 @@
-"""repro.sim.counting.count_rows, the compiled loop under `account` and `batch_traffic`, against the definition
+"""repro.counting.count_rows, the compiled loop under `account` and `batch_traffic`, against the definition
 counted one activation at a time in Python."""
 
 import numpy as np
@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from repro.counting import count_rows
 from repro.errors import ConfigError
-from repro.sim.counting import count_rows
 from repro.sim.traffic import batch_traffic
 
 

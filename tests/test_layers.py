@@ -20,7 +20,7 @@ LAYERS = [
     ("repro.affinity",),
     ("repro.systems",),
     ("repro.kernels",),
-    ("repro.sim.counting",),  # exact counting under both the evaluator and the cost model
+    ("repro.counting",),  # exact counting under both the evaluator and the cost model
     ("repro.sim.hardware", "repro.sim.shapes", "repro.sim.traffic", "repro.sim.costs"),  # the one cost model
     ("repro.eval",),
     ("repro.sim",),

@@ -16,7 +16,7 @@ imbalance). With replicated experts the serving replica is the placement's stati
 (`Placement.dispatch_device`: local, then nearest, then least loaded), so expert load splits across replicas
 exactly as that rule sends it, and `served_activations` counts what every replica served (unused replicas are
 reported as waste). Everything is counted exactly in integers, in token chunks (a memory-mapped trace is read one
-chunk at a time) by the compiled loop of `repro.sim.counting`.
+chunk at a time) by the compiled loop of `repro.counting`.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 import pandas as pd
 
+from repro.counting import count_rows
 from repro.errors import ConfigError, ReproError, TraceError
 from repro.eval.time_cost import PARTS, TimeModel, time_estimate  # imports repro.sim only when a time is priced
-from repro.sim.counting import count_rows
 from repro.systems.base import Plan
 from repro.traces import RoutingTrace
 

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
+from repro.counting import count_rows_at
 from repro.errors import ConfigError
-from repro.sim.counting import count_rows_at
 from repro.sim.hardware import Backend, Hardware, Phase, interpolate
 from repro.sim.shapes import ModelShape, RoutingMap
 from repro.sim.traffic import BatchTraffic

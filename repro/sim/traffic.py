@@ -1,7 +1,7 @@
 """Where the tokens of a batch are served and which copies cross devices: the evaluator's counting, per iteration.
 
 `batch_traffic` is the per-iteration form of `repro.eval.accounting.account` (both count with
-`repro.sim.counting.count_rows`; tests check them equal):
+`repro.counting.count_rows`; tests check them equal):
 activation (token n, layer l, slot j) of a token living on device s is served by physical slot
 slot_table[l, s, expert] on device dst = slot // slots_per_device; a token travels once to each distinct remote
 device (DeepEP's per-rank dedup), and once to each distinct remote node where the backend forwards inside the
@@ -19,8 +19,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from repro.counting import count_rows, count_rows_at
 from repro.errors import ConfigError
-from repro.sim.counting import count_rows, count_rows_at
 from repro.systems.base import Placement
 
 
