@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from repro.errors import ConfigError, ReproError
-from repro.sim.engine import Engine, EngineConfig, Requests, RunResult
+from repro.sim.engine import COMPILED_FORMS, Engine, EngineConfig, Requests, RunResult
 from repro.sim.hardware import Hardware
 from repro.sim.shapes import ModelShape
 from repro.sim.traffic import dispatch_slots
@@ -150,6 +150,9 @@ class DecodeEngine(Engine):
                 self.pos[r], self.gen[r] = self.req.prompt_len[r], 1
                 self.decoding[r] = True
         return super()._form()
+
+
+COMPILED_FORMS[DecodeEngine._form] = True  # engine_loop.serve's prefilled admission reproduces it
 
 
 class HandoffEngine(Engine):

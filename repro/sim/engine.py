@@ -29,14 +29,14 @@ N token rows of a block, L MoE layers, k experts per token, D devices.
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 
-import numba
 import numpy as np
 
 from repro.errors import ConfigError, ReproError
+from repro.sim import engine_loop
 from repro.sim.costs import COMPONENTS, SEG_KEYS, CostModel
+from repro.sim.engine_loop import _block_rows
 from repro.sim.events import ARRIVAL, STEP_END, EventQueue
 from repro.sim.traffic import device_tables, stream_traffic
 from repro.systems.base import Plan
@@ -148,7 +148,7 @@ class Engine:
         self.pos = np.zeros(num_requests, dtype=np.int64)  # stream positions processed
         self.gen = np.zeros(num_requests, dtype=np.int64)  # tokens generated
         self.decoding = np.zeros(num_requests, dtype=bool)
-        self.waiting = [deque() for _ in range(self.groups)]
+        self.waiting = WaitQueues(self.groups, num_requests)
         self.prefilling: list[list[int]] = [[] for _ in range(self.groups)]
         self.running = np.zeros(self.groups, dtype=np.int64)
         self.kv_used = np.zeros(self.groups, dtype=np.int64)
@@ -166,6 +166,7 @@ class Engine:
         queue = EventQueue()
         for r in np.argsort(arrivals, kind="stable"):
             queue.push(float(arrivals[r]), ARRIVAL, int(r))
+        loop = self._compiled_loop(num_requests)
         busy = False
         while len(queue):
             now, priority, payload = queue.pop()
@@ -176,11 +177,15 @@ class Engine:
                 if not busy:  # wake up after every arrival at this instant has been queued
                     queue.push(now, STEP_END, None)
                     busy = True
+            elif loop is not None:  # this step and the ones after it up to the next queued event, compiled
+                busy = self._steps(loop, payload is not None, now, queue, until)
             else:
                 if payload is not None:
                     self._commit(payload, now)
                 busy = self._start(now, queue)
         self.result.events = queue.popped
+        if loop is not None:
+            self._write_back(loop)
         return self.result
 
     def _arrive(self, r: int) -> None:
@@ -213,6 +218,106 @@ class Engine:
             return False
         r = self.waiting[g][0]
         return self.kv_used[g] + self.req.prompt_len[r] + self.req.output_len[r] <= self.cfg.kv_capacity_tokens
+
+    # ---- the compiled steps (repro/sim/engine_loop.py) ---------------------------------------------------------
+
+    def _compiled_loop(self, num_requests: int) -> dict | None:
+        """The arguments of engine_loop.serve for this run, or None where the steps stay in Python: Attention-TP
+        (the plan's token scheduler runs per layer), a subclass that changes a step (other than DecodeEngine's
+        admission), pricing the compiled kernels decline, or expert ids outside the placement (the Python path
+        raises the error that names the row)."""
+        cls = type(self)
+        if not self.dp or self.cost is None or cls._form not in COMPILED_FORMS or any(
+                getattr(cls, name) is not getattr(Engine, name) for name in ("_start", "_commit", "_finish")) \
+                or cls._cost_block is not _PYTHON_COST_BLOCK:
+            return None
+        inputs = self.cost._compiled
+        num_layers, num_devices, num_experts = self.slot_table.shape
+        num_nodes = -(-num_devices // self.dpn)
+        if inputs is None or (num_nodes > 1 and num_nodes != inputs["nodes"]) or num_devices != self.cost.devices:
+            return None
+        req = self.req
+        static = getattr(self, "_loop_static", None)
+        if static is None or static["requests"] is not req:
+            static = self._loop_static = {
+                "requests": req, "valid": bool(engine_loop.experts_in_range(req.experts, num_experts)),
+                "stream_id": np.unique(req.stream_start, return_inverse=True)[1].astype(np.int64)}
+        if not static["valid"]:
+            return None
+        cache = self._loop_cache()
+        device_table, device_bits = self._device_tables()
+        groups, cfg = self.groups, self.cfg
+        self.prefilling = None  # engine_loop keeps the requests in prefill (pf, pf_len)
+        backend = self.cost.backend
+        kinds = inputs["kinds"] if backend == "deepep_auto" else np.full(2, inputs["kinds"][0], dtype=np.int64)
+        m = inputs["measured"]
+        return {
+            "state": (self.rank, self.pos, self.gen, self.decoding, self.result.first_token, self.result.finish,
+                      self.waiting.next, self.running, self.kv_used, self.prefill_backlog, self.decoding_count,
+                      self.waiting.head, self.waiting.tail, self.waiting.size,
+                      np.full((groups, cfg.max_running_requests), -1, dtype=np.int64), np.zeros(groups, np.int64),
+                      np.zeros(num_requests, np.int64), np.zeros((2, groups * (cfg.max_running_requests + 1)), np.int64),
+                      np.zeros(3, np.int64), np.zeros(engine_loop.ACC_SIZE, np.int64), np.array([0.0, np.inf]),
+                      self.result.moe_seconds, self.result.window_moe_seconds, self.result.window_iterations,
+                      self.result.window_seconds, self.result.window_tokens),
+            "requests": (req.prompt_len, req.output_len, req.stream_start, req.stream, static["stream_id"], req.experts),
+            "config": (np.array([cfg.max_batched_tokens, cfg.max_running_requests, cfg.kv_capacity_tokens,
+                                 cfg.max_block_iterations, int(cfg.schedule == "prefill_first"),
+                                 int(COMPILED_FORMS[cls._form])], dtype=np.int64), float(cfg.iteration_overhead)),
+            "pricing": (self.slot_table, device_table, device_bits, num_devices * self.spd, self.dpn, num_nodes, kinds,
+                        inputs["node"], inputs["one_node"], self.cost.hw.devices_per_node, inputs["phase_params"],
+                        inputs["phase_bytes"], m[0], m[1], m[2], m[3], inputs["c"], inputs["expert_table"],
+                        inputs["slot_seconds"], inputs["gate_table"], cache["key"], cache["meta"], cache["counts"],
+                        cache["stats"]),
+            "end": np.zeros(1),
+        }
+
+    def _steps(self, loop: dict, commit: bool, now: float, queue: EventQueue, until: float) -> bool:
+        """engine_loop.serve from the STEP_END at `now`: False when the engine falls idle, else its next STEP_END
+        is queued."""
+        status = engine_loop.serve(commit, now, queue.peek_time(), until, self.window[0], self.window[1],
+                                   *loop["requests"], *loop["state"], *loop["config"], *loop["pricing"], loop["end"])
+        if status == engine_loop.IDLE:
+            return False
+        if status == engine_loop.A2A_ERROR:  # what CostModel.block raises for this block (phase_seconds)
+            raise ConfigError("a backend's rdma_gbps is 0 but the placement sends tokens across nodes; set it.")
+        if status == engine_loop.BAD_ROW:  # unreachable: expert ids are checked before a run takes this path
+            raise ReproError("a token row names an expert outside the placement; check the trace's model.")
+        queue.push(float(loop["end"][0]), STEP_END, True)
+        return True
+
+    def _write_back(self, loop: dict) -> None:
+        """RunResult's sums kept by the compiled steps."""
+        acc, accf, res = loop["state"][19], loop["state"][20], self.result
+        res.iterations += int(acc[engine_loop.ACC_ITERATIONS])
+        res.blocks += int(acc[engine_loop.ACC_BLOCKS])
+        res.prefill_iterations += int(acc[engine_loop.ACC_PREFILL_ITERATIONS])
+        res.local_activations += int(acc[engine_loop.ACC_LOCAL])
+        res.total_activations += int(acc[engine_loop.ACC_TOTAL])
+        res.remote_copies += int(acc[engine_loop.ACC_REMOTE])
+        res.tokens += int(acc[engine_loop.ACC_TOKENS])
+        res.window_prefill_tokens += int(acc[engine_loop.ACC_WINDOW_PREFILL_TOKENS])
+        res.events += int(acc[engine_loop.ACC_EVENTS])
+        res.busy_seconds += float(accf[engine_loop.ACCF_BUSY])
+
+    def _loop_cache(self) -> dict:
+        """The compiled steps' whole-prompt counts (what `_counted_prompts` keeps, same rule and bound), reset when
+        the slot table or the requests change: key int32[streams, G], meta int64[2] (kept, capacity), counts int32[
+        capacity, L, W] (np.zeros: pages are touched only by kept prompts), stats int64[capacity, 3]."""
+        cache = getattr(self, "_compiled_prompts", None)
+        if cache is None or cache["slot_table"] is not self.slot_table or cache["requests"] is not self.req:
+            num_layers, num_devices = self.slot_table.shape[:2]
+            nodes = -(-num_devices // self.dpn)
+            width = 2 * num_devices + (nodes if nodes > 1 else 0) + num_devices * self.spd
+            capacity = max(1, PROMPT_CACHE_BYTES // (num_layers * width * 4 + 24))
+            streams = int(np.unique(self.req.stream_start).size)
+            room = min(capacity, streams * self.groups)
+            cache = self._compiled_prompts = {
+                "slot_table": self.slot_table, "requests": self.req,
+                "key": np.full((streams, self.groups), -2, dtype=np.int32),
+                "meta": np.array([0, capacity], dtype=np.int64),
+                "counts": np.zeros((room, num_layers, width), dtype=np.int32), "stats": np.zeros((room, 3), np.int64)}
+        return cache
 
     # ---- batch formation ----------------------------------------------------------------------------------------
 
@@ -457,60 +562,72 @@ class Engine:
 
     def _device_tables(self) -> tuple[np.ndarray, np.ndarray]:
         """traffic.device_tables of the slot table, computed once (2 x 8 bytes per (layer, device, expert))."""
-        tables = getattr(self, "_device_tables_LDE", None)
-        if tables is None or tables[0].shape != self.slot_table.shape:
-            tables = self._device_tables_LDE = device_tables(self.slot_table, self.spd)
-        return tables
+        cached = getattr(self, "_device_tables_LDE", None)
+        if cached is None or cached[0] is not self.slot_table:  # a swapped slot table gets its own
+            cached = self._device_tables_LDE = (self.slot_table, device_tables(self.slot_table, self.spd))
+        return cached[1]
 
 
-@numba.njit(cache=True, nogil=True)
-def _block_rows(stream, stream_start, prompt_len, pos, dec, dec_group, seg_r, seg_q, seg_g, seg_rows, num_k, groups):
-    """A block's token rows and attention sums (the engine's rule, in `_cost_block`'s former numpy form, float
-    operations in its order): rows int64[N] compact rows (decode rows iteration-major, then the rows of the prefill
-    segments with seg_rows set), group int64[N] iteration, home int64[N] attention group, seg5 float64[5, K, G]
-    (costs.SEG_KEYS), tokens int64[K] (every segment's).
-    """  # pragma: no cover (compiled)
-    num_dec = dec.shape[0]
-    num_rows = num_dec * num_k
-    for j in range(seg_r.shape[0]):
-        if seg_rows[j]:
-            num_rows += seg_q[j]
-    rows = np.empty(num_rows, dtype=np.int64)
-    group = np.empty(num_rows, dtype=np.int64)
-    home = np.empty(num_rows, dtype=np.int64)
-    for i in range(num_k):
-        for b in range(num_dec):
-            r = dec[b]
-            rows[i * num_dec + b] = stream[stream_start[r] + pos[r] + i]
-            group[i * num_dec + b] = i
-            home[i * num_dec + b] = dec_group[b]
-    count = np.zeros(groups)
-    base_pairs = np.zeros(groups)
-    for b in range(num_dec):
-        count[dec_group[b]] += 1.0
-        base_pairs[dec_group[b]] += float(pos[dec[b]] + 1)
-    seg5 = np.zeros((5, num_k, groups))
-    tokens = np.full(num_k, num_dec, dtype=np.int64)
-    for i in range(num_k):
-        for g in range(groups):
-            seg5[1, i, g] = base_pairs[g] + float(i) * count[g]
-            seg5[2, i, g] = (base_pairs[g] - count[g]) + float(i) * count[g]
-            seg5[3, i, g] = count[g]
-            seg5[4, i, g] = count[g]
-    n = num_dec * num_k
-    for j in range(seg_r.shape[0]):
-        r, q, g = seg_r[j], seg_q[j], seg_g[j]
-        ctx = pos[r]
-        start = stream_start[r] + ctx
-        if seg_rows[j]:
-            for t in range(q):
-                rows[n + t] = stream[start + t]
-                group[n + t] = 0
-                home[n + t] = g
-            n += q
-        seg5[0, 0, g] += q * ctx + q * (q + 1) / 2
-        seg5[2, 0, g] += ctx
-        seg5[3, 0, g] += q
-        seg5[4, 0, g] += 1.0 if ctx + q == prompt_len[r] else 0.0
-        tokens[0] += q
-    return rows, group, home, seg5, tokens
+_PYTHON_COST_BLOCK = Engine._cost_block
+# Engine._form and the subclasses' forms engine_loop.serve reproduces: True for DecodeEngine's prefilled admission
+COMPILED_FORMS = {Engine._form: False}
+
+
+class WaitQueues:
+    """The ranks' FIFO queues of waiting requests, linked through request ids (what engine_loop reads and pops):
+    head, tail, size int64[G] (-1 when empty), next int64[R]. `queues[g]` behaves as a deque (append, popleft, [0],
+    len, truth); 8 bytes per request plus 24 per rank."""
+
+    def __init__(self, groups: int, num_requests: int):
+        self.head = np.full(groups, -1, dtype=np.int64)
+        self.tail = np.full(groups, -1, dtype=np.int64)
+        self.size = np.zeros(groups, dtype=np.int64)
+        self.next = np.full(num_requests, -1, dtype=np.int64)
+
+    def __getitem__(self, g: int) -> _Queue:
+        return _Queue(self, g)
+
+    def __len__(self) -> int:
+        return len(self.size)
+
+    def __iter__(self):
+        return (_Queue(self, g) for g in range(len(self.size)))
+
+
+class _Queue:
+    """One rank's queue of a WaitQueues."""
+
+    def __init__(self, queues: WaitQueues, g: int):
+        self.q, self.g = queues, g
+
+    def append(self, r: int) -> None:
+        q, g = self.q, self.g
+        if q.size[g]:
+            q.next[q.tail[g]] = r
+        else:
+            q.head[g] = r
+        q.tail[g] = r
+        q.next[r] = -1
+        q.size[g] += 1
+
+    def popleft(self) -> int:
+        q, g = self.q, self.g
+        if not q.size[g]:
+            raise IndexError("pop from an empty queue")
+        r = int(q.head[g])
+        q.size[g] -= 1
+        q.head[g] = q.next[r] if q.size[g] else -1
+        if not q.size[g]:
+            q.tail[g] = -1
+        return r
+
+    def __getitem__(self, i: int) -> int:
+        if i != 0 or not self.q.size[self.g]:
+            raise IndexError("a wait queue reads only its head")
+        return int(self.q.head[self.g])
+
+    def __len__(self) -> int:
+        return int(self.q.size[self.g])
+
+    def __bool__(self) -> bool:
+        return bool(self.q.size[self.g])
