@@ -84,7 +84,9 @@ CASES = {
 SHAPE = ModelShape.from_config(load_yaml("sim", "shape", "deepseek_v2_lite.yaml"))
 
 
-def run_both(name, num_requests=60, rates=(1.0,)):
+def run_both(name, num_requests=60, rates=(1.0,), make_plan=None, until=float("inf")):
+    """Runs of the engine and of the reference engine on case `name`; make_plan(placement, parallel) replaces the
+    case's plan (e.g. one that reads the engine's load), `until` is the runs' horizon."""
     hardware, devices, attention, backend, schedule, prompt, output, rate, replicated = CASES[name]
     rng = np.random.default_rng(sorted(CASES).index(name))
     num_layers, num_experts, top_k = 4, 32, 4
@@ -95,7 +97,8 @@ def run_both(name, num_requests=60, rates=(1.0,)):
     else:
         placement = contiguous_placement(num_layers, num_experts, devices)
     parallel = ParallelConfig(devices=devices, attention=attention, devices_per_node=hw.devices_per_node)
-    plan = (ScatterPlan if attention == "tp" else Plan)(placement, parallel)
+    plan = (ScatterPlan if attention == "tp" else Plan)(placement, parallel) if make_plan is None \
+        else make_plan(placement, parallel)
     mapping = RoutingMap("trace", num_layers, num_experts, top_k, SHAPE.num_moe_layers / num_layers,
                          SHAPE.moe_intermediate_size * SHAPE.top_k // top_k, "test")
     cost = CostModel(SHAPE, hw, mapping, devices, attention, backend)
@@ -108,12 +111,12 @@ def run_both(name, num_requests=60, rates=(1.0,)):
         for scale in rates:  # several runs of one engine (as a rate sweep does): the later ones reuse counted prompts
             arrivals = pattern / scale
             window = (float(arrivals[num_requests // 4]), float(arrivals[-1]) + 0.05)
-            runs.append(engine.run(arrivals[: num_requests - int(5 * (scale - 1))], window=window))
+            runs.append(engine.run(arrivals[: num_requests - int(5 * (scale - 1))], until=until, window=window))
     return runs[: len(rates)], runs[len(rates) :]
 
 
-def assert_same_run(fast, reference):
-    assert fast.window_iterations.sum() > 0 and np.isfinite(fast.finish).all()
+def assert_same_run(fast, reference, finished=True):
+    assert fast.window_iterations.sum() > 0 and (np.isfinite(fast.finish).all() or not finished)
     for field in dataclasses.fields(reference):
         got, want = getattr(fast, field.name), getattr(reference, field.name)
         if isinstance(want, np.ndarray):
@@ -268,3 +271,84 @@ def test_a_bad_expert_id_raises_the_reference_error():
         messages.append(str(error.value))
     assert messages[0] == messages[1]
     assert not engines[0]._prompt_cache["index"]  # the block failed: none of its prompts is kept
+
+
+@pytest.fixture
+def compiled_calls(monkeypatch):
+    """How often the engine's compiled steps (repro/sim/engine_loop.serve) ran."""
+    from repro.sim import engine_loop
+
+    calls = {"serve": 0}
+    serve = engine_loop.serve
+
+    def counted(*args):
+        calls["serve"] += 1
+        return serve(*args)
+
+    monkeypatch.setattr(engine_loop, "serve", counted)
+    return calls
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_attention_dp_runs_take_the_compiled_steps(name, compiled_calls):
+    """The equality tests above compare the compiled steps (Attention-DP) and the Python ones (Attention-TP)."""
+    run_both(name, num_requests=20)
+    assert (compiled_calls["serve"] > 0) == (CASES[name][2] == "dp")
+
+
+@pytest.mark.parametrize("rule", ["shortest_queue", "minimum_tokens", "wait"])
+@pytest.mark.parametrize("name", ["dp_prefill_heavy_light", "dp_decode_heavy_saturated", "dp_prefill_first_replicated"])
+def test_a_plan_that_reads_the_engine_load_sees_the_same_engine(name, rule, compiled_calls):
+    """A load-reading plan (system=shortest_queue, minimum_tokens, least_wait) gets the live RankLoad at each arrival:
+    the compiled steps must leave the engine in the state the Python steps leave it at every arrival."""
+    from repro.systems.dp_balance import LoadBalancedPlan
+
+    def make_plan(placement, parallel):
+        return LoadBalancedPlan(placement, parallel, rule, decode_tokens=1.0)
+
+    fast, reference = run_both(name, rates=(1.0, 2.0), make_plan=make_plan)
+    assert compiled_calls["serve"] > 0
+    for got, want in zip(fast, reference, strict=True):
+        assert_same_run(got, want)
+    assert len(np.unique(fast[0].rank)) > 1
+
+
+@pytest.mark.parametrize("name", ["dp_prefill_heavy_light", "dp_decode_heavy_saturated", "tp_decode_heavy_light"])
+def test_a_horizon_stops_both_engines_at_the_same_state(name):
+    """Runs cut by `until` (unfinished requests keep NaN times): the same partial run."""
+    (full,), _ = run_both(name)
+    until = float(np.nanquantile(full.finish, 0.5))
+    (fast,), (reference,) = run_both(name, until=until)
+    assert np.isnan(fast.finish).any()
+    assert_same_run(fast, reference, finished=False)
+
+
+def test_the_decode_pool_of_a_disaggregated_run_equals_the_reference(compiled_calls):
+    """DecodeEngine (requests enter decoding prefilled) takes the compiled steps; prefill and decode pools give the
+    reference pricing's times and costs."""
+    from bench.sim_reference import reference_pricing
+    from repro.sim.disaggregated import kv_link, run_disaggregated
+
+    rng = np.random.default_rng(11)
+    num_requests, num_layers, num_experts, top_k = 40, 4, 32, 4
+    trace = random_trace(rng, num_requests, (20, 120), (5, 40), num_layers, num_experts, top_k)
+    hw = load_hardware(load_yaml("hardware", "h200.yaml"))
+    placement = contiguous_placement(num_layers, num_experts, 8)
+    plan = Plan(placement, ParallelConfig(devices=8, attention="dp"))
+    mapping = RoutingMap("trace", num_layers, num_experts, top_k, 6.5, 1408, "test")
+    prefill_cost = CostModel(SHAPE, hw, mapping, 8, "dp", "deepep_normal")
+    decode_cost = CostModel(SHAPE, hw, mapping, 8, "dp", "deepep_low_latency")
+    requests, _, _ = build_requests(trace, np.arange(num_requests), 1, "captured", rng, rng)
+    config = EngineConfig(512, 16, "mixed", 100_000, 64, 1e-5, 2)
+    arrivals = np.sort(rng.random(num_requests)) * 0.05
+    link = kv_link(SHAPE, hw, "rdma")
+    fast = run_disaggregated(plan, prefill_cost, config, plan, decode_cost, config, requests, arrivals, link)
+    assert compiled_calls["serve"] > 0
+    with reference_pricing():
+        reference = run_disaggregated(plan, prefill_cost, config, plan, decode_cost, config, requests, arrivals, link)
+    for field in ("first_token", "kv_arrival", "finish"):
+        assert np.array_equal(getattr(fast, field), getattr(reference, field), equal_nan=True), field
+    assert_same_run(fast.prefill, reference.prefill)
+    for field in dataclasses.fields(reference.decode):  # the decode pool's window is empty: compare every field
+        got, want = getattr(fast.decode, field.name), getattr(reference.decode, field.name)
+        assert (np.array_equal(got, want, equal_nan=True) if isinstance(want, np.ndarray) else got == want), field.name
