@@ -735,7 +735,8 @@ def _price_block(tp, seg5, slice_KLD, slot_tokens, c, expert_table, slot_table, 
                 n = slot_tokens[k, layer, p]
                 per_slot[p] = slot_table[n] if n < slot_table.shape[0] else _slot_seconds(float(n), c, expert_table)
             for d in range(num):
-                seconds = _pairwise_sum(per_slot, d * spd, spd)
+                # _pairwise_sum's own first branch, inlined: a call per rank and layer cost half this loop
+                seconds = 0.0 + _pairwise_block(per_slot, d * spd, spd) if spd <= 128 else _pairwise_sum(per_slot, d * spd, spd)
                 routed[d] = max(seconds, c[_C_FLOOR]) if seconds > 0 else 0.0
             experts = -np.inf
             if tp:
