@@ -19,6 +19,12 @@ documented stand-in, see `simulate`). Iterations that only decode and during whi
 finishes have the same batch composition; they are costed together in one vectorised block of up to
 `max_block_iterations` (exactly what stepping one by one gives: same costs, same sequential time sums).
 
+Attention-DP steps run compiled (repro/sim/engine_loop.py, issue 33): when a step's block ends before the next
+queued event, the next step follows in the same compiled call, so Python sees only the events (arrivals, and any a
+caller queues); `_form`, `_start`, `_commit`, `_finish` and `_cost_block` below stay the definition, which
+engine_loop mirrors statement for statement and which still runs for Attention-TP, for subclasses that change a step
+(DecodeEngine's admission excepted) and where the compiled pricing declines. Same numbers either way, bit for bit.
+
 A run may stop at a horizon (`until`): requests unfinished then keep NaN finish (and first-token) times. Over a
 measurement window (`window`, by iteration start time) the MoE-layer components are also summed apart for
 iterations that hold prefill tokens and for decode-only ones (their costs differ: see repro/sim/metrics.py).
@@ -244,13 +250,8 @@ class Engine:
                 "stream_id": np.unique(req.stream_start, return_inverse=True)[1].astype(np.int64)}
         if not static["valid"]:
             return None
-        cache = self._loop_cache()
-        device_table, device_bits = self._device_tables()
         groups, cfg = self.groups, self.cfg
         self.prefilling = None  # engine_loop keeps the requests in prefill (pf, pf_len)
-        backend = self.cost.backend
-        kinds = inputs["kinds"] if backend == "deepep_auto" else np.full(2, inputs["kinds"][0], dtype=np.int64)
-        m = inputs["measured"]
         return {
             "state": (self.rank, self.pos, self.gen, self.decoding, self.result.first_token, self.result.finish,
                       self.waiting.next, self.running, self.kv_used, self.prefill_backlog, self.decoding_count,
@@ -264,19 +265,33 @@ class Engine:
             "config": (np.array([cfg.max_batched_tokens, cfg.max_running_requests, cfg.kv_capacity_tokens,
                                  cfg.max_block_iterations, int(cfg.schedule == "prefill_first"),
                                  int(COMPILED_FORMS[cls._form])], dtype=np.int64), float(cfg.iteration_overhead)),
-            "pricing": (self.slot_table, device_table, device_bits, num_devices * self.spd, self.dpn, num_nodes, kinds,
-                        inputs["node"], inputs["one_node"], self.cost.hw.devices_per_node, inputs["phase_params"],
-                        inputs["phase_bytes"], m[0], m[1], m[2], m[3], inputs["c"], inputs["expert_table"],
-                        inputs["slot_seconds"], inputs["gate_table"], cache["key"], cache["meta"], cache["counts"],
-                        cache["stats"]),
-            "end": np.zeros(1),
+            "pricing": self._loop_pricing(), "end": np.zeros(1),
         }
+
+    def _loop_pricing(self) -> tuple:
+        """engine_loop.serve's placement and pricing arguments for the engine's current slot table and cost model
+        (`_steps` rebuilds them when either is replaced during a run)."""
+        inputs = self.cost._compiled
+        num_devices = self.slot_table.shape[1]
+        num_nodes = -(-num_devices // self.dpn)
+        cache = self._loop_cache()
+        device_table, device_bits = self._device_tables()
+        kinds = inputs["kinds"] if self.cost.backend == "deepep_auto" else np.full(2, inputs["kinds"][0], np.int64)
+        m = inputs["measured"]
+        return (self.slot_table, device_table, device_bits, num_devices * self.spd, self.dpn, num_nodes, kinds,
+                inputs["node"], inputs["one_node"], self.cost.hw.devices_per_node, inputs["phase_params"],
+                inputs["phase_bytes"], m[0], m[1], m[2], m[3], inputs["c"], inputs["expert_table"],
+                inputs["slot_seconds"], inputs["gate_table"], cache["key"], cache["meta"], cache["counts"],
+                cache["stats"], self.cost)
 
     def _steps(self, loop: dict, commit: bool, now: float, queue: EventQueue, until: float) -> bool:
         """engine_loop.serve from the STEP_END at `now`: False when the engine falls idle, else its next STEP_END
         is queued."""
+        pricing = loop["pricing"]
+        if pricing[0] is not self.slot_table or pricing[-1] is not self.cost:  # replaced during the run
+            pricing = loop["pricing"] = self._loop_pricing()
         status = engine_loop.serve(commit, now, queue.peek_time(), until, self.window[0], self.window[1],
-                                   *loop["requests"], *loop["state"], *loop["config"], *loop["pricing"], loop["end"])
+                                   *loop["requests"], *loop["state"], *loop["config"], *pricing[:-1], loop["end"])
         if status == engine_loop.IDLE:
             return False
         if status == engine_loop.A2A_ERROR:  # what CostModel.block raises for this block (phase_seconds)
