@@ -17,7 +17,9 @@ wait_next, bool decoding, float64 first_token / finish; per rank g < G int64 run
 tokens not yet prefilled), dec_count (decoding requests), wait_head / wait_tail / wait_size (a FIFO linked through
 wait_next), pf_len and pf[G, max_running] (requests in prefill, in admission order); the block in flight: fl_dec
 int64[R], fl_seg int64[2, G x (max_running + 1)] (request, tokens), fl int64[3] (decode requests, segments,
-iterations executed). Memory per request: ~60 bytes of state + 4 x G bytes of prompt-cache keys.
+iterations executed). Memory: ~65 bytes of state per request (its stream id included) + 4 x G bytes of prompt-cache
+keys per request stream; per block, the rows' homes int64[N, L] (N <= G x max_batched_tokens) beside the counting
+tables (freed when the block is priced).
 
 Legend: R requests, G attention ranks (= D), K iterations in a block, N token rows, L MoE layers, C cost components,
 D devices, E experts, P physical slots, S segments.
