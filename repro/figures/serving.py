@@ -57,10 +57,16 @@ def serving_ratios(summary: pd.DataFrame) -> pd.DataFrame:
                 for part in ("mean", "low", "high"):
                     row[f"{rule}_{part}"] = interval[part] if converged else np.nan
                 row[f"{rule}_seeds"] = interval["n"]  # paired over the seeds both jobs ran
-            estimate, ep_estimate = job.get("time_estimate_s"), ep.get("time_estimate_s")
+            phased = all(_number(j.get("time_estimate_serving_s")) for j in (job, ep))
+            key = "time_estimate_serving_s" if phased else "time_estimate_s"
+            estimate, ep_estimate = job.get(key), ep.get(key)  # decode steps counted where the routing has them
             row["offline_speedup"] = ep_estimate / estimate if estimate and ep_estimate else np.nan
             rows.append(row)
     return pd.DataFrame(rows)
+
+
+def _number(value) -> bool:
+    return isinstance(value, int | float | np.number) and bool(np.isfinite(value))
 
 
 def _true(value) -> bool:
