@@ -876,6 +876,8 @@ def _summary(sim, slo, stat, light_rate, results, per_rate, probes, seeds, trace
         "lar_sim": float(np.average(per_rate["lar"])),
         "sim_wall_s": wall,
         "sim_cpu_s": cpu,
+        # simulated time of every run (the SLO reference's light runs included): arrivals span plus the drain
+        "sim_simulated_s": float((probes["arrivals_span_s"] + float(sim["drain_s"])).sum()),
         "sim_iterations": int(probes["iterations"].sum()),
         "sim_requests_per_wall_s": float(probes["requests_total"].sum()) / wall,
         "sim_events_per_wall_s": float(probes["iterations"].sum() + probes["requests_total"].sum()) / wall,
