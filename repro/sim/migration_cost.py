@@ -1,0 +1,223 @@
+"""What a change of placement costs in bytes over the links and in seconds of serving (issue 34, item 4).
+
+Pure functions: placements (or copy counts) in, arrays and one small record out. The copy counts come from the
+shared repro.systems.migration (`experts_received`); this module only routes and prices them.
+
+    routes = copy_routes(old, new, devices_per_node)          # CopyRoutes: copies per layer, device and link
+    cost   = price_migration(old, new, shape, hardware, mode)  # MigrationCost: bytes, layer seconds, stall, slowdown
+
+The model, stated once (docs/migration.md gives its sources and its measured errors):
+1. **Bytes of one expert** (`expert_weight_bytes`): the routed expert's three matrices, gate and up (H x I each)
+   and down (I x H), times the bytes of one weight (the shape's dtype_bytes unless `bytes_per_weight` says
+   otherwise, e.g. 1 for FP8, ~0.56 for NVFP4 with its scales). Biases, the gate (router) and shared experts do
+   not move: they are replicated on every rank.
+2. **Where a copy comes from** (`copy_routes`): device d receives expert e of layer l when the new placement holds
+   more replicas of e on d than the old one did (experts_received). A device that already holds e copies it in its
+   own memory (a local copy: no link, priced at nothing beside the transfers). Otherwise the copy is read from the lowest-id device
+   that holds e in the old placement on d's own node (NVLink); only when no device of d's node holds it does it
+   come from the lowest-id holder on another node (RDMA). Why lowest id: deterministic, and the engines pick one
+   holder by a fixed rule too; why the same node first: NVLink is ~8x the RDMA bandwidth per GPU.
+3. **Seconds of one layer** (`layer_transfer_seconds`): the layer's copies travel in one batch of point-to-point
+   transfers (vLLM's rearrangement posts one batch_isend_irecv per layer; SGLang's per chunk of layers); it lasts
+   the collective latency plus, per link level, the busiest device's max(bytes sent, bytes received) over that
+   level's per-device bandwidth (the profile's `collective` NVLink / RDMA numbers: large NCCL transfers), the two
+   levels running at the same time (the same rule as the all-to-all's `phase_seconds`). A layer with nothing to
+   move costs nothing.
+4. **Synchronous** (`mode="sync"`): every rank stops serving; the layers move one after another, so the stall is
+   `host_seconds` (the rebalancing algorithm and building the transfer list, on the host) plus the sum of the
+   layer seconds. The new placement serves from the end of the stall.
+5. **Asynchronous** (`mode="async"`): serving goes on; the layers move one after another on a side stream that
+   takes `bandwidth_share` s (0 < s < 1) of every link, so each layer's transfer lasts latency + (its seconds
+   - latency) / s, and the all-to-all, left with 1 - s of the links, takes 1 / (1 - s) times as long while the
+   migration runs (`a2a_slowdown`). Expert compute is not slowed (copies use the copy engines, not the SMs). The
+   new placement serves from the end of the last layer's transfer (its dispatch tables switch then, atomically
+   for all layers, as vLLM's async EPLB does before it frees the old buffers).
+
+Legend: L MoE layers, E experts, D devices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from repro.errors import ConfigError
+from repro.sim.hardware import Hardware
+from repro.sim.shapes import ModelShape
+from repro.systems.base import Placement
+from repro.systems.migration import experts_received
+
+MODES = ("sync", "async")
+
+
+def expert_weight_bytes(shape: ModelShape, bytes_per_weight: float | None = None) -> float:
+    """Bytes of one routed expert: gate, up and down matrices (3 x hidden x moe_intermediate) x bytes per weight
+    (the shape's dtype_bytes when None)."""
+    per_weight = shape.dtype_bytes if bytes_per_weight is None else bytes_per_weight
+    if isinstance(per_weight, bool) or not isinstance(per_weight, int | float) or not np.isfinite(per_weight) or per_weight <= 0:
+        raise ConfigError(f"bytes per expert weight must be a finite number > 0 (2 for bf16, 1 for fp8), got {per_weight!r}.")
+    return 3.0 * shape.hidden_size * shape.moe_intermediate_size * float(per_weight)
+
+
+@dataclass(frozen=True)
+class CopyRoutes:
+    """Expert copies of one migration by layer, device and link level (all int64[L, D]).
+
+    received_local + received_nvlink + received_rdma == experts_received(old, new) (local: an extra replica of an
+    expert the device already holds, copied in its own memory); sent_* count the copies each device reads out
+    for others (a device that holds an expert several receivers need sends it once per receiver).
+    """
+
+    received_local: np.ndarray
+    received_nvlink: np.ndarray
+    received_rdma: np.ndarray
+    sent_nvlink: np.ndarray
+    sent_rdma: np.ndarray
+
+    @property
+    def received(self) -> np.ndarray:
+        """int64[L, D] copies each device receives (local and over both link levels)."""
+        return self.received_local + self.received_nvlink + self.received_rdma
+
+    @property
+    def experts_moved(self) -> int:
+        """Copies moved in all layers (what `experts_received(...).sum()` counts)."""
+        return int(self.received.sum())
+
+
+def copy_routes(old: Placement, new: Placement, devices_per_node: int) -> CopyRoutes:
+    """Which device sends each copy `new` needs and over which link (rule 2 of the module docstring).
+
+    devices_per_node: consecutive devices per node of the machine that serves (the hardware's); must divide D.
+    """
+    received = experts_received(old, new)  # checks the shapes; int[L, D]
+    num_layers, num_devices = received.shape
+    if not isinstance(devices_per_node, int) or devices_per_node < 1 or num_devices % min(devices_per_node, num_devices):
+        raise ConfigError(f"devices_per_node must be an integer >= 1 that divides the {num_devices} devices, got {devices_per_node!r}.")
+    before, after = old.replicas(), new.replicas()  # int[L, E, D]
+    need = np.maximum(after - before, 0)  # int[L, E, D] copies device d receives of expert e
+    held = before > 0  # bool[L, E, D]
+    node = np.arange(num_devices) // devices_per_node
+    layer_index = np.arange(num_layers)[:, None]
+    out = {key: np.zeros((num_layers, num_devices), dtype=np.int64)
+           for key in ("received_local", "received_nvlink", "received_rdma", "sent_nvlink", "sent_rdma")}
+    for device in range(num_devices):  # D vectorised steps over layers and experts
+        copies = need[:, :, device]  # [L, E]
+        local = held[:, :, device]  # [L, E] an extra replica of an expert the device holds: no link
+        out["received_local"][:, device] = np.where(local, copies, 0).sum(axis=1)
+        copies = np.where(local, 0, copies)
+        near = held & (node == node[device])[None, None, :]
+        has_near = near.any(axis=2)  # [L, E]
+        source = np.where(has_near, np.argmax(near, axis=2), np.argmax(held, axis=2))  # lowest id of the candidates
+        for level, over in (("nvlink", has_near), ("rdma", ~has_near)):
+            moved = np.where(over, copies, 0)
+            out[f"received_{level}"][:, device] += moved.sum(axis=1)
+            np.add.at(out[f"sent_{level}"], (np.broadcast_to(layer_index, source.shape), source), moved)
+    return CopyRoutes(**out)
+
+
+def layer_transfer_seconds(routes: CopyRoutes, expert_bytes: float, hardware: Hardware) -> np.ndarray:
+    """float64[L] seconds each layer's copies take at the full link bandwidth (rule 3): latency + max over link
+    levels of the busiest device's max(sent, received) bytes / that level's bandwidth; 0 for a layer that moves
+    nothing."""
+    times = []
+    for sent, received, bandwidth in ((routes.sent_nvlink, routes.received_nvlink, hardware.collective_nvlink),
+                                      (routes.sent_rdma, routes.received_rdma, hardware.collective_rdma)):
+        busiest = np.maximum(sent, received).max(axis=1) * float(expert_bytes)  # [L]
+        if np.any(busiest > 0) and bandwidth <= 0:
+            raise ConfigError(f"hardware {hardware.name!r} has no bandwidth for copies across nodes (collective.rdma_gbps is 0); set it.")
+        times.append(busiest / bandwidth if bandwidth > 0 else np.zeros_like(busiest))
+    moves = (routes.received_nvlink + routes.received_rdma).sum(axis=1) > 0
+    return np.where(moves, hardware.collective_latency + np.maximum(times[0], times[1]), 0.0)
+
+
+@dataclass(frozen=True)
+class MigrationCost:
+    """What one change of placement costs (rules 1-5 of the module docstring).
+
+    expert_bytes: bytes of one expert. copies_received / copies_rdma: int64[L, D] copies each device receives,
+    and how many of them cross nodes. bytes_received / bytes_sent: float64[L, D]. layer_seconds: float64[L] each
+    layer's transfer in this mode (sync: full bandwidth; async: at the bandwidth share). stall_s: seconds every
+    rank stops serving (sync: host + sum of layers; async: 0). duration_s: seconds from the start of the change
+    until the new placement serves (sync: = stall_s; async: host + sum of layers). a2a_slowdown: factor on
+    all-to-all time while the migration runs (sync 1.0: nothing is served; async 1 / (1 - share)).
+    """
+
+    mode: str
+    bandwidth_share: float
+    expert_bytes: float
+    copies_received: np.ndarray
+    copies_rdma: np.ndarray
+    bytes_received: np.ndarray
+    bytes_sent: np.ndarray
+    layer_seconds: np.ndarray
+    host_seconds: float
+    stall_s: float
+    duration_s: float
+    a2a_slowdown: float
+
+    @property
+    def experts_moved(self) -> int:
+        return int(self.copies_received.sum())
+
+    @property
+    def bytes_moved(self) -> float:
+        return float(self.bytes_received.sum())
+
+    def summary(self) -> dict:
+        """Scalars worth reporting (JSON-ready)."""
+        return {"mode": self.mode, "bandwidth_share": self.bandwidth_share, "experts_moved": self.experts_moved,
+                "experts_moved_rdma": int(self.copies_rdma.sum()), "bytes_moved": self.bytes_moved,
+                "stall_s": self.stall_s, "duration_s": self.duration_s, "a2a_slowdown": self.a2a_slowdown}
+
+
+def check_migration_mode(mode: str, bandwidth_share: float, host_seconds: float = 0.0) -> None:
+    """One ConfigError naming the bad value: mode in MODES; async needs 0 < bandwidth_share < 1; host >= 0."""
+    if mode not in MODES:
+        raise ConfigError(f"migration mode must be one of {MODES}, got {mode!r}.")
+    share_ok = isinstance(bandwidth_share, int | float) and not isinstance(bandwidth_share, bool) and np.isfinite(bandwidth_share)
+    if mode == "async" and not (share_ok and 0 < bandwidth_share < 1):
+        raise ConfigError(f"an async migration's bandwidth_share must lie strictly between 0 and 1 (the all-to-all keeps "
+                          f"the rest), got {bandwidth_share!r}.")
+    if isinstance(host_seconds, bool) or not isinstance(host_seconds, int | float) or not np.isfinite(host_seconds) or host_seconds < 0:
+        raise ConfigError(f"migration host_seconds must be a finite number >= 0, got {host_seconds!r}.")
+
+
+def price_routes(routes: CopyRoutes, expert_bytes: float, hardware: Hardware, mode: str = "sync",
+                 bandwidth_share: float = 1.0, host_seconds: float = 0.0) -> MigrationCost:
+    """Price already-routed copies (rules 3-5); `price_migration` routes them from two placements first."""
+    check_migration_mode(mode, bandwidth_share, host_seconds)
+    full = layer_transfer_seconds(routes, expert_bytes, hardware)  # [L]
+    if mode == "sync":
+        layer_seconds, share, slowdown = full, 1.0, 1.0
+    else:
+        share = float(bandwidth_share)
+        latency = np.where(full > 0, hardware.collective_latency, 0.0)
+        layer_seconds, slowdown = latency + (full - latency) / share, 1.0 / (1.0 - share)
+    duration = float(host_seconds + layer_seconds.sum())
+    received = routes.received
+    sent = routes.sent_nvlink + routes.sent_rdma
+    if not received.any():  # nothing moves: no event, so no host work either, nothing stalls, nothing slows
+        duration, slowdown = 0.0, 1.0
+    return MigrationCost(
+        mode=mode, bandwidth_share=share, expert_bytes=float(expert_bytes), copies_received=received,
+        copies_rdma=routes.received_rdma, bytes_received=received * float(expert_bytes),
+        bytes_sent=sent * float(expert_bytes), layer_seconds=layer_seconds, host_seconds=float(host_seconds),
+        stall_s=duration if mode == "sync" else 0.0, duration_s=duration, a2a_slowdown=slowdown,
+    )
+
+
+def price_migration(old: Placement, new: Placement, shape: ModelShape, hardware: Hardware, mode: str = "sync",
+                    bandwidth_share: float = 1.0, host_seconds: float = 0.0,
+                    bytes_per_weight: float | None = None) -> MigrationCost:
+    """The cost of serving `new` instead of `old` on `hardware` (rules 1-5 of the module docstring).
+
+    old, new: placements of the same shape (L, E, D, P). mode "sync" or "async"; bandwidth_share: the share of
+    every link an async migration takes (ignored for sync); host_seconds: host work per event (the rebalancing
+    algorithm), added before the first transfer; bytes_per_weight: the weights' storage (None: shape.dtype_bytes).
+    """
+    check_migration_mode(mode, bandwidth_share, host_seconds)
+    expert_bytes = expert_weight_bytes(shape, bytes_per_weight)
+    routes = copy_routes(old, new, min(hardware.devices_per_node, old.num_devices))
+    return price_routes(routes, expert_bytes, hardware, mode, bandwidth_share, host_seconds)
