@@ -28,8 +28,10 @@ The model, stated once (docs/migration.md gives its sources and its measured err
    layer seconds. The new placement serves from the end of the stall.
 5. **Asynchronous** (`mode="async"`): serving goes on; the layers move one after another on a side stream that
    takes `bandwidth_share` s (0 < s < 1) of every link, so each layer's transfer lasts latency + (its seconds
-   - latency) / s, and the all-to-all, left with 1 - s of the links, takes 1 / (1 - s) times as long while the
-   migration runs (`a2a_slowdown`). Expert compute is not slowed (copies use the copy engines, not the SMs). The
+   - latency) / s, and serving keeps 1 - s of the links while the migration runs: the all-to-all's and the
+   collectives' bandwidth terms take 1 / (1 - s) times as long (`a2a_slowdown`; `links_shared` gives the
+   hardware serving sees meanwhile; a measured all-to-all table has all its seconds scaled, latency included,
+   since it does not split them). Expert compute is not slowed (copies use the copy engines, not the SMs). The
    new placement serves from the end of the last layer's transfer (its dispatch tables switch then, atomically
    for all layers, as vLLM's async EPLB does before it frees the old buffers).
 
@@ -38,12 +40,12 @@ Legend: L MoE layers, E experts, D devices.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from repro.errors import ConfigError
-from repro.sim.hardware import Hardware
+from repro.sim.hardware import Hardware, Phase
 from repro.sim.shapes import ModelShape
 from repro.systems.base import Placement
 from repro.systems.migration import experts_received
@@ -221,3 +223,19 @@ def price_migration(old: Placement, new: Placement, shape: ModelShape, hardware:
     expert_bytes = expert_weight_bytes(shape, bytes_per_weight)
     routes = copy_routes(old, new, min(hardware.devices_per_node, old.num_devices))
     return price_routes(routes, expert_bytes, hardware, mode, bandwidth_share, host_seconds)
+
+
+def links_shared(hardware: Hardware, share: float) -> Hardware:
+    """The hardware serving sees while an async migration takes `share` (0 < share < 1) of every link (rule 5):
+    every all-to-all and collective bandwidth x (1 - share), measured all-to-all seconds / (1 - share); latencies,
+    compute and memory unchanged."""
+    check_migration_mode("async", share)
+    keep = 1.0 - float(share)
+
+    def phase(p: Phase) -> Phase:
+        table = None if p.measured is None else p.measured * np.array([1.0, 1.0 / keep])
+        return replace(p, nvlink_bandwidth=p.nvlink_bandwidth * keep, rdma_bandwidth=p.rdma_bandwidth * keep, measured=table)
+
+    backends = {name: replace(b, dispatch=phase(b.dispatch), combine=phase(b.combine)) for name, b in hardware.backends.items()}
+    return replace(hardware, backends=backends, collective_nvlink=hardware.collective_nvlink * keep,
+                   collective_rdma=hardware.collective_rdma * keep)
