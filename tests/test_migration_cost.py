@@ -66,8 +66,8 @@ def test_a_swap_inside_a_node_and_one_across_nodes_priced_by_hand():
     assert sync.bytes_received.sum() == sync.bytes_sent.sum() == 4 * EXPERT_BYTES
     assert int(sync.copies_rdma.sum()) == 2
 
-    with_host = price_migration(old, new, SHAPE, hardware(), "sync", host_seconds=0.5)
-    assert with_host.stall_s == pytest.approx(0.5 + 366.03008e-6, rel=1e-12)
+    with_host = price_migration(old, new, SHAPE, hardware(), "sync", host_seconds=0.5, layer_overhead_s=0.003)
+    assert with_host.stall_s == pytest.approx(0.5 + 2 * 0.003 + 366.03008e-6, rel=1e-12)
 
     # async at a quarter of the links: each layer's transfer x 4 beyond its latency; all-to-all x 4/3 meanwhile
     lazy = price_migration(old, new, SHAPE, hardware(), "async", bandwidth_share=0.25)
@@ -75,6 +75,9 @@ def test_a_swap_inside_a_node_and_one_across_nodes_priced_by_hand():
     assert lazy.stall_s == 0.0
     assert lazy.duration_s == pytest.approx(1404.12032e-6, rel=1e-12)
     assert lazy.a2a_slowdown == pytest.approx(4 / 3)
+    # the per-layer overhead is host time: the bandwidth share does not stretch it
+    lazy_overhead = price_migration(old, new, SHAPE, hardware(), "async", bandwidth_share=0.25, layer_overhead_s=0.003)
+    assert lazy_overhead.duration_s == pytest.approx(1404.12032e-6 + 2 * 0.003, rel=1e-12)
 
 
 def test_a_copy_comes_from_the_receivers_node_when_a_replica_lives_there():
@@ -127,6 +130,7 @@ def test_no_change_costs_nothing():
     ("async", 0.0, 0.0, "strictly between 0 and 1"),
     ("async", float("nan"), 0.0, "strictly between 0 and 1"),
     ("sync", 1.0, -1.0, "host_seconds must be a finite number >= 0"),
+    ("sync", 1.0, float("inf"), "host_seconds must be a finite number >= 0"),
 ])
 def test_bad_settings_are_one_sentence(mode, share, host, message):
     same = placement([[0, 1, 2, 3]])

@@ -21,14 +21,16 @@ The model, stated once (docs/migration.md gives its sources and its measured err
    transfers (vLLM's rearrangement posts one batch_isend_irecv per layer; SGLang's per chunk of layers); it lasts
    the collective latency plus, per link level, the busiest device's max(bytes sent, bytes received) over that
    level's per-device bandwidth (the profile's `collective` NVLink / RDMA numbers: large NCCL transfers), the two
-   levels running at the same time (the same rule as the all-to-all's `phase_seconds`). A layer with nothing to
-   move costs nothing.
+   levels running at the same time (the same rule as the all-to-all's `phase_seconds`), plus `layer_overhead_s`,
+   a fixed cost per layer that moves anything (the host builds and posts the layer's transfers and waits for
+   them; the engines' published stalls are dominated by it, docs/migration.md: 0 by default, and
+   `python -m repro.sim.validation` fits it on one published row). A layer with nothing to move costs nothing.
 4. **Synchronous** (`mode="sync"`): every rank stops serving; the layers move one after another, so the stall is
    `host_seconds` (the rebalancing algorithm and building the transfer list, on the host) plus the sum of the
    layer seconds. The new placement serves from the end of the stall.
 5. **Asynchronous** (`mode="async"`): serving goes on; the layers move one after another on a side stream that
-   takes `bandwidth_share` s (0 < s < 1) of every link, so each layer's transfer lasts latency + (its seconds
-   - latency) / s, and serving keeps 1 - s of the links while the migration runs: the all-to-all's and the
+   takes `bandwidth_share` s (0 < s < 1) of every link, so each layer's transfer lasts overhead + latency + (its
+   bandwidth seconds) / s, and serving keeps 1 - s of the links while the migration runs: the all-to-all's and the
    collectives' bandwidth terms take 1 / (1 - s) times as long (`a2a_slowdown`; `links_shared` gives the
    hardware serving sees meanwhile; a measured all-to-all table has all its seconds scaled, latency included,
    since it does not split them). Expert compute is not slowed (copies use the copy engines, not the SMs). The
@@ -120,9 +122,9 @@ def copy_routes(old: Placement, new: Placement, devices_per_node: int) -> CopyRo
 
 
 def layer_transfer_seconds(routes: CopyRoutes, expert_bytes: float, hardware: Hardware) -> np.ndarray:
-    """float64[L] seconds each layer's copies take at the full link bandwidth (rule 3): latency + max over link
-    levels of the busiest device's max(sent, received) bytes / that level's bandwidth; 0 for a layer that moves
-    nothing."""
+    """float64[L] seconds each layer's copies spend on the links at their full bandwidth (rule 3): latency + max
+    over link levels of the busiest device's max(sent, received) bytes / that level's bandwidth; 0 for a layer
+    that moves nothing over a link."""
     times = []
     for sent, received, bandwidth in ((routes.sent_nvlink, routes.received_nvlink, hardware.collective_nvlink),
                                       (routes.sent_rdma, routes.received_rdma, hardware.collective_rdma)):
@@ -140,7 +142,8 @@ class MigrationCost:
 
     expert_bytes: bytes of one expert. copies_received / copies_rdma: int64[L, D] copies each device receives,
     and how many of them cross nodes. bytes_received / bytes_sent: float64[L, D]. layer_seconds: float64[L] each
-    layer's transfer in this mode (sync: full bandwidth; async: at the bandwidth share). stall_s: seconds every
+    layer's transfer in this mode (sync: full bandwidth; async: at the bandwidth share), its overhead included;
+    layer_overhead_s and host_seconds as given. stall_s: seconds every
     rank stops serving (sync: host + sum of layers; async: 0). duration_s: seconds from the start of the change
     until the new placement serves (sync: = stall_s; async: host + sum of layers). a2a_slowdown: factor on
     all-to-all time while the migration runs (sync 1.0: nothing is served; async 1 / (1 - share)).
@@ -154,6 +157,7 @@ class MigrationCost:
     bytes_received: np.ndarray
     bytes_sent: np.ndarray
     layer_seconds: np.ndarray
+    layer_overhead_s: float
     host_seconds: float
     stall_s: float
     duration_s: float
@@ -174,29 +178,33 @@ class MigrationCost:
                 "stall_s": self.stall_s, "duration_s": self.duration_s, "a2a_slowdown": self.a2a_slowdown}
 
 
-def check_migration_mode(mode: str, bandwidth_share: float, host_seconds: float = 0.0) -> None:
-    """One ConfigError naming the bad value: mode in MODES; async needs 0 < bandwidth_share < 1; host >= 0."""
+def check_migration_mode(mode: str, bandwidth_share: float, host_seconds: float = 0.0,
+                         layer_overhead_s: float = 0.0) -> None:
+    """One ConfigError naming the bad value: mode in MODES; async needs 0 < bandwidth_share < 1; host seconds and
+    the per-layer overhead finite and >= 0."""
     if mode not in MODES:
         raise ConfigError(f"migration mode must be one of {MODES}, got {mode!r}.")
     share_ok = isinstance(bandwidth_share, int | float) and not isinstance(bandwidth_share, bool) and np.isfinite(bandwidth_share)
     if mode == "async" and not (share_ok and 0 < bandwidth_share < 1):
         raise ConfigError(f"an async migration's bandwidth_share must lie strictly between 0 and 1 (the all-to-all keeps "
                           f"the rest), got {bandwidth_share!r}.")
-    if isinstance(host_seconds, bool) or not isinstance(host_seconds, int | float) or not np.isfinite(host_seconds) or host_seconds < 0:
-        raise ConfigError(f"migration host_seconds must be a finite number >= 0, got {host_seconds!r}.")
+    for name, value in (("host_seconds", host_seconds), ("layer_overhead_s", layer_overhead_s)):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not np.isfinite(value) or value < 0:
+            raise ConfigError(f"migration {name} must be a finite number >= 0, got {value!r}.")
 
 
 def price_routes(routes: CopyRoutes, expert_bytes: float, hardware: Hardware, mode: str = "sync",
-                 bandwidth_share: float = 1.0, host_seconds: float = 0.0) -> MigrationCost:
+                 bandwidth_share: float = 1.0, host_seconds: float = 0.0, layer_overhead_s: float = 0.0) -> MigrationCost:
     """Price already-routed copies (rules 3-5); `price_migration` routes them from two placements first."""
-    check_migration_mode(mode, bandwidth_share, host_seconds)
+    check_migration_mode(mode, bandwidth_share, host_seconds, layer_overhead_s)
     full = layer_transfer_seconds(routes, expert_bytes, hardware)  # [L]
+    latency = np.where(full > 0, hardware.collective_latency, 0.0)
+    overhead = np.where(full > 0, float(layer_overhead_s), 0.0)
     if mode == "sync":
-        layer_seconds, share, slowdown = full, 1.0, 1.0
+        layer_seconds, share, slowdown = overhead + full, 1.0, 1.0
     else:
         share = float(bandwidth_share)
-        latency = np.where(full > 0, hardware.collective_latency, 0.0)
-        layer_seconds, slowdown = latency + (full - latency) / share, 1.0 / (1.0 - share)
+        layer_seconds, slowdown = overhead + latency + (full - latency) / share, 1.0 / (1.0 - share)
     duration = float(host_seconds + layer_seconds.sum())
     received = routes.received
     sent = routes.sent_nvlink + routes.sent_rdma
@@ -205,24 +213,26 @@ def price_routes(routes: CopyRoutes, expert_bytes: float, hardware: Hardware, mo
     return MigrationCost(
         mode=mode, bandwidth_share=share, expert_bytes=float(expert_bytes), copies_received=received,
         copies_rdma=routes.received_rdma, bytes_received=received * float(expert_bytes),
-        bytes_sent=sent * float(expert_bytes), layer_seconds=layer_seconds, host_seconds=float(host_seconds),
+        bytes_sent=sent * float(expert_bytes), layer_seconds=layer_seconds, layer_overhead_s=float(layer_overhead_s),
+        host_seconds=float(host_seconds),
         stall_s=duration if mode == "sync" else 0.0, duration_s=duration, a2a_slowdown=slowdown,
     )
 
 
 def price_migration(old: Placement, new: Placement, shape: ModelShape, hardware: Hardware, mode: str = "sync",
                     bandwidth_share: float = 1.0, host_seconds: float = 0.0,
-                    bytes_per_weight: float | None = None) -> MigrationCost:
+                    bytes_per_weight: float | None = None, layer_overhead_s: float = 0.0) -> MigrationCost:
     """The cost of serving `new` instead of `old` on `hardware` (rules 1-5 of the module docstring).
 
     old, new: placements of the same shape (L, E, D, P). mode "sync" or "async"; bandwidth_share: the share of
     every link an async migration takes (ignored for sync); host_seconds: host work per event (the rebalancing
-    algorithm), added before the first transfer; bytes_per_weight: the weights' storage (None: shape.dtype_bytes).
+    algorithm), added before the first transfer; bytes_per_weight: the weights' storage (None: shape.dtype_bytes);
+    layer_overhead_s: fixed seconds per layer that moves anything (rule 3).
     """
-    check_migration_mode(mode, bandwidth_share, host_seconds)
+    check_migration_mode(mode, bandwidth_share, host_seconds, layer_overhead_s)
     expert_bytes = expert_weight_bytes(shape, bytes_per_weight)
     routes = copy_routes(old, new, min(hardware.devices_per_node, old.num_devices))
-    return price_routes(routes, expert_bytes, hardware, mode, bandwidth_share, host_seconds)
+    return price_routes(routes, expert_bytes, hardware, mode, bandwidth_share, host_seconds, layer_overhead_s)
 
 
 def links_shared(hardware: Hardware, share: float) -> Hardware:

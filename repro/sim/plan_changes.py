@@ -49,11 +49,11 @@ class PlanChange:
 
 def priced_changes(first: Plan, schedule: Sequence[tuple[float, Plan]], shape: ModelShape, hardware: Hardware,
                    mode: str = "sync", bandwidth_share: float = 1.0, host_seconds: float = 0.0,
-                   bytes_per_weight: float | None = None) -> list[PlanChange]:
+                   bytes_per_weight: float | None = None, layer_overhead_s: float = 0.0) -> list[PlanChange]:
     """One PlanChange per (time_s, plan) of `schedule` (times >= 0, non-decreasing), each priced against the plan
     before it (`first` for the first); the plans must share first's parallel config and placement shape. mode,
-    bandwidth_share, host_seconds and bytes_per_weight as `migration_cost.price_migration`."""
-    check_migration_mode(mode, bandwidth_share, host_seconds)
+    bandwidth_share, host_seconds, bytes_per_weight and layer_overhead_s as `migration_cost.price_migration`."""
+    check_migration_mode(mode, bandwidth_share, host_seconds, layer_overhead_s)
     changes, before, last_time = [], first, 0.0
     for i, item in enumerate(schedule):
         if not (isinstance(item, tuple | list) and len(item) == 2 and isinstance(item[1], Plan)):
@@ -66,7 +66,7 @@ def priced_changes(first: Plan, schedule: Sequence[tuple[float, Plan]], shape: M
             raise ConfigError(f"placement change {i}'s plan is for {plan.parallel}, not the served {first.parallel}; "
                               "re-fit it for the same parallel config.")
         cost = price_migration(before.placement, plan.placement, shape, hardware, mode, bandwidth_share, host_seconds,
-                               bytes_per_weight)
+                               bytes_per_weight, layer_overhead_s)
         changes.append(PlanChange(float(time_s), plan, dispatch_slots(plan.placement), cost))
         before, last_time = plan, float(time_s)
     return changes
