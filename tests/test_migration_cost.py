@@ -141,3 +141,17 @@ def test_bad_settings_are_one_sentence(mode, share, host, message):
 def test_placements_of_different_shapes_are_refused():
     with pytest.raises(ConfigError, match="different shapes"):
         copy_routes(placement([[0, 1, 2, 3]]), placement([[0, 1, 2, 3], [0, 1, 2, 3]]), devices_per_node=2)
+
+
+def test_expert_copies_list_each_copy_with_its_source_and_link():
+    from repro.sim.migration_cost import LINKS, expert_copies
+
+    old = placement([[0, 1, 2, 3], [0, 1, 2, 3]])
+    new = placement([[1, 0, 2, 3], [2, 1, 0, 3]])
+    copies = expert_copies(old, new, devices_per_node=2)
+    # (layer, expert, from, to, link): layer 0 swaps 0 <-> 1 inside node 0, layer 1 swaps 0 <-> 2 across nodes
+    assert copies.tolist() == [[0, 0, 0, 1, 1], [0, 1, 1, 0, 1], [1, 0, 0, 2, 2], [1, 2, 2, 0, 2]]
+    assert [LINKS[i] for i in copies[:, 4]] == ["nvlink", "nvlink", "rdma", "rdma"]
+    assert len(expert_copies(old, old, devices_per_node=2)) == 0
+    with pytest.raises(ConfigError, match="devices_per_node must be an integer >= 1 that divides"):
+        expert_copies(old, new, devices_per_node=3)

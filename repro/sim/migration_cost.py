@@ -90,34 +90,50 @@ class CopyRoutes:
         return int(self.received.sum())
 
 
-def copy_routes(old: Placement, new: Placement, devices_per_node: int) -> CopyRoutes:
-    """Which device sends each copy `new` needs and over which link (rule 2 of the module docstring).
+LINKS = ("local", "nvlink", "rdma")  # the link column of expert_copies, by index
+
+
+def expert_copies(old: Placement, new: Placement, devices_per_node: int) -> np.ndarray:
+    """int64[M, 5] one row per expert copy that going from `old` to `new` makes: (layer, expert, from_device,
+    to_device, link), link an index into LINKS (rule 2 of the module docstring: local when to_device holds the
+    expert already, else NVLink from the lowest-id holder on its node, else RDMA from the lowest-id holder).
+    Rows in (layer, expert, to_device) order; a device that needs two more replicas of one expert has two rows.
 
     devices_per_node: consecutive devices per node of the machine that serves (the hardware's); must divide D.
     """
     received = experts_received(old, new)  # checks the shapes; int[L, D]
-    num_layers, num_devices = received.shape
-    if not isinstance(devices_per_node, int) or devices_per_node < 1 or num_devices % min(devices_per_node, num_devices):
+    num_devices = received.shape[1]
+    if isinstance(devices_per_node, bool) or not isinstance(devices_per_node, int | np.integer) or devices_per_node < 1 \
+            or num_devices % min(int(devices_per_node), num_devices):
         raise ConfigError(f"devices_per_node must be an integer >= 1 that divides the {num_devices} devices, got {devices_per_node!r}.")
     before, after = old.replicas(), new.replicas()  # int[L, E, D]
     need = np.maximum(after - before, 0)  # int[L, E, D] copies device d receives of expert e
-    held = before > 0  # bool[L, E, D]
-    node = np.arange(num_devices) // devices_per_node
-    layer_index = np.arange(num_layers)[:, None]
-    out = {key: np.zeros((num_layers, num_devices), dtype=np.int64)
-           for key in ("received_local", "received_nvlink", "received_rdma", "sent_nvlink", "sent_rdma")}
-    for device in range(num_devices):  # D vectorised steps over layers and experts
-        copies = need[:, :, device]  # [L, E]
-        local = held[:, :, device]  # [L, E] an extra replica of an expert the device holds: no link
-        out["received_local"][:, device] = np.where(local, copies, 0).sum(axis=1)
-        copies = np.where(local, 0, copies)
-        near = held & (node == node[device])[None, None, :]
-        has_near = near.any(axis=2)  # [L, E]
-        source = np.where(has_near, np.argmax(near, axis=2), np.argmax(held, axis=2))  # lowest id of the candidates
-        for level, over in (("nvlink", has_near), ("rdma", ~has_near)):
-            moved = np.where(over, copies, 0)
-            out[f"received_{level}"][:, device] += moved.sum(axis=1)
-            np.add.at(out[f"sent_{level}"], (np.broadcast_to(layer_index, source.shape), source), moved)
+    layer, expert, to_device = np.nonzero(need)  # C-order: (layer, expert, to_device)
+    repeat = need[layer, expert, to_device]
+    layer, expert, to_device = (np.repeat(a, repeat) for a in (layer, expert, to_device))
+    held = before[layer, expert] > 0  # bool[M, D] old holders of each copy's expert
+    node = np.arange(num_devices) // int(devices_per_node)
+    near = held & (node[None, :] == node[to_device][:, None])
+    has_near = near.any(axis=1)
+    from_device = np.where(has_near, np.argmax(near, axis=1), np.argmax(held, axis=1))  # lowest id of the candidates
+    local = held[np.arange(len(layer)), to_device]
+    from_device = np.where(local, to_device, from_device)
+    link = np.where(local, 0, np.where(has_near, 1, 2))
+    return np.stack([layer, expert, from_device, to_device, link], axis=1).astype(np.int64).reshape(-1, 5)
+
+
+def copy_routes(old: Placement, new: Placement, devices_per_node: int) -> CopyRoutes:
+    """`expert_copies` counted per layer, device and link (received by to_device, sent by from_device)."""
+    copies = expert_copies(old, new, devices_per_node)
+    num_layers, num_devices = old.num_layers, old.num_devices
+    out = {}
+    for index, level in enumerate(LINKS):
+        rows = copies[copies[:, 4] == index]
+        for role, column in (("received", 3), ("sent", 2)):
+            counts = np.zeros((num_layers, num_devices), dtype=np.int64)
+            np.add.at(counts, (rows[:, 0], rows[:, column]), 1)
+            out[f"{role}_{level}"] = counts
+    del out["sent_local"]  # a local copy reads the device's own memory
     return CopyRoutes(**out)
 
 
