@@ -99,6 +99,25 @@ def test_a_sync_change_adds_exactly_its_stall_to_the_requests_in_flight(case):
     assert run.iterations == plain.iterations
 
 
+def test_latency_around_changes_splits_the_requests_a_migration_overlaps(case):
+    from repro.sim.metrics import latency_around_changes, overlaps_changes
+
+    requests, hw, _, old, new = case
+    arrivals = np.array([0.0, 0.0, 20.0, 20.0])  # two served around the change at 0.05 s, two long after it
+    changes = priced_changes(old, [(0.05, new)], SHAPE, hw, "sync", host_seconds=0.25)
+    run = engine(case).run(arrivals, changes=changes)
+    plain = engine(case).run(arrivals)
+    assert overlaps_changes(run).tolist() == [True, True, False, False]
+    split = latency_around_changes(run, requests.output_len, "mean")
+    stall = changes[0].cost.stall_s
+    assert split["requests_during"] == 2 and split["requests_outside"] == 2
+    # 3 generated tokens: first token before the stall, the two decode steps after it
+    tpot_plain = float(np.mean((plain.finish - plain.first_token)[:2] / 2))
+    assert split["tpot_mean_s_during"] == pytest.approx(tpot_plain + stall / 2, rel=1e-9)
+    assert split["ttft_mean_s_during"] == pytest.approx(float(np.mean(plain.first_token[:2])), rel=1e-12)
+    assert split["e2e_mean_s_outside"] == pytest.approx(float(np.mean(plain.finish[2:] - 20.0)), rel=1e-9)
+
+
 def test_an_async_change_prices_the_iterations_it_overlaps_on_the_shared_links(case):
     requests, hw, cost, old, new = case
     arrivals = np.zeros(2)
