@@ -170,13 +170,21 @@ def test_a_change_that_moves_nothing_takes_effect_at_once(case):
     assert run.changes[0]["start_s"] == run.changes[0]["end_s"] and run.stall_seconds == 0.0
 
 
+def test_a_placement_stands_for_a_round_robin_plan_and_a_schedule_priced_for_another_plan_is_refused(case):
+    _, hw, _, old, new = case
+    [change] = priced_changes(old, [(0.05, new.placement)], SHAPE, hw, "sync")
+    assert type(change.plan) is Plan and change.plan.parallel == old.parallel and change.cost.experts_moved == 2
+    with pytest.raises(ConfigError, match="priced from another placement"):
+        engine(case, plan=new).run(np.zeros(2), changes=[change])  # priced from `old`, served from `new`
+
+
 def test_bad_schedules_are_one_sentence(case):
     _, hw, _, old, new = case
     with pytest.raises(ConfigError, match="non-decreasing"):
         priced_changes(old, [(2.0, new), (1.0, old)], SHAPE, hw)
     with pytest.raises(ConfigError, match="non-decreasing"):
         priced_changes(old, [(float("nan"), new)], SHAPE, hw)
-    with pytest.raises(ConfigError, match=r"\(time in seconds, Plan\) pair"):
+    with pytest.raises(ConfigError, match=r"\(time in seconds, Plan or Placement\) pair"):
         priced_changes(old, [new], SHAPE, hw)
     other = Plan(new.placement, ParallelConfig(devices=2, attention="tp", bytes_per_token=4, devices_per_node=2))
     with pytest.raises(ConfigError, match="same parallel config"):
