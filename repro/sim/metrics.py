@@ -59,6 +59,28 @@ def request_latencies(run: RunResult, output_len: np.ndarray) -> dict[str, np.nd
     return {"ttft": first - run.arrival, "tpot": tpot, "e2e": finish - run.arrival}
 
 
+def overlaps_changes(run: RunResult) -> np.ndarray:
+    """bool[R]: requests whose life (arrival to finish; unfinished: to the end) overlaps a plan change's migration
+    (RunResult.changes: [start_s, end_s), a stall or an async migration)."""
+    finish = np.where(np.isnan(run.finish), np.inf, run.finish)
+    out = np.zeros(len(run.arrival), dtype=bool)
+    for change in run.changes or ():
+        out |= (run.arrival < change["end_s"]) & (finish > change["start_s"])
+    return out
+
+
+def latency_around_changes(run: RunResult, output_len: np.ndarray, stat: str = "p99") -> dict:
+    """{"<latency>_<stat>_s_during" | "_outside": seconds}: TTFT, TPOT and E2E of the requests a migration overlaps
+    (`overlaps_changes`) and of the others, and how many of each (what a placement change does to serving)."""
+    latencies = request_latencies(run, np.asarray(output_len)[: len(run.arrival)])
+    during = overlaps_changes(run)
+    out = {"requests_during": int(during.sum()), "requests_outside": int((~during).sum())}
+    for name in LATENCIES:
+        out[f"{name}_{stat}_s_during"] = statistic(latencies[name][during], stat)
+        out[f"{name}_{stat}_s_outside"] = statistic(latencies[name][~during], stat)
+    return out
+
+
 def statistic(values: np.ndarray, name: str) -> float:
     """mean or p50 / p90 / p99 over the finite values (NaN when there are none)."""
     values = values[np.isfinite(values)]
