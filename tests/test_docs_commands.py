@@ -42,6 +42,10 @@ COMMANDS = {
     "hydra/launcher=submitit_slurm": "skip: needs a sharded trace, the submitit plugin and a SLURM cluster",
     "python -m repro.affinity.partial merge --trace traces/day --out tables.npz parts/*.npz": "flags",
     "python -m repro.run --cfg job parallel.devices=4 logger=none": "run",
+    "python -m repro.sim.validation": "flags",
+    "python -m bench --only migration": "flags",
+    "python -m repro.engines.replacement runs/<job_a> runs/<job_b> --out replacements/ --model-config config.json":
+        "flags",
 }
 
 

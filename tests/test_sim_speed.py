@@ -84,9 +84,10 @@ CASES = {
 SHAPE = ModelShape.from_config(load_yaml("sim", "shape", "deepseek_v2_lite.yaml"))
 
 
-def run_both(name, num_requests=60, rates=(1.0,), make_plan=None, until=float("inf")):
+def run_both(name, num_requests=60, rates=(1.0,), make_plan=None, until=float("inf"), change_mode=None):
     """Runs of the engine and of the reference engine on case `name`; make_plan(placement, parallel) replaces the
-    case's plan (e.g. one that reads the engine's load), `until` is the runs' horizon."""
+    case's plan (e.g. one that reads the engine's load), `until` is the runs' horizon; change_mode ("sync" or
+    "async"): the placement is replaced twice during each run (slots permuted per layer)."""
     hardware, devices, attention, backend, schedule, prompt, output, rate, replicated = CASES[name]
     rng = np.random.default_rng(sorted(CASES).index(name))
     num_layers, num_experts, top_k = 4, 32, 4
@@ -105,13 +106,24 @@ def run_both(name, num_requests=60, rates=(1.0,), make_plan=None, until=float("i
     requests, _, _ = build_requests(trace, np.arange(num_requests), 1, "captured", rng, rng)
     config = EngineConfig(512, 16, schedule, 100_000, 64, 1e-5, 2)
     pattern = np.sort(rng.exponential(1.0 / rate, num_requests).cumsum())
+    changes = ()
+    if change_mode is not None:
+        from repro.sim.plan_changes import priced_changes
+
+        p2l = placement.physical_to_logical
+        moved = [Placement(np.stack([row[rng.permutation(len(row))] for row in p2l]), devices, num_experts)
+                 for _ in range(2)]
+        span = float(np.sort(rng.exponential(1.0 / rate, num_requests).cumsum())[-1])
+        changes = priced_changes(plan, [(0.3 * span, moved[0]), (0.6 * span, moved[1])], SHAPE, hw, change_mode,
+                                 bandwidth_share=0.5 if change_mode == "async" else 1.0)
     runs = []
     for engine_type in (Engine, ReferenceEngine):
         engine = engine_type(plan, requests, cost, dispatch_slots(placement), config)
         for scale in rates:  # several runs of one engine (as a rate sweep does): the later ones reuse counted prompts
             arrivals = pattern / scale
             window = (float(arrivals[num_requests // 4]), float(arrivals[-1]) + 0.05)
-            runs.append(engine.run(arrivals[: num_requests - int(5 * (scale - 1))], until=until, window=window))
+            runs.append(engine.run(arrivals[: num_requests - int(5 * (scale - 1))], until=until, window=window,
+                                   changes=changes))
     return runs[: len(rates)], runs[len(rates) :]
 
 
@@ -352,3 +364,17 @@ def test_the_decode_pool_of_a_disaggregated_run_equals_the_reference(compiled_ca
     for field in dataclasses.fields(reference.decode):  # the decode pool's window is empty: compare every field
         got, want = getattr(fast.decode, field.name), getattr(reference.decode, field.name)
         assert (np.array_equal(got, want, equal_nan=True) if isinstance(want, np.ndarray) else got == want), field.name
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("name", ["dp_prefill_heavy_light", "dp_decode_heavy_saturated", "dp_two_nodes_auto",
+                                  "tp_decode_heavy_light"])
+def test_plan_changes_during_a_run_give_the_reference_run(name, mode, compiled_calls):
+    """A placement replaced twice during each of two runs of an engine (repro/sim/plan_changes.py): a synchronous
+    stall, or an asynchronous migration pricing iterations on shared links, then new dispatch tables; the compiled
+    steps stop at each change and take the new tables and cost model."""
+    fast, reference = run_both(name, rates=(1.0, 1.5), change_mode=mode)
+    assert (compiled_calls["serve"] > 0) == (CASES[name][2] == "dp")
+    for got, want in zip(fast, reference, strict=True):
+        assert len(want.changes) == 2
+        assert_same_run(got, want)

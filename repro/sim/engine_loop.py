@@ -312,7 +312,7 @@ def _cost_block(num_k, overhead, prompt_len, stream_start, stream, stream_id, ex
 
 
 @numba.njit(cache=True, nogil=True)
-def serve(commit_first, now, next_event, until, window_lo, window_hi,
+def serve(commit_first, start, now, next_event, until, window_lo, window_hi,
           prompt_len, output_len, stream_start, stream, stream_id, experts,
           rank, pos, gen, decoding, first_token, finish, wait_next,
           running, kv_used, backlog, dec_count, wait_head, wait_tail, wait_size, pf, pf_len,
@@ -321,9 +321,10 @@ def serve(commit_first, now, next_event, until, window_lo, window_hi,
           slot_table, device_table, device_bits, num_slots, plan_dpn, num_nodes, kinds, node, one_node, hw_dpn,
           phase_params, phase_bytes, m0, m1, m2, m3, c, expert_table, slot_seconds, gate_table,
           cache_key, cache_meta, cache_counts, cache_stats, end_out):  # pragma: no cover (compiled)
-    """The STEP_END at `now` (commit_first: commit the block in flight) and the steps after it while each ends before
-    next_event (the next queued event's time, +inf if none; an arrival at the same time comes first) and at or before
-    `until`. Returns IDLE (nothing to run), BUSY (a block in flight ending at end_out[0]: Engine.run queues its
+    """The STEP_END at `now` (commit_first: commit the block in flight; start False: only that) and the steps after
+    it while each ends before next_event (the next queued event's time, +inf if none; an event at the same time comes
+    first: it has the lower priority or was queued earlier) and at or before `until`. Returns IDLE (nothing to run or
+    not started), BUSY (a block in flight ending at end_out[0]: Engine.run queues its
     STEP_END), A2A_ERROR or BAD_ROW (costs._count_price declined; the engine raises). cfg_i int64[6]: max batched
     tokens, max running requests, KV capacity, max block iterations, 1 for prefill_first, 1 for DecodeEngine's
     prefilled admission."""
@@ -334,6 +335,8 @@ def serve(commit_first, now, next_event, until, window_lo, window_hi,
     if commit_first:
         _commit(now, prompt_len, output_len, rank, pos, gen, decoding, running, kv_used, backlog, dec_count, pf, pf_len,
                 first_token, finish, fl_dec, fl_seg, fl)
+    if not start:  # a plan change begins at this boundary (Engine.run)
+        return IDLE
     while True:
         # Engine._start
         _form(prompt_len, output_len, rank, pos, gen, decoding, running, kv_used, wait_head, wait_tail, wait_size,
