@@ -27,11 +27,11 @@ shell command): the sweep 380 -> 837 simulated requests per wall second (ep 30.9
 the reference 2.5x CPU, 2.6x wall), saturated 2,775 -> 4,596 per CPU second (1.6x), bench_disaggregated 1,362 ->
 2,641 (1.9x), every per-rate number identical; the targets are not met (the engine's own loop, outside the
 pricing, is ~30 % of the sweep; the counting runs at ~3-7 ns per activation, the one-increment floor at ~1).
-Then the engine's Attention-DP steps compiled (repro/sim/engine_loop.py), measured 2026-12-03 at load 4.4-5.3 against
-9442e88 in one shell command: the sweep 649 -> 1,132 simulated requests per wall second (ep 8.9 -> 4.1 CPU s; 6.0x
-the reference's CPU time in the same process), saturated 3,867 -> 4,340 per CPU second, bench_disaggregated 2,277 ->
-3,789, every per-rate number identical; the targets are still not met (docs/serving-simulator.md says where the time
-is).
+Then the engine's Attention-DP steps compiled (repro/sim/engine_loop.py), measured 2026-12-03 at load 3.2-4.2
+against main f8cf5ce in one shell command: the sweep 1,124 -> 2,494 simulated requests per wall second (ep 8.95 ->
+4.10 CPU s; 5.5x the reference's CPU time in the same process), saturated 3,691 -> 4,261 per CPU second,
+bench_disaggregated 1,891 -> 3,843 (load 4.4-5.0), every per-rate number identical; the targets are still not met
+(docs/serving-simulator.md says where the time is).
 
 Routing: the synthetic DeepSeek-V2-Lite router (conf/model/synthetic_deepseek_v2_lite.yaml) on MMLU prompts
 (offline), split as every job splits it (systems fitted on the profile split, the evaluate split served).
