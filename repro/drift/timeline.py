@@ -199,7 +199,6 @@ def summarise(runs: dict[str, PolicyRun], drift: dict) -> dict:
 def drift_job(config: dict, trace: RoutingTrace) -> tuple[dict, pd.DataFrame, pd.DataFrame]:
     """(summary, per-window rows, events) of the drift experiment on `trace` (the whole stream, arrival order)."""
     from repro.eval import evaluate, time_model_from_config
-    from repro.sim.hardware import load_hardware  # noqa: F401  (fails early on a bad hardware profile)
 
     drift = config["drift"]
     check_drift_config(drift)

@@ -7,7 +7,7 @@ Two schedules, both seeded and deterministic (same arguments and seed give the s
   draws its source s with probability (1 + cos(2 pi (r / P - s / S))) / S, so each source peaks once per period,
   S sources evenly out of phase (two sources: one peaks where the other vanishes).
 
-Each source dataset is loaded once by `registry.load_workload` (its own seeded random order, tokenizer and
+`registry.load_drift_workload` builds the Workload: each source dataset is loaded once by `registry.load_workload` (its own seeded random order, tokenizer and
 filters), asking for as many requests as the schedule draws from it; the k-th arrival from source s is that
 source's k-th request. Request.dataset stays the source's name (a routing model keyed by dataset sees the shift)
 and arrival times are drawn afresh over the whole stream (`poisson_arrivals`, request_rate). The segment
@@ -19,7 +19,6 @@ Legend: R requests in the stream, S sources.
 from __future__ import annotations
 
 import numbers
-from dataclasses import replace
 
 import numpy as np
 
@@ -81,51 +80,3 @@ def check_drift_schedule(segments, mix, period, num_requests) -> None:
     for value, key in ((period, "period"), (num_requests, "num_requests")):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 2:
             raise ConfigError(f"the periodic drift needs workload.{key} as an integer >= 2, got {value!r}.")
-
-
-def load_drift_workload(*, segments=None, mix=None, period=None, num_requests=None, seed: int = 0,
-                        request_rate: float = 0.0, **source_kwargs):
-    """The drifting Workload (module docstring): name "drift", requests in schedule order.
-
-    source_kwargs go to every source's `load_workload` (tokenizer, max_prompt_len, balanced, output_len, ...);
-    split "default" gives each source the split it ships (DEFAULT_SPLIT, else validation); any other split is
-    asked of every source. path must be None (every source is an installed offline dataset).
-    """
-    from repro.workloads.registry import WORKLOADS, Workload, load_workload, poisson_arrivals
-    from repro.workloads.tokenizers import load_tokenizer
-
-    check_drift_schedule(segments, mix, period, num_requests)
-    schedule_rng, arrival_rng = np.random.default_rng([seed, 0xD12F7]).spawn(2)
-    if segments is not None:
-        names = list(dict.fromkeys(segment["workload"] for segment in segments))
-        source = np.asarray([names.index(s["workload"]) for s in segments])[abrupt_schedule([s["requests"] for s in segments])]
-    else:
-        names = list(mix)
-        source = periodic_schedule(int(num_requests), len(names), int(period), schedule_rng)
-    unknown = [name for name in names if name not in WORKLOADS]
-    if unknown:
-        raise ConfigError(f"the drift schedule names workload(s) {unknown}; choose from {sorted(WORKLOADS)}.")
-    split = source_kwargs.pop("split", "default")
-    if source_kwargs.pop("path", None) is not None:
-        raise ConfigError("workload 'drift' takes no path (its sources are named in segments or mix); set path=null.")
-    source_kwargs.pop("label_field", None)  # each source keeps its own labels
-    counts = np.bincount(source, minlength=len(names))
-    loaded = [
-        load_workload(name, num_requests=int(count), seed=seed,
-                      split=DEFAULT_SPLIT.get(name, "validation") if split == "default" else split, **source_kwargs).requests
-        if count else []
-        for name, count in zip(names, counts.tolist(), strict=True)
-    ]
-    rank_in_source = np.zeros(len(source), dtype=np.int64)
-    for s in range(len(names)):
-        where = np.flatnonzero(source == s)
-        rank_in_source[where] = np.arange(len(where))
-    arrivals = poisson_arrivals(len(source), float(request_rate), arrival_rng)
-    requests = [replace(loaded[s][k], arrival_time=float(arrivals[position]))
-                for position, (s, k) in enumerate(zip(source.tolist(), rank_in_source.tolist(), strict=True))]
-    config = dict(name="drift", segments=segments, mix=list(mix) if mix is not None else None, period=period,
-                  num_requests=num_requests, seed=seed, request_rate=float(request_rate), split=split,
-                  sources=names, source_of_arrival_boundaries=segment_boundaries(source), **source_kwargs)
-    tokenizer = source_kwargs.get("tokenizer", "mixtral")
-    return Workload(name="drift", requests=requests, tokenizer=tokenizer,
-                    vocab_size=load_tokenizer(tokenizer).vocab_size, config=config)
