@@ -96,7 +96,8 @@ class Replacement:
 
 
 class StaticPolicy:
-    """Fits `system` on the profile once and never re-places."""
+    """Fits `system` on the profile once and never re-places; it still measures, after every window, the drift
+    distances between that window and the profile it was fitted on (`distances`: the decay's cause)."""
 
     kind = "system"
     mode = "sync"
@@ -105,10 +106,28 @@ class StaticPolicy:
         self.name, self.system = name, system
 
     def start(self, stream: Stream) -> Plan:
-        return self.system.fit(stream.profile, stream.parallel, stream.rng(-1))
+        plan = self.system.fit(stream.profile, stream.parallel, stream.rng(-1))
+        self._fitted = fitted_statistics(stream, stream.profile, plan.placement.expert_device())
+        self.distances: list[dict] = []
+        return plan
 
     def decide(self, stream: Stream, w: int, plan: Plan) -> Replacement | None:
+        self.distances.append({"window": w, **distances_to(stream, w, plan, *self._fitted)})
         return None
+
+
+def fitted_statistics(stream: Stream, fit_on: RoutingTrace, expert_device: np.ndarray) -> tuple[RoutingStats, float]:
+    """(RoutingStats, request affinity under expert_device int[L, E]) of the traffic a plan was fitted on."""
+    stats = routing_stats(np.asarray(fit_on.experts), stream.trace.meta.num_experts)
+    return stats, request_affinity(np.asarray(fit_on.experts), fit_on.offsets, expert_device, stream.parallel.devices)
+
+
+def distances_to(stream: Stream, w: int, plan: Plan, fitted: RoutingStats, fitted_affinity: float) -> dict[str, float]:
+    """The three drift distances between window w (affinity under the plan's placement) and the fitted traffic."""
+    window = stream.window(w)
+    live_affinity = request_affinity(np.asarray(window.experts), window.offsets, plan.placement.expert_device(),
+                                     stream.parallel.devices)
+    return drift_distances(fitted, stream.window_stats(w), fitted_affinity, live_affinity)
 
 
 class EPLBSchedule:
@@ -191,29 +210,15 @@ class SemMoEOnDrift:
         self.name, self.system, self.trigger, self.threshold = name, system, trigger, float(threshold)
         self.refit_windows, self.cooldown, self.budget, self.mode = int(refit_windows), int(cooldown), float(budget), mode
 
-    def _remember_fit(self, fit_on: RoutingTrace, stats: RoutingStats, expert_device: np.ndarray, w: int) -> None:
-        self._fitted_stats = stats
-        self._fitted_affinity = request_affinity(np.asarray(fit_on.experts), fit_on.offsets, expert_device,
-                                                 self._devices)
-        self._last_fit = w
-
     def start(self, stream: Stream) -> Plan:
-        self._devices = stream.parallel.devices
         plan = self.system.fit(stream.profile, stream.parallel, stream.rng(-1))
-        profile_stats = routing_stats(np.asarray(stream.profile.experts), stream.trace.meta.num_experts)
-        self._remember_fit(stream.profile, profile_stats, plan.placement.expert_device(), -1)
+        self._fitted = fitted_statistics(stream, stream.profile, plan.placement.expert_device())
+        self._last_fit = -1
         self.distances: list[dict] = []
         return plan
 
-    def distances_after(self, stream: Stream, w: int, plan: Plan) -> dict[str, float]:
-        """The three drift distances between window w and the traffic the plan in force was fitted on."""
-        window = stream.window(w)
-        live_affinity = request_affinity(np.asarray(window.experts), window.offsets, plan.placement.expert_device(),
-                                         self._devices)
-        return drift_distances(self._fitted_stats, stream.window_stats(w), self._fitted_affinity, live_affinity)
-
     def decide(self, stream: Stream, w: int, plan: Plan) -> Replacement | None:
-        distances = self.distances_after(stream, w, plan)
+        distances = distances_to(stream, w, plan, *self._fitted)
         self.distances.append({"window": w, **distances})
         if distances[self.trigger] <= self.threshold or w - self._last_fit < self.cooldown:
             return None
@@ -223,13 +228,14 @@ class SemMoEOnDrift:
         old = plan.placement
         fresh = Placement.from_expert_device(new_device, stream.parallel.devices)
         fresh = relabel_devices(fresh, min_move_permutation(old, fresh))  # one permutation for every layer
-        stats = (stream.window_stats(w) if first == w
-                 else routing_stats(np.asarray(refit_on.experts), stream.trace.meta.num_experts))
+        fitted = fitted_statistics(stream, refit_on, fresh.expert_device())
         expert_device, kept = budget_layers(old.expert_device(), fresh.expert_device(), experts_received(old, fresh),
-                                            stats.coactivation, self.budget)
+                                            fitted[0].coactivation, self.budget)
         new_plan = self.system.plan_for_placement(refit_on, stream.parallel, expert_device,
                                                   {**info, "layers_replaced": int((~kept).sum())})
-        self._remember_fit(refit_on, stats, expert_device, w)
+        # the affinity reference is the placement actually deployed (layers over budget keep their old experts)
+        self._fitted = (fitted[0], fitted_statistics(stream, refit_on, expert_device)[1])
+        self._last_fit = w
         return Replacement(new_plan, f"{self.trigger} distance {distances[self.trigger]:.4f} > {self.threshold}",
                            distances)
 

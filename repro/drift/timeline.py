@@ -18,7 +18,9 @@ Summary per policy (metrics.json summary["policies"][name], and the headline pol
 - experts_moved, experts_moved_vs_eplb (over drift.eplb_reference's, null when that moved none);
 - false_alarms: re-placements decided after a window whose request mix (shares of source datasets) is within
   drift.mix_tolerance (total variation) of the mix the plan in force was fitted on: nothing changed, yet it re-placed;
-- stall_s, replacements, and the means of lar, balance over windows.
+- stall_s, replacements, and the means of lar, balance over windows;
+- windows_to_first_replacement_after_switch: 0 when the policy re-places right after the first window holding a
+  change of source dataset (the abrupt switch), null without a switch or a re-placement after it.
 
 Legend: W windows.
 """
@@ -236,13 +238,19 @@ def drift_job(config: dict, trace: RoutingTrace) -> tuple[dict, pd.DataFrame, pd
     for name, spec in drift["policies"].items():
         policy = make_policy(name, spec, config["system"])
         runs[name] = run_policy(policy, stream, score, migrate, scale, sources, drift["mix_tolerance"])
-        if isinstance(policy, SemMoEOnDrift):
+        if isinstance(policy, SemMoEOnDrift | StaticPolicy):  # distances after each window, to the plan's fit data
             for row, distances in zip(runs[name].rows, policy.distances, strict=False):
                 row.update({f"distance_{k}": v for k, v in distances.items() if k != "window"})
     summary = summarise(runs, drift)
     boundaries = [int(w) for w in np.flatnonzero(
         [len(set(sources[bounds[w]:bounds[w + 1]])) > 1 or (w and sources[bounds[w]] != sources[bounds[w] - 1])
          for w in range(stream.num_windows)])]
+    for name, run in runs.items():  # windows from the first switch to the first re-placement decided after it
+        after = [e["after_window"] for e in run.events if boundaries and e["after_window"] >= boundaries[0]]
+        delay = after[0] - boundaries[0] if after else None
+        summary["policies"][name]["windows_to_first_replacement_after_switch"] = delay
+        if name == drift["headline"]:
+            summary["windows_to_first_replacement_after_switch"] = delay
     summary.update(num_windows=stream.num_windows, window_requests=drift["window_requests"],
                    profile_requests=profile_requests, step_tokens=int(step_tokens),
                    window_steps=drift.get("window_steps"), windows_with_a_switch=boundaries,
