@@ -228,3 +228,33 @@ def test_drift_workload_and_task_loaders_refuse_bad_input_in_one_sentence():
         load_workload("arc_easy", split="test")
     with pytest.raises(ConfigError, match="belong to workload 'drift'"):
         load_workload("mmlu", period=5)
+
+
+def test_drift_job_reports_every_policy_with_the_summary_keys_and_the_same_numbers_twice():
+    from omegaconf import OmegaConf
+
+    from repro.drift.timeline import drift_job
+
+    conf = __import__("pathlib").Path(__file__).resolve().parents[1] / "conf"
+    small = {"lookback": 0, "n_starts": 1, "polish_rounds": 0, "ft_steps": 8}
+    config = {
+        "seed": 0, "history": 2, "parallel": {"devices": 2, "attention": "dp"},
+        "hardware": OmegaConf.to_container(OmegaConf.load(conf / "hardware" / "h200.yaml")),
+        "system": {"name": "semmoe", "params": small},
+        "drift": {"window_requests": WINDOW, "profile_requests": PROFILE, "step_tokens": None, "window_steps": 1000,
+                  "headline": "semmoe_drift", "reference": "ep", "eplb_reference": "eplb_vllm", "mix_tolerance": 0.1,
+                  "policies": {"ep": {"kind": "static", "system": "ep"},
+                               "eplb_vllm": {"kind": "eplb", "interval": 2000, "window_size": 1000, "mode": "async"},
+                               "semmoe_drift": {"kind": "semmoe_drift", "threshold": 0.2},
+                               "hindsight": {"kind": "hindsight"}}},
+    }
+    trace = planted_trace(PROFILE + 4 * WINDOW, PROFILE + 2 * WINDOW)
+    summary, rows, events = drift_job(config, trace)
+    for key in ("gain_kept_vs_hindsight", "experts_moved_vs_eplb", "false_alarms", "stall_s"):
+        assert key in summary and all(key in p for p in summary["policies"].values())
+    assert summary["windows_with_a_switch"] == [2] and summary["windows_to_first_replacement_after_switch"] == 0
+    assert summary["false_alarms"] == 0 and summary["replacements"] == 1 and summary["stall_s"] > 0
+    assert len(rows) == 4 * 4 and set(rows.policy) == set(config["drift"]["policies"])
+    assert rows.loc[rows.policy == "hindsight", "kind"].eq("hindsight").all()
+    again, rows_again, _ = drift_job(config, trace)
+    assert again == summary and rows_again.equals(rows)
