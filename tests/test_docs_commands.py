@@ -47,6 +47,9 @@ COMMANDS = {
     "python -m repro.run -m experiment=drift workload=drift_abrupt,drift_stationary seed=0 name=drift_short": "config",
     "python -m repro.drift.report runs/drift": "flags",
     "python -m repro.traces.import routing.csv --out traces/served --arrival-col arrival_time": "flags",
+    "python -m repro.sim.validation": "flags",
+    "python -m repro.engines.replacement runs/<job_a> runs/<job_b> --out replacements/ --model-config config.json":
+        "flags",
 }
 
 

@@ -33,7 +33,15 @@ last poll count as waiting); a failed poll keeps the last values and counts an u
 
 GET /metrics (Prometheus): requests per rank, predicted local activation rate per rank, routing seconds
 (tokenize + score), the router's own added seconds per proxied request, upstream errors by kind, requests in
-flight.
+flight, plan swaps.
+
+A new plan (issue 34: a re-placement) replaces the one in place without stopping the router: SIGHUP re-reads
+--plan (Plan.save writes it atomically; `reload_plan`), or a program calls `SemanticRouter.swap_plan`. The new
+plan's tables are built and checked first (same DP ranks, online assignment, the tokenizer's vocabulary), then
+swapped in under the routing lock: each request is scored wholly by the plan in place when it takes the lock,
+requests already sent upstream keep their rank (their KV cache lives there), none is dropped or held. A plan that
+cannot be read or routed is refused with one line on stderr and the plan in place stays. Swap the engines' expert
+placement first (repro.engines.replacement exports it): the router then sends requests after it.
 
 Added seconds (semmoe_router_added_seconds), measured inside the router: (handler start -> the upstream request
 issued) + (the upstream body received -> the client reply handed to the socket), wall time, so the waits for
@@ -154,10 +162,44 @@ class Decision:
     predicted_lar: float | None  # None: the plan has no token tables (or the prompt had no token)
 
 
+@dataclass(frozen=True)
+class _Routing:
+    """What one plan routes with, swapped as one object (SemanticRouter.swap_plan): the plan, its token vocabulary
+    (None: any id), its predicted-LAR table float32[V, D] (None: no token tables), the live load it reads (None)."""
+
+    plan: Plan
+    vocab: int | None
+    lar_vocab: np.ndarray | None
+    live: LiveLoad | None
+
+
 class SemanticRouter:
-    """Request -> DP rank with a plan's online scheduler; safe to call from several threads or coroutines."""
+    """Request -> DP rank with a plan's online scheduler; safe to call from several threads or coroutines.
+
+    `swap_plan` replaces the plan while requests are routed: the new plan's tables are built and checked first,
+    then swapped in under the routing lock, so each request is scored wholly by one plan (the one in place when it
+    takes the lock), a request already routed keeps its rank, and none is dropped (the proxy never waits on it).
+    """
 
     def __init__(self, plan: Plan, tokenizer=None, live: LiveLoad | None = None):
+        self.tokenizer = tokenizer
+        self.num_ranks = plan.parallel.devices
+        self._live_source = live  # the engines' live load; a plan that reads it gets it (build_app polls it)
+        self._lock = threading.Lock()
+        self.swaps = 0
+        self._routing = self._prepare(plan)
+        plan.reset()
+
+    @property
+    def plan(self) -> Plan:
+        return self._routing.plan
+
+    @property
+    def live(self) -> LiveLoad | None:
+        return self._routing.live
+
+    def _prepare(self, plan: Plan) -> _Routing:
+        """The routing state of `plan`, checked (ConfigError: one sentence) against this router's ranks and tokenizer."""
         from repro.systems.semmoe.system import SemMoEPlan
 
         if plan.parallel.attention != "dp":
@@ -165,58 +207,68 @@ class SemanticRouter:
                 f"the plan was fitted for parallel.attention={plan.parallel.attention}; request routing needs an "
                 "Attention-DP plan (parallel.attention=dp)."
             )
-        self.plan = plan
-        self.tokenizer = tokenizer
-        self.num_ranks = plan.parallel.devices
-        # the engines' live load, for a plan that reads it (build_app polls the upstreams' /metrics into it)
-        self.live = live if getattr(plan, "reads_load", False) else None
-        self._lock = threading.Lock()
-        self._vocab = None
-        self._lar_vocab = None
+        if plan.parallel.devices != self.num_ranks:
+            raise ConfigError(f"the new plan has {plan.parallel.devices} DP ranks but the router serves {self.num_ranks}; "
+                              "a swapped plan must keep the ranks.")
+        vocab = lar_vocab = None
         if isinstance(plan, SemMoEPlan):
             if plan.dp_assign != "online":
                 raise ConfigError(
                     f"the plan assigns requests with dp_assign={plan.dp_assign}, which waits for later requests; "
                     "a router decides at arrival: fit it with system.params.dp_assign=online."
                 )
-            self._vocab = len(plan.row_of_token)
-            if tokenizer is not None and tokenizer.vocab_size > self._vocab:
+            vocab = len(plan.row_of_token)
+            if self.tokenizer is not None and self.tokenizer.vocab_size > vocab:
                 raise ConfigError(
-                    f"tokenizer {tokenizer.name!r} emits {tokenizer.vocab_size} ids but the plan knows {self._vocab}; "
+                    f"tokenizer {self.tokenizer.name!r} emits {self.tokenizer.vocab_size} ids but the plan knows {vocab}; "
                     "the plan was profiled with another tokenizer (pass the model's with --tokenizer)."
                 )
             on_device = plan.token_device[:, :, None] == np.arange(self.num_ranks)[None, None, :]  # [L, t+1, D]
             lar_table = (plan.token_confidence[:, :, None] * on_device).mean(axis=0).astype(np.float32)  # [t+1, D]
             # per vocabulary id [V, D]: one gather per request instead of two (V x D x 4 bytes: 4.9 MB for Qwen)
-            self._lar_vocab = lar_table[plan.row_of_token]
+            lar_vocab = lar_table[plan.row_of_token]
+        live = self._live_source if getattr(plan, "reads_load", False) else None
+        return _Routing(plan, vocab, lar_vocab, live)
+
+    def swap_plan(self, plan: Plan) -> None:
+        """Route every request from now on with `plan` (its online state reset); requests routed before keep their
+        rank. The new tables are built before the lock is taken: routing never waits for them."""
+        routing = self._prepare(plan)
         plan.reset()
+        with self._lock:
+            self._routing = routing
+            self.swaps += 1
 
     def token_ids(self, prompt: str | list[int]) -> np.ndarray:
         """int64[n] ids of a prompt (text through the tokenizer; ids outside the plan's vocabulary dropped)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ConfigError("a text prompt needs the model's tokenizer; start the router with --tokenizer.")
-            # the tokenizer's ids are below its vocab_size <= the plan's vocabulary (checked in __init__)
+            # the tokenizer's ids are below its vocab_size <= the plan's vocabulary (checked in _prepare)
             return np.asarray(self.tokenizer.encode(prompt), dtype=np.int64)
         try:
             ids = np.asarray(prompt, dtype=np.int64)
         except OverflowError:  # an id beyond int64 is outside every vocabulary: drop it like any unknown id
             ids = np.asarray([x for x in prompt if -(1 << 63) <= x < (1 << 63)], dtype=np.int64)
-        if self._vocab is not None:
-            ids = ids[(ids >= 0) & (ids < self._vocab)]
+        vocab = self._routing.vocab
+        if vocab is not None:
+            ids = ids[(ids >= 0) & (ids < vocab)]
         return ids
 
     def route(self, token_ids: np.ndarray) -> Decision:
         """The rank of the next request, whose prompt tokens are token_ids int[n] (state advances by one)."""
-        n = len(token_ids)
         with self._lock:
-            live = {} if self.live is None else {"load": self.live.view()}
-            rank = int(self.plan.assign_requests(token_ids, np.array([0, n]), np.array([n]), **live)[0])
-            if self.live is not None:
-                self.live.dispatched(rank, n)
+            routing = self._routing  # one plan for the whole decision, even if a swap waits for the lock
+            if routing.vocab is not None:  # ids were filtered before the lock, possibly by the plan swapped out
+                token_ids = token_ids[(token_ids >= 0) & (token_ids < routing.vocab)]
+            n = len(token_ids)
+            live = {} if routing.live is None else {"load": routing.live.view()}
+            rank = int(routing.plan.assign_requests(token_ids, np.array([0, n]), np.array([n]), **live)[0])
+            if routing.live is not None:
+                routing.live.dispatched(rank, n)
         lar = None
-        if self._lar_vocab is not None and n:
-            lar = float(self._lar_vocab[token_ids, rank].mean())
+        if routing.lar_vocab is not None and n:
+            lar = float(routing.lar_vocab[token_ids, rank].mean())
         return Decision(rank, lar)
 
 
@@ -375,6 +427,10 @@ def build_app(
             raise ConfigError(f"the KV lease must be a finite number of seconds > 0, got {kv_lease!r}.")
     header = RANK_HEADERS[engine]
     metrics = RouterMetrics(router.num_ranks, decode.num_ranks if decode else 0)
+    from prometheus_client import Gauge
+
+    Gauge("semmoe_router_plan_swaps", "Plans swapped in since start (SIGHUP reloads of --plan)",
+          registry=metrics.registry).set_function(lambda: router.swaps)
     session_key = web.AppKey("session", aiohttp.ClientSession)
 
     async def start(app: web.Application) -> None:
@@ -394,7 +450,7 @@ def build_app(
     async def poll_load(app: web.Application) -> None:
         """Read every upstream's /metrics each load_poll_s into router.live (a failed read keeps the last values)."""
         while True:
-            for index, base in enumerate(upstreams):
+            for index, base in enumerate(upstreams if router.live is not None else ()):  # a swap may change it
                 try:
                     async with app[session_key].get(base + "/metrics") as reply:
                         text = (await reply.read()).decode("utf-8", "replace") if reply.status == 200 else None
@@ -409,11 +465,11 @@ def build_app(
                     metrics.error("load_signals")
                     continue
                 with router._lock:
-                    router.live.update(gauges)
+                    router._live_source.update(gauges)
             await asyncio.sleep(load_poll_s)
 
     async def start_polling(app: web.Application) -> None:
-        if router.live is not None:
+        if router._live_source is not None:  # polled while the plan in place reads it (a swap may change that)
             app[poller_key] = asyncio.get_running_loop().create_task(poll_load(app))
 
     async def decide(request: web.Request, raw: bytes) -> int | None:
@@ -686,6 +742,30 @@ def make_decode(args) -> DecodeChooser:
     return DecodeChooser(load_plan(args.decode_plan, layout=layout))
 
 
+def reload_plan(router: SemanticRouter, args) -> bool:
+    """Re-read --plan and swap it in (SemanticRouter.swap_plan); a plan that cannot be read or routed is refused
+    with one line on stderr and the plan in place kept. True when swapped."""
+    from repro.engines.layout import read_plan
+
+    try:
+        plan, _, _ = read_plan(args.plan, args.ep_size)
+        router.swap_plan(plan)
+    except ReproError as e:
+        print(f"error: plan reload refused, the current plan stays: {e}", file=sys.stderr)
+        return False
+    print(f"reloaded the plan from {args.plan} (swap {router.swaps})", file=sys.stderr)
+    return True
+
+
+def install_reload(router: SemanticRouter, args) -> None:
+    """SIGHUP re-reads --plan (written atomically by Plan.save) and swaps it in on a worker thread: the event loop
+    keeps serving while the new tables are built."""
+    import signal
+
+    if hasattr(signal, "SIGHUP"):
+        signal.signal(signal.SIGHUP, lambda *_: threading.Thread(target=reload_plan, args=(router, args), daemon=True).start())
+
+
 def main(argv: list[str] | None = None) -> int:
     from aiohttp import web
 
@@ -709,6 +789,7 @@ def main(argv: list[str] | None = None) -> int:
     except ReproError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    install_reload(router, args)
     where = f"{args.upstream}" if decode is None else f"prefill {args.prefill}, decode {args.decode}"
     print(f"routing {router.num_ranks} DP ranks of {where} ({args.engine}, tokenizer {tokenizer.name}) "
           f"on http://{args.host}:{args.port}; metrics at /metrics", file=sys.stderr)

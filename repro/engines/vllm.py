@@ -85,9 +85,8 @@ def check_placement(data, where: str = "the placement") -> dict:
     return dict(data, physical_to_logical_map=rows.astype(np.int64))
 
 
-def export_placement(saved: SavedPlan, out: str | Path, overwrite: bool = False) -> dict:
-    """Write the plan's vLLM placement JSON to `out` atomically (an existing file only with overwrite=True);
-    returns the document."""
+def placement_document(saved: SavedPlan) -> dict:
+    """The plan's checked vLLM placement document (what `export_placement` writes)."""
     rows = placement_rows(saved)
     document = {
         "format": FORMAT, "vllm": SUPPORTED_VLLM, "model": saved.layout.name,
@@ -95,6 +94,32 @@ def export_placement(saved: SavedPlan, out: str | Path, overwrite: bool = False)
         "ep_size": saved.placement.num_devices, "physical_to_logical_map": rows.tolist(),
     }
     check_placement(document)
+    return document
+
+
+def expert_to_ep_rank(saved: SavedPlan) -> tuple[list[int] | None, str]:
+    """(the plan as vLLM's proposed static placement file's list, or None, and why not): `{"expert_to_ep_rank":
+    [rank of expert e]}` (vLLM issue #34297, PR #34811, open as of 2026-12) holds one rank per logical expert for
+    every MoE layer and no replicas, so only a plan whose every MoE layer of the model (uncovered ones: vLLM's
+    initial map) puts each expert on the same rank, once, fits it."""
+    placement = saved.placement
+    if placement.is_replicated:
+        return None, (f"the plan has {placement.num_slots - placement.num_experts} redundant slots per layer; "
+                      "expert_to_ep_rank has no replicas")
+    rows = placement_rows(saved)  # [Lm, P], P = E
+    rank_of_expert = np.empty_like(rows)
+    rank_of_expert[np.arange(len(rows))[:, None], rows] = np.arange(rows.shape[1]) // placement.slots_per_device
+    if np.any(rank_of_expert != rank_of_expert[0]):
+        layer = int(np.argmax(np.any(rank_of_expert != rank_of_expert[0], axis=1)))
+        return None, (f"MoE layer {saved.layout.moe_layer_ids[layer]} places experts on other ranks than MoE layer "
+                      f"{saved.layout.moe_layer_ids[0]}; expert_to_ep_rank is one map for every layer")
+    return rank_of_expert[0].tolist(), ""
+
+
+def export_placement(saved: SavedPlan, out: str | Path, overwrite: bool = False) -> dict:
+    """Write the plan's vLLM placement JSON to `out` atomically (an existing file only with overwrite=True);
+    returns the document."""
+    document = placement_document(saved)
     cli.write_text_output(out, json.dumps(document, separators=(",", ":")), overwrite=overwrite)
     return document
 

@@ -19,6 +19,10 @@ documented stand-in, see `simulate`). Iterations that only decode and during whi
 finishes have the same batch composition; they are costed together in one vectorised block of up to
 `max_block_iterations` (exactly what stepping one by one gives: same costs, same sequential time sums).
 
+A run may change plan at given times (`changes`, repro/sim/plan_changes.py): each change's migration stalls every
+rank (sync) or slows the links (async) before the new plan's dispatch tables and request scheduler take over;
+with no changes the run is what it always was, bit for bit.
+
 A run may stop at a horizon (`until`): requests unfinished then keep NaN finish (and first-token) times. Over a
 measurement window (`window`, by iteration start time) the MoE-layer components are also summed apart for
 iterations that hold prefill tokens and for decode-only ones (their costs differ: see repro/sim/metrics.py).
@@ -37,7 +41,8 @@ import numpy as np
 
 from repro.errors import ConfigError, ReproError
 from repro.sim.costs import COMPONENTS, SEG_KEYS, CostModel
-from repro.sim.events import ARRIVAL, STEP_END, EventQueue
+from repro.sim.events import ARRIVAL, CHANGE, STEP_END, EventQueue
+from repro.sim.plan_changes import PlanChange, cost_while_migrating
 from repro.sim.traffic import device_tables, stream_traffic
 from repro.systems.base import Plan
 from repro.systems.load import RankLoad
@@ -106,6 +111,8 @@ class RunResult:
     window_seconds: np.ndarray | None = None  # float64[2] iteration seconds
     window_tokens: np.ndarray | None = None  # int64[2] tokens in those iterations
     window_prefill_tokens: int = 0  # prompt tokens among them
+    changes: list | None = None  # one dict per plan change that began (Engine._begin_change)
+    stall_seconds: float = 0.0  # seconds every rank stood still for synchronous migrations
 
 
 class Engine:
@@ -117,6 +124,7 @@ class Engine:
             raise ConfigError(f"sim.schedule must be one of {SCHEDULES}, got {config.schedule!r}.")
         self.plan, self.req, self.cost, self.cfg = plan, requests, cost, config
         self.slot_table = slot_table
+        self._first_served = (plan, slot_table, cost)  # what every run starts with, whatever changes a run made
         self.devices = plan.parallel.devices
         self.dp = plan.parallel.attention == "dp"
         self.groups = self.devices if self.dp else 1
@@ -135,13 +143,18 @@ class Engine:
     # ---- the event loop --------------------------------------------------------------------------------------
 
     def run(self, arrivals: np.ndarray, until: float = float("inf"),
-            window: tuple[float, float] = (0.0, float("inf"))) -> RunResult:
+            window: tuple[float, float] = (0.0, float("inf")), changes: tuple[PlanChange, ...] = ()) -> RunResult:
         """Serve the first len(arrivals) requests, arriving at arrivals float64[R'] (seconds, any order), until all
         finish or the simulated clock passes `until`; sum the window's costs for iterations starting in
-        [window[0], window[1])."""
+        [window[0], window[1]); change plan as `changes` say (repro/sim/plan_changes.py `priced_changes`)."""
         num_requests = len(arrivals)
         if num_requests > self.req.num_requests:
             raise ReproError(f"{num_requests} arrival times for {self.req.num_requests} requests; pass at most one each.")
+        if self.plan is not self._first_served[0] or self.cost is not self._first_served[2]:
+            self._serve(*self._first_served[:2])  # an earlier run changed plan: start from the first again
+            self.cost = self._first_served[2]
+        self._asked: deque[PlanChange] = deque()
+        self._migrating = False
         self.window = (float(window[0]), float(window[1]))
         self.plan.reset()
         self.rank = np.full(num_requests, -1, dtype=np.int64)
@@ -161,11 +174,15 @@ class Engine:
             arrival=np.asarray(arrivals, dtype=np.float64), first_token=np.full(num_requests, np.nan),
             finish=np.full(num_requests, np.nan), rank=self.rank, moe_seconds=np.zeros((num_layers, len(COMPONENTS))),
             window_moe_seconds=np.zeros((2, num_layers, len(COMPONENTS))), window_iterations=np.zeros(2, np.int64),
-            window_seconds=np.zeros(2), window_tokens=np.zeros(2, np.int64),
+            window_seconds=np.zeros(2), window_tokens=np.zeros(2, np.int64), changes=[],
         )
         queue = EventQueue()
         for r in np.argsort(arrivals, kind="stable"):
             queue.push(float(arrivals[r]), ARRIVAL, int(r))
+        for change in changes:
+            if not isinstance(change, PlanChange):
+                raise ReproError(f"Engine.run takes plan changes made by repro.sim.plan_changes.priced_changes, got {change!r}.")
+            queue.push(change.time_s, CHANGE, change)
         busy = False
         while len(queue):
             now, priority, payload = queue.pop()
@@ -176,12 +193,59 @@ class Engine:
                 if not busy:  # wake up after every arrival at this instant has been queued
                     queue.push(now, STEP_END, None)
                     busy = True
+            elif priority == CHANGE:  # asked for (it waits for the next iteration boundary), or an async one's end
+                if isinstance(payload, _Migration):
+                    self._end_change(payload, now)
+                else:
+                    self._asked.append(payload)
+                if not busy:  # an idle engine is at a boundary now
+                    busy = self._begin_change(now, queue)
             else:
-                if payload is not None:
+                if isinstance(payload, _Migration):  # a synchronous migration's stall ends
+                    self._end_change(payload, now)
+                elif payload is not None:
                     self._commit(payload, now)
-                busy = self._start(now, queue)
+                busy = self._begin_change(now, queue) or self._start(now, queue)
         self.result.events = queue.popped
         return self.result
+
+    # ---- plan changes (repro/sim/plan_changes.py) ----------------------------------------------------------------
+
+    def _serve(self, plan: Plan, slot_table: np.ndarray) -> None:
+        """Serve `plan` from now on: its dispatch tables and its (reset) schedulers; placed requests keep their rank."""
+        if plan.parallel.devices != self.devices or plan.placement.slots_per_device != self.spd:
+            raise ConfigError(f"a plan change must keep {self.devices} devices and {self.spd} slots per device.")
+        self.plan, self.slot_table = plan, slot_table
+        self.oracle = bool(getattr(plan, "uses_true_routing", False))
+        self.reads_load = self.dp and bool(getattr(plan, "reads_load", False))
+        self._device_tables_LDE = None  # the tables of the old slot table (same shape: the cache would not notice)
+        plan.reset()
+
+    def _begin_change(self, now: float, queue: EventQueue) -> bool:
+        """At an iteration boundary: begin the oldest change asked for, unless one is migrating. True when it
+        stalls the engine (a synchronous migration: its end is a STEP_END)."""
+        if self._migrating or not self._asked:
+            return False
+        change = self._asked.popleft()
+        cost = change.cost
+        migration = _Migration(change, {**cost.summary(), "asked_s": change.time_s, "start_s": now})
+        if cost.duration_s == 0.0:  # nothing moves: the new plan serves at once
+            self._end_change(migration, now)
+            return self._begin_change(now, queue)
+        self._migrating = True
+        if cost.mode == "sync":
+            queue.push(now + cost.stall_s, STEP_END, migration)
+            self.result.stall_seconds += cost.stall_s
+            return True
+        self.cost = cost_while_migrating(self._first_served[2], change)
+        queue.push(now + cost.duration_s, CHANGE, migration)
+        return False
+
+    def _end_change(self, migration: _Migration, now: float) -> None:
+        self._serve(migration.change.plan, migration.change.slot_table)
+        self.cost = self._first_served[2]
+        self._migrating = False
+        self.result.changes.append({**migration.record, "end_s": now})
 
     def _arrive(self, r: int) -> None:
         group = 0
@@ -461,6 +525,14 @@ class Engine:
         if tables is None or tables[0].shape != self.slot_table.shape:
             tables = self._device_tables_LDE = device_tables(self.slot_table, self.spd)
         return tables
+
+
+@dataclass(frozen=True)
+class _Migration:
+    """A change that began: the change and its record so far (RunResult.changes)."""
+
+    change: PlanChange
+    record: dict
 
 
 @numba.njit(cache=True, nogil=True)

@@ -11,7 +11,9 @@ import heapq
 import itertools
 
 ARRIVAL = 0  # before STEP_END at equal times: a request arriving as a step ends joins the next batch
-STEP_END = 1
+CHANGE = 1  # a placement change asked for, or an async migration's end (repro/sim/plan_changes.py): before a step
+# ending at the same instant, so that step's boundary begins (or ends) it
+STEP_END = 2
 
 
 class EventQueue:

@@ -23,8 +23,10 @@ from repro import cli
 from repro.errors import ConfigError
 from repro.sim.costs import CostModel, LevelLoad, a2a_seconds, phase_seconds
 from repro.sim.hardware import Hardware, load_hardware
+from repro.sim.migration_cost import price_migration
 from repro.sim.shapes import ModelShape, RoutingMap
 from repro.sim.traffic import BatchTraffic, batch_traffic, dispatch_slots
+from repro.systems.base import Placement
 from repro.systems.ep import contiguous_placement
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,7 +36,10 @@ KINDS = {  # kind -> (unit, fields a row of that kind needs beyond the common on
     "deepep_normal": ("GB/s", ("ep", "direction")),
     "deepep_low_latency": ("us", ("ep", "direction")),
     "moe_comm_share": ("fraction", ("shape", "backend", "ep", "tokens_per_rank")),
+    "eplb_rearrangement": ("s", ("shape", "ep", "redundant_experts", "bytes_per_weight", "moved_fraction",
+                                 "layer_overhead")),
 }
+FIT = "fit"  # an eplb_rearrangement row whose layer_overhead is `fit` sets the per-layer overhead the others use
 COMMON = ("id", "kind", "profile", "measured", "unit", "in_sample", "source", "setting")
 DEEPEP_HIDDEN = 7168
 FP8_BYTES_PER_ELEMENT = 1 + 4 / 128  # DeepEP's tests: fp8 values + one fp32 scale per 128
@@ -86,7 +91,28 @@ def load_table(path: Path = TABLE) -> list[dict]:
         if row["id"] in seen:
             raise ConfigError(f"{where}: id {row['id']!r} appears twice.")
         seen.add(row["id"])
+        if kind == "eplb_rearrangement":
+            _check_rearrangement(row, where)
+    fitted = {r["id"] for r in rows if r["kind"] == "eplb_rearrangement" and r["layer_overhead"] == FIT}
+    for i, row in enumerate(rows):
+        if row["kind"] == "eplb_rearrangement" and row["layer_overhead"] not in fitted | {FIT}:
+            raise ConfigError(f"{path} row {i} ({row['id']}): layer_overhead must be {FIT!r} or the id of an "
+                              f"eplb_rearrangement row that fits it ({sorted(fitted)}), got {row['layer_overhead']!r}.")
     return rows
+
+
+def _check_rearrangement(row: dict, where: str) -> None:
+    """The fields of an eplb_rearrangement row (one ConfigError naming the first bad one)."""
+    redundant = row["redundant_experts"]
+    if isinstance(redundant, bool) or not isinstance(redundant, int) or redundant < 0:
+        raise ConfigError(f"{where}: redundant_experts must be an integer >= 0, got {redundant!r}.")
+    if not _positive_number(row["bytes_per_weight"]):
+        raise ConfigError(f"{where}: bytes_per_weight must be a finite positive number, got {row['bytes_per_weight']!r}.")
+    fraction = row["moved_fraction"]
+    if not (_positive_number(fraction) and fraction <= 1):
+        raise ConfigError(f"{where}: moved_fraction must be a share of the physical slots in (0, 1], got {fraction!r}.")
+    if row["layer_overhead"] == FIT and row["in_sample"] is not True:
+        raise ConfigError(f"{where}: a row that fits the per-layer overhead is in-sample; set in_sample: true.")
 
 
 def _positive_number(value) -> bool:
@@ -198,9 +224,60 @@ def _moe_comm_share(row: dict) -> tuple[float, dict]:
     return max(shares.values()), {"share_by_tokens_per_rank": {t: round(s, 3) for t, s in shares.items()}}
 
 
-def resimulate(row: dict) -> tuple[float, dict]:
-    """(predicted value in the row's unit, details) of one validated row."""
+def rearrangement_placements(num_layers: int, num_experts: int, devices: int, redundant: int, moved_fraction: float,
+                             rng: np.random.Generator) -> tuple[Placement, Placement]:
+    """(old, new) placements of one published rearrangement: old holds slot p -> expert p mod E (P = E +
+    redundant slots, SGLang's trivial map); new moves round(moved_fraction x P) slots per layer, drawn at random,
+    by a cyclic shift of their experts (a re-plan that is arbitrary with respect to the old placement, as EPLB's
+    packing is: it does not look at where experts are)."""
+    num_slots = num_experts + redundant
+    old = np.tile(np.arange(num_slots) % num_experts, (num_layers, 1))
+    moved = int(round(moved_fraction * num_slots))
+    chosen = np.argsort(rng.random((num_layers, num_slots)), axis=1)[:, :moved]  # [L, m]
+    layer = np.arange(num_layers)[:, None]
+    new = old.copy()
+    new[layer, chosen] = old[layer, np.roll(chosen, 1, axis=1)]
+    return Placement(old, devices, num_experts), Placement(new, devices, num_experts)
+
+
+def _rearrangement(row: dict, fits: dict[str, float]) -> tuple[float, dict]:
+    """A synchronous rearrangement's stall (seconds): repro.sim.migration_cost over the row's placements, with the
+    per-layer overhead fitted on the row itself (`fit`) or taken from the row that fits it."""
+    shape = ModelShape.from_config(yaml.safe_load((ROOT / "conf" / "sim" / "shape" / f"{row['shape']}.yaml").read_text()))
+    hw = _profile(row)
+    ep, redundant = int(row["ep"]), int(row["redundant_experts"])
+    if (shape.num_experts + redundant) % ep or ep != hw.num_devices:
+        raise ConfigError(f"validation row {row['id']!r}: {shape.num_experts} experts + {redundant} redundant must "
+                          f"split over ep={ep} ranks, and the profile must have {ep} devices (it has {hw.num_devices}).")
+    old, new = rearrangement_placements(shape.num_moe_layers, shape.num_experts, ep, redundant,
+                                        float(row["moved_fraction"]), np.random.default_rng(0))
+    bandwidth_only = price_migration(old, new, shape, hw, "sync", bytes_per_weight=float(row["bytes_per_weight"]))
+    layers_moving = int(np.count_nonzero(bandwidth_only.layer_seconds))
+    if row["layer_overhead"] == FIT:
+        overhead = (float(row["measured"]) - bandwidth_only.stall_s) / layers_moving
+        if overhead < 0:
+            raise ConfigError(f"validation row {row['id']!r}: the transfers alone ({bandwidth_only.stall_s:.3g} s) exceed "
+                              "the measured stall, so no per-layer overhead >= 0 fits it.")
+    else:
+        overhead = fits[row["layer_overhead"]]
+    stall = bandwidth_only.stall_s + overhead * layers_moving
+    return stall, {"experts_moved": bandwidth_only.experts_moved, "experts_moved_rdma": int(bandwidth_only.copies_rdma.sum()),
+                   "gb_moved": round(bandwidth_only.bytes_moved / 1e9, 3), "transfer_s": bandwidth_only.stall_s,
+                   "layer_overhead_s": overhead, "layers": layers_moving}
+
+
+def layer_overhead_fits(rows: list[dict]) -> dict[str, float]:
+    """{row id: per-layer overhead (s)} of the eplb_rearrangement rows that fit it."""
+    return {r["id"]: _rearrangement(r, {})[1]["layer_overhead_s"] for r in rows
+            if r["kind"] == "eplb_rearrangement" and r["layer_overhead"] == FIT}
+
+
+def resimulate(row: dict, rows: list[dict] | None = None) -> tuple[float, dict]:
+    """(predicted value in the row's unit, details) of one validated row; `rows` is its table (None: TABLE's),
+    read only by an eplb_rearrangement row whose per-layer overhead another row fits."""
     kind = row["kind"]
+    if kind == "eplb_rearrangement":
+        return _rearrangement(row, layer_overhead_fits(load_table(TABLE) if rows is None else rows))
     if kind == "nccl_alltoall":
         hw = _profile(row)
         seconds = phase_seconds(uniform_load(float(row["size_bytes"]), int(row["ranks"])), hw.backends["nccl"].dispatch, 1)
@@ -215,8 +292,9 @@ def resimulate(row: dict) -> tuple[float, dict]:
 def validate(path: Path = TABLE) -> list[dict]:
     """Every row of the table with `predicted`, `error` (predicted / measured - 1) and `details`."""
     out = []
-    for row in load_table(path):
-        predicted, details = resimulate(row)
+    rows = load_table(path)
+    for row in rows:
+        predicted, details = resimulate(row, rows)
         out.append({**row, "predicted": predicted, "error": predicted / float(row["measured"]) - 1, "details": details})
     return out
 
