@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from repro.drift.policies import EPLBSchedule, SemMoEOnDrift, StaticPolicy, Stream, budget_layers
+from repro.drift.pricing import MigrationCharge
 from repro.drift.schedule import load_window_tokens, rebalances_in_window, steps_per_window, utilization
 from repro.drift.statistics import mix_distance, request_affinity, routing_stats, total_variation, window_bounds
 from repro.drift.timeline import check_drift_config, run_policy
@@ -62,7 +63,7 @@ def score(plan, window):
 
 
 def no_cost(old, new, mode):
-    return 0, 0.0
+    return MigrationCharge(0, 0.0, 0.0, 0.0, 1.0)
 
 
 def serve(policy, stream):
@@ -115,7 +116,7 @@ def test_eplb_policy_replans_on_its_schedule_only():
     stream = stream_of(planted_trace(PROFILE + 7 * WINDOW, None))
     run = serve(EPLBSchedule("eplb_vllm", interval=3000, window_size=1000, mode="async"), stream)
     assert [e["after_window"] for e in run.events] == [2, 5]
-    assert [e["serves_from_window"] for e in run.events] == [4, 7]  # async: moves during the next window
+    assert [e["serves_from_window"] for e in run.events] == [3, 6]
     sync = serve(EPLBSchedule("eplb_sglang", interval=1000, mode="sync"), stream)
     assert [e["after_window"] for e in sync.events] == list(range(6))  # every window but the last
     skipped = serve(EPLBSchedule("eplb_sglang", interval=1000, mode="sync", utilization_threshold=0.0), stream)
@@ -258,3 +259,18 @@ def test_drift_job_reports_every_policy_with_the_summary_keys_and_the_same_numbe
     assert rows.loc[rows.policy == "hindsight", "kind"].eq("hindsight").all()
     again, rows_again, _ = drift_job(config, trace)
     assert again == summary and rows_again.equals(rows)
+
+
+def test_a_landing_migration_is_charged_to_its_window_by_hand():
+    from repro.drift.timeline import _row
+
+    policy = StaticPolicy("p", None)
+    metrics = {"lar": 0.5, "a2a_s": 2.0, "moe_s": 10.0, "balance": 1.0}
+    sync = _row(policy, 3, metrics, 1.0, MigrationCharge(7, 1.0, 0.25, 0.25, 1.0))
+    assert sync["migration_s"] == 0.25 and sync["stall_s"] == 0.25 and sync["experts_moved"] == 7
+    # async at a quarter of the links: all-to-all x 4/3 over the 5 s of the 10 s window the copies overlap
+    slowed = _row(policy, 3, metrics, 1.0, MigrationCharge(7, 1.0, 0.0, 5.0, 4.0 / 3.0))
+    assert slowed["stall_s"] == 0.0 and slowed["migration_s"] == pytest.approx(2.0 * (1.0 / 3.0) * 0.5)
+    # scaled windows (a window standing for more traffic) scale its seconds, not the migration's
+    scaled = _row(policy, 3, metrics, 100.0, MigrationCharge(7, 1.0, 0.0, 5.0, 4.0 / 3.0))
+    assert scaled["a2a_s"] == 200.0 and scaled["migration_s"] == pytest.approx(200.0 * (1.0 / 3.0) * 0.005)

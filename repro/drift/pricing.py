@@ -1,44 +1,60 @@
-"""PLACEHOLDER migration pricing: the one place where the drift experiment turns expert copies into seconds.
+"""Migration priced for the drift job: the one place the drift experiment turns a change of placement into seconds.
 
-The suite's migration pricing (repro/sim/migration_cost.py: routes over NVLink / RDMA, sync stall, async bandwidth
-share) is being written on branch `migrate` and was not committed when this was written; swap
-`migration_stall_seconds` for its `price_migration(...).stall_s` when it lands. Until then, the placeholder:
-
-    bytes of one expert  = 3 x hidden_size x moe_intermediate_size x dtype_bytes (gate, up, down; the shape's sizes)
-    seconds of layer l   = collective latency + max over devices of (copies received in l x bytes) / NVLink bandwidth
-    sync stall           = sum over layers (they move one after another, serving stopped)
-    async stall          = 0 (the copies ride beside serving; the bandwidth they take from the all-to-all is NOT
-                           priced here, a known under-count)
-
-Every device is assumed on one NVLink domain (no RDMA level) and a copy is received once (sends are not priced).
+It calls the suite's migration model, `repro.sim.migration_cost.price_migration` (branch `migrate`, docs/migration.md:
+copies routed over NVLink / RDMA, a fixed per-layer overhead, sync stall = host + layers in turn, async at a share
+of every link with the all-to-all slowed by 1 / (1 - share) while it runs), with the drift group's `migration`
+settings. What the drift job charges for one re-placement, in the window the new plan first serves:
+- sync: `stall_s` (serving stops);
+- async: no stall, but that window's all-to-all seconds x (slowdown - 1) x min(1, duration / the window's MoE
+  seconds) (the share of the window the copies overlap, the MoE seconds standing for the window's length).
+A re-placement decided after window w serves from window w + 1 in both modes: the transfer (`duration_s`, in the
+events table with its share of that window) is assumed to end inside it.
 """
 
 from __future__ import annotations
 
-import numpy as np
+from dataclasses import dataclass
 
 from repro.errors import ConfigError
+from repro.parallel import ParallelConfig
 from repro.systems.base import Placement
-from repro.systems.migration import experts_received
 
-PRICING = "placeholder (repro/drift/pricing.py): NVLink receive time per layer, layers in sequence"
-MODES = ("sync", "async")
-
-
-def expert_bytes(shape: dict) -> float:
-    """Bytes of one routed expert's weights for a conf/sim/shape/*.yaml dict."""
-    return 3.0 * shape["hidden_size"] * shape["moe_intermediate_size"] * shape["dtype_bytes"]
+PRICING = "repro.sim.migration_cost.price_migration (docs/migration.md)"
+MIGRATION_KEYS = ("bandwidth_share", "layer_overhead_s", "host_seconds", "bytes_per_weight")
 
 
-def migration_stall_seconds(old: Placement, new: Placement, shape: dict, hardware: dict, mode: str) -> tuple[int, float]:
-    """(expert copies moved, serving stall in seconds) of going from `old` to `new` (module docstring)."""
-    if mode not in MODES:
-        raise ConfigError(f"a migration mode must be one of {MODES}, got {mode!r}.")
-    received_LD = experts_received(old, new)
-    moved = int(received_LD.sum())
-    if mode == "async" or moved == 0:
-        return moved, 0.0
-    link = hardware["collective"]
-    per_layer = received_LD.max(axis=1) * expert_bytes(shape) / (link["nvlink_gbps"] * 1e9)
-    moving = received_LD.max(axis=1) > 0
-    return moved, float(np.sum(per_layer[moving] + link["latency_us"] * 1e-6))
+@dataclass(frozen=True)
+class MigrationCharge:
+    """One re-placement's cost: experts_moved (copies received), bytes_moved, stall_s (sync), duration_s (until the new
+    placement serves), a2a_slowdown (factor on all-to-all seconds while an async one runs; 1 for sync)."""
+
+    experts_moved: int
+    bytes_moved: float
+    stall_s: float
+    duration_s: float
+    a2a_slowdown: float
+
+
+def check_migration_config(migration: dict) -> None:
+    """One ConfigError sentence for an unknown key of drift.migration (values are checked by price_migration)."""
+    unknown = sorted(set(migration) - set(MIGRATION_KEYS))
+    if unknown:
+        raise ConfigError(f"drift.migration has no key(s) {unknown}; its keys are {list(MIGRATION_KEYS)}.")
+
+
+def price_change(old: Placement, new: Placement, shape: dict, hardware: dict, parallel: ParallelConfig, mode: str,
+                 migration: dict) -> MigrationCharge:
+    """What going from `old` to `new` costs (module docstring). shape: a conf/sim/shape/*.yaml dict; hardware: a
+    conf/hardware/*.yaml dict, priced on the job's topology as the time estimate is; migration: drift.migration."""
+    from repro.sim.hardware import load_hardware
+    from repro.sim.migration_cost import price_migration
+    from repro.sim.shapes import ModelShape
+
+    check_migration_config(migration)
+    hw = load_hardware(dict(hardware, nodes=parallel.num_nodes, devices_per_node=parallel.devices_per_node))
+    cost = price_migration(old, new, ModelShape.from_config(shape), hw, mode,
+                           bandwidth_share=float(migration.get("bandwidth_share", 0.25)) if mode == "async" else 1.0,
+                           host_seconds=float(migration.get("host_seconds", 0.0)),
+                           bytes_per_weight=migration.get("bytes_per_weight"),
+                           layer_overhead_s=float(migration.get("layer_overhead_s", 0.0)))
+    return MigrationCharge(cost.experts_moved, cost.bytes_moved, cost.stall_s, cost.duration_s, cost.a2a_slowdown)

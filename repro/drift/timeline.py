@@ -1,24 +1,25 @@
 """The drift experiment's job: every re-placement policy served window by window over one drifting stream, scored by
 the offline evaluator (repro.eval.evaluate with the simulator's cost model) on each window, with its migrations
-counted (repro.systems.migration) and priced (repro.drift.pricing, a placeholder), against the per-window hindsight.
+counted (repro.systems.migration) and priced (repro.drift.pricing: repro.sim.migration_cost), against the per-window
+hindsight.
 
     python -m repro.run experiment=drift            # conf/experiment/drift.yaml, conf/drift/default.yaml
 
 Per window w (drift.window_requests requests in arrival order, after drift.profile_requests of profile) and policy:
 the plan in force serves the window (LAR, all-to-all seconds = the busiest rank's dispatch + combine, MoE seconds,
-expert-load max/mean), then the policy may decide a re-placement. A synchronous one serves from window w + 1 and its
-stall is charged to window w + 1; an asynchronous one moves during window w + 1 (no stall; the bandwidth it takes is
-not priced) and serves from window w + 2. With drift.window_steps set, each window stands for that many engine steps
-of its traffic: its seconds are scaled by window_steps x step_tokens / (its tokens), stalls are not.
+expert-load max/mean), then the policy may decide a re-placement. It serves from window w + 1, which is charged its
+migration_s (repro.drift.pricing: the stall of a synchronous one; for an asynchronous one the all-to-all slowdown
+over the share of the window its copies overlap). With drift.window_steps set, each window stands for that many
+engine steps of its traffic: its seconds are scaled by window_steps x step_tokens / (its tokens); migrations are not.
 
 Summary per policy (metrics.json summary["policies"][name], and the headline policy's at the top level):
-- gain_kept_vs_hindsight = (A_ref - A_policy - stall_s) / (A_ref - A_hindsight), A = all-to-all seconds summed over
+- gain_kept_vs_hindsight = (A_ref - A_policy - migration_s) / (A_ref - A_hindsight), A = all-to-all seconds summed over
   windows, ref = the static reference (drift.reference, static EP): the share of the hindsight gain kept, migration
   included (null when hindsight gains nothing);
 - experts_moved, experts_moved_vs_eplb (over drift.eplb_reference's, null when that moved none);
 - false_alarms: re-placements decided after a window whose request mix (shares of source datasets) is within
   drift.mix_tolerance (total variation) of the mix the plan in force was fitted on: nothing changed, yet it re-placed;
-- stall_s, replacements, and the means of lar, balance over windows;
+- stall_s (sync stalls), migration_s (stalls + async slowdowns), replacements, and the means of lar, balance;
 - windows_to_first_replacement_after_switch: 0 when the policy re-places right after the first window holding a
   change of source dataset (the abrupt switch), null without a switch or a re-placement after it.
 
@@ -33,7 +34,7 @@ import numpy as np
 import pandas as pd
 
 from repro.drift.policies import EPLBSchedule, SemMoEOnDrift, StaticPolicy, Stream
-from repro.drift.pricing import PRICING, migration_stall_seconds
+from repro.drift.pricing import PRICING, MigrationCharge, check_migration_config, price_change
 from repro.drift.schedule import steps_per_window
 from repro.drift.statistics import mix_distance, window_bounds
 from repro.errors import ConfigError
@@ -44,7 +45,7 @@ from repro.traces import RoutingTrace, select_requests
 
 POLICY_KINDS = ("static", "eplb", "semmoe_drift", "hindsight")
 DRIFT_KEYS = ("window_requests", "profile_requests", "step_tokens", "window_steps", "headline", "reference",
-              "eplb_reference", "mix_tolerance", "policies")
+              "eplb_reference", "mix_tolerance", "migration", "policies")
 
 
 def check_drift_config(drift: dict) -> None:
@@ -65,6 +66,7 @@ def check_drift_config(drift: dict) -> None:
         value = drift.get(key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"drift.{key} must be an integer >= 1, got {value!r}.")
+    check_migration_config(drift.get("migration") or {})
     tolerance = drift.get("mix_tolerance")
     if isinstance(tolerance, bool) or not isinstance(tolerance, int | float) or not 0 <= tolerance < 1:
         raise ConfigError(f"drift.mix_tolerance must be a number in [0, 1), got {tolerance!r}.")
@@ -127,47 +129,57 @@ def window_scale(stream: Stream, step_tokens: int, window_steps: int | None) -> 
 def run_policy(policy, stream: Stream, score, migrate, scale: np.ndarray, sources: np.ndarray,
                mix_tolerance: float) -> PolicyRun:
     """Serve every window with `policy` (module docstring). score(plan, window trace) -> dict of window metrics;
-    migrate(old plan, new plan, mode) -> (experts moved, stall seconds); sources[r]: source dataset of request r."""
+    migrate(old plan, new plan, mode) -> MigrationCharge; sources[r]: source dataset of request r."""
     out = PolicyRun()
     if isinstance(policy, Hindsight):
         for w in range(stream.num_windows):
             plan = policy.system.fit(stream.window(w), stream.parallel, stream.rng(w))
-            out.rows.append(_row(policy, w, score(plan, stream.window(w)), scale[w], 0, 0.0, False))
+            out.rows.append(_row(policy, w, score(plan, stream.window(w)), scale[w], None))
         return out
     plan = policy.start(stream)
     fitted_mix = np.asarray(stream.profile.request_datasets)
-    pending = None  # (window it serves from, plan, moved, stall, event index)
+    landing = None  # (plan, MigrationCharge, event index) serving from the next window
     for w in range(stream.num_windows):
-        moved, stall, switched = 0, 0.0, False
-        if pending is not None and pending[0] == w:
-            _, plan, moved, stall, _ = pending
-            pending, switched = None, True
-        out.rows.append(_row(policy, w, score(plan, stream.window(w)), scale[w], moved, stall, switched))
-        if w == stream.num_windows - 1 or pending is not None:
+        charge = None
+        if landing is not None:
+            plan, charge, event = landing
+            landing = None
+        row = _row(policy, w, score(plan, stream.window(w)), scale[w], charge)
+        if charge is not None:
+            out.events[event]["migration_window_share"] = charge.duration_s / max(row["moe_s"], 1e-30)
+        out.rows.append(row)
+        if w == stream.num_windows - 1:
             continue
         decision = policy.decide(stream, w, plan)
         if decision is None:
             continue
         mode = getattr(policy, "mode", "sync")
-        moved_now, stall_now = migrate(plan, decision.plan, mode)
+        charge = migrate(plan, decision.plan, mode)
         live_mix = sources[stream.bounds[w]:stream.bounds[w + 1]]
-        serves_from = w + 1 if mode == "sync" else w + 2
-        out.events.append({"policy": policy.name, "after_window": w, "serves_from_window": serves_from, "mode": mode,
-                           "experts_moved": moved_now, "stall_s": stall_now, "reason": decision.reason,
+        out.events.append({"policy": policy.name, "after_window": w, "serves_from_window": w + 1, "mode": mode,
+                           "experts_moved": charge.experts_moved, "bytes_moved": charge.bytes_moved,
+                           "stall_s": charge.stall_s, "duration_s": charge.duration_s,
+                           "a2a_slowdown": charge.a2a_slowdown, "reason": decision.reason,
                            "mix_distance": mix_distance(fitted_mix, live_mix),
                            "false_alarm": mix_distance(fitted_mix, live_mix) <= mix_tolerance,
                            **{f"distance_{k}": v for k, v in decision.distances.items()}})
         first = max(0, w - getattr(policy, "refit_windows", 1) + 1)
         fitted_mix = sources[stream.bounds[first]:stream.bounds[w + 1]]
-        if serves_from < stream.num_windows:
-            pending = (serves_from, decision.plan, moved_now, stall_now, len(out.events) - 1)
+        landing = (decision.plan, charge, len(out.events) - 1)
     return out
 
 
-def _row(policy, w: int, metrics: dict, scale: float, moved: int, stall: float, switched: bool) -> dict:
-    return {"policy": policy.name, "kind": policy.kind, "window": w, "lar": metrics["lar"],
-            "a2a_s": metrics["a2a_s"] * scale, "moe_s": metrics["moe_s"] * scale, "balance": metrics["balance"],
-            "experts_moved": moved, "stall_s": stall, "replaced": switched}
+def _row(policy, w: int, metrics: dict, scale: float, charge: MigrationCharge | None) -> dict:
+    """One window's row; a migration landing in it adds its stall (sync) or its all-to-all slowdown over the share of
+    the window it overlaps (async), as migration_s."""
+    a2a, moe = metrics["a2a_s"] * scale, metrics["moe_s"] * scale
+    moved, stall, slowed = 0, 0.0, 0.0
+    if charge is not None:
+        moved, stall = charge.experts_moved, charge.stall_s
+        slowed = a2a * (charge.a2a_slowdown - 1.0) * min(1.0, charge.duration_s / max(moe, 1e-30))
+    return {"policy": policy.name, "kind": policy.kind, "window": w, "lar": metrics["lar"], "a2a_s": a2a,
+            "moe_s": moe, "balance": metrics["balance"], "experts_moved": moved, "stall_s": stall,
+            "migration_s": stall + slowed, "replaced": charge is not None}
 
 
 def summarise(runs: dict[str, PolicyRun], drift: dict) -> dict:
@@ -180,17 +192,17 @@ def summarise(runs: dict[str, PolicyRun], drift: dict) -> dict:
     policies = {}
     for name, run in runs.items():
         frame = frames[name]
-        stall = float(frame["stall_s"].sum())
+        stall, migration = float(frame["stall_s"].sum()), float(frame["migration_s"].sum())
         moved = int(frame["experts_moved"].sum())
         hindsight_gain = reference - a2a[hindsight] if hindsight else 0.0
         policies[name] = {
             "kind": frame["kind"].iloc[0],
-            "a2a_s": a2a[name], "moe_s": float(frame["moe_s"].sum()), "stall_s": stall,
+            "a2a_s": a2a[name], "moe_s": float(frame["moe_s"].sum()), "stall_s": stall, "migration_s": migration,
             "lar_mean": float(frame["lar"].mean()), "balance_mean": float(frame["balance"].mean()),
             "experts_moved": moved,
             "replacements": len(run.events),
             "false_alarms": int(sum(e["false_alarm"] for e in run.events)),
-            "gain_kept_vs_hindsight": (reference - a2a[name] - stall) / hindsight_gain if hindsight_gain > 0 else None,
+            "gain_kept_vs_hindsight": (reference - a2a[name] - migration) / hindsight_gain if hindsight_gain > 0 else None,
             "experts_moved_vs_eplb": moved / eplb_moved if eplb_moved else None,
         }
     return {**policies[drift["headline"]], "headline_policy": drift["headline"], "policies": policies,
@@ -231,8 +243,9 @@ def drift_job(config: dict, trace: RoutingTrace) -> tuple[dict, pd.DataFrame, pd
         return {"lar": s["lar"], "a2a_s": s["time_estimate_dispatch_s"] + s["time_estimate_combine_s"],
                 "moe_s": s["time_estimate_s"], "balance": s["expert_load_imbalance_max_mean"]}
 
-    def migrate(old: Plan, new: Plan, mode: str) -> tuple[int, float]:
-        return migration_stall_seconds(old.placement, new.placement, shape, config["hardware"], mode)
+    def migrate(old: Plan, new: Plan, mode: str) -> MigrationCharge:
+        return price_change(old.placement, new.placement, shape, config["hardware"], parallel, mode,
+                            drift.get("migration") or {})
 
     runs = {}
     for name, spec in drift["policies"].items():
