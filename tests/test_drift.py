@@ -274,3 +274,27 @@ def test_a_landing_migration_is_charged_to_its_window_by_hand():
     # scaled windows (a window standing for more traffic) scale its seconds, not the migration's
     scaled = _row(policy, 3, metrics, 100.0, MigrationCharge(7, 1.0, 0.0, 5.0, 4.0 / 3.0))
     assert scaled["a2a_s"] == 200.0 and scaled["migration_s"] == pytest.approx(200.0 * (1.0 / 3.0) * 0.005)
+
+
+def test_report_judges_the_targets_from_metrics_files(tmp_path, capsys):
+    import json
+
+    from repro.drift.report import main
+
+    def job(folder, workload, kept, moved, replacements):
+        policy = {"kind": "system", "a2a_s": 1.0, "stall_s": 0.0, "migration_s": 0.0, "gain_kept_vs_hindsight": kept,
+                  "experts_moved": 1, "experts_moved_vs_eplb": moved, "replacements": replacements,
+                  "false_alarms": 0, "lar_mean": 0.3, "balance_mean": 1.1}
+        summary = {**policy, "policies": {"semmoe_drift": policy}}
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "metrics.json").write_text(json.dumps(
+            {"summary": summary, "config": {"seed": 0, "drift": {"x": 1}, "workload": workload}}))
+
+    job("a", {"segments": [{}, {}], "mix": None}, 0.95, 0.2, 1)
+    job("s", {"segments": [{}], "mix": None}, 0.9, None, 1)
+    assert main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| abrupt | 0 | semmoe_drift | 1 |" in out
+    assert "gain kept vs hindsight >= 0.90 on every abrupt job: met" in out
+    assert "no re-placement on any stationary job: missed" in out
+    assert main([str(tmp_path / "a" / "nothing")]) == 2
