@@ -297,4 +297,8 @@ def test_report_judges_the_targets_from_metrics_files(tmp_path, capsys):
     assert "| abrupt | 0 | semmoe_drift | 1 |" in out
     assert "gain kept vs hindsight >= 0.90 on every abrupt job: met" in out
     assert "no re-placement on any stationary job: missed" in out
-    assert main([str(tmp_path / "a" / "nothing")]) == 2
+    (tmp_path / "empty").mkdir()
+    assert main([str(tmp_path / "empty")]) == 2  # a folder without drift jobs: one error line
+    with pytest.raises(SystemExit) as missing:
+        main([str(tmp_path / "nothing")])
+    assert missing.value.code == 2

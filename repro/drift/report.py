@@ -9,11 +9,11 @@ stationary job it never re-places (false_alarms == 0 and replacements == 0).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
+from repro import cli
 from repro.errors import ReproError
 
 COLUMNS = ("a2a_s", "stall_s", "migration_s", "gain_kept_vs_hindsight", "experts_moved", "experts_moved_vs_eplb", "replacements",
@@ -69,15 +69,10 @@ def report(root: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m repro.drift.report", description=__doc__.splitlines()[0])
-    parser.add_argument("runs", type=Path, help="the experiment's folder, e.g. runs/drift")
+    parser = cli.ArgumentParser(prog="python -m repro.drift.report", description=__doc__.splitlines()[0])
+    parser.add_argument("runs", type=cli.existing_dir, help="the experiment's folder, e.g. runs/drift")
     args = parser.parse_args(argv)
-    try:
-        print(report(args.runs))
-    except ReproError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    return 0
+    return cli.run(lambda: print(report(Path(args.runs))))
 
 
 if __name__ == "__main__":
