@@ -253,6 +253,9 @@ def test_drift_job_reports_every_policy_with_the_summary_keys_and_the_same_numbe
     summary, rows, events = drift_job(config, trace)
     for key in ("gain_kept_vs_hindsight", "experts_moved_vs_eplb", "false_alarms", "stall_s"):
         assert key in summary and all(key in p for p in summary["policies"].values())
+    # nobody beats the best any policy reached in each window
+    assert all(p["gain_kept_vs_best_per_window"] is None or p["gain_kept_vs_best_per_window"] <= 1 + 1e-12
+               for p in summary["policies"].values())
     assert summary["windows_with_a_switch"] == [2] and summary["windows_to_first_replacement_after_switch"] == 0
     assert summary["false_alarms"] == 0 and summary["replacements"] == 1 and summary["stall_s"] > 0
     assert len(rows) == 4 * 4 and set(rows.policy) == set(config["drift"]["policies"])

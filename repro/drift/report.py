@@ -16,7 +16,7 @@ from pathlib import Path
 from repro import cli
 from repro.errors import ReproError
 
-COLUMNS = ("a2a_s", "stall_s", "migration_s", "gain_kept_vs_hindsight", "experts_moved", "experts_moved_vs_eplb", "replacements",
+COLUMNS = ("a2a_s", "stall_s", "migration_s", "gain_kept_vs_hindsight", "gain_kept_vs_best_per_window", "experts_moved", "experts_moved_vs_eplb", "replacements",
            "false_alarms", "lar_mean", "balance_mean")
 
 
