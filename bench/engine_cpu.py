@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -57,6 +58,7 @@ from pathlib import Path
 import numpy as np
 
 from repro import cli
+from repro.engines.bench_serving import die_with
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE_VENV = ROOT / ".venv-engine-cpu"
@@ -264,8 +266,10 @@ def running_server(command: list[str], log_path: Path, port: int, startup_timeou
     log_path.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     with open(log_path, "w") as log:
+        # its own process group (stopped as a group below) and SIGTERM from the kernel if this process dies, even
+        # by SIGKILL, so the server never outlives the benchmark under init
         server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **SERVER_ENV}, cwd=log_path.parent,
-                                  start_new_session=True)
+                                  start_new_session=True, preexec_fn=functools.partial(die_with, os.getpid()))
     try:
         while True:
             if server.poll() is not None:

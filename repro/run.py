@@ -382,6 +382,9 @@ def fit_and_evaluate(config: dict, profile: RoutingTrace, evaluation: RoutingTra
         eval_seconds=eval_seconds,
         # all-to-all part of that time (the busiest rank's dispatch + combine, per link level)
         a2a_seconds_est=result.summary["time_estimate_dispatch_s"] + result.summary["time_estimate_combine_s"],
+        # the offline estimate serving is compared with: prefill steps plus decode steps where the routing holds
+        # generated tokens (repro.eval.decode_phase), else every token in prefill steps
+        time_estimate_serving_s=phases.get("time_estimate_phases_s", result.summary["time_estimate_s"]),
     )
     if kind == "bound" and "lar_bound" in plan.info:
         # a bound reports its proven ceiling; the evaluated plan is the feasible witness below it

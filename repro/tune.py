@@ -37,7 +37,7 @@ from repro.atomic import atomic_write
 from repro.config_schema import check_config
 from repro.errors import ConfigError, ReproError
 from repro.run import build_traces, fit_and_evaluate, log_failure, make_job, remove_failed_job_dir
-from repro.tune_config import REPORTED, SERVING_OBJECTIVES
+from repro.tune_config import OFFLINE_SPEED, REPORTED, SERVING_OBJECTIVES
 
 log = logging.getLogger("repro.tune")
 
@@ -76,6 +76,7 @@ def score(config: dict, profile, trace) -> dict:
     converged when config's objective is a serving one (the plan served by the simulator on `trace`)."""
     summary, _, plan = fit_and_evaluate(config, profile, trace)
     row = {m: summary[m] for m in REPORTED}
+    row[OFFLINE_SPEED] = summary["num_tokens"] / summary["time_estimate_serving_s"]
     objective = config["tune"]["objective"]
     if objective in SERVING_OBJECTIVES:
         import numpy as np
@@ -127,7 +128,7 @@ def tune_job(config: dict, out_dir: Path) -> dict:
     evaluate_cfg = dict(config, evaluate_split="evaluate")
     profile, evaluation = build_traces(evaluate_cfg)
     scores = {}
-    reported = [m for m in table.columns if m in REPORTED or m in SERVING_OBJECTIVES or m == converged]
+    reported = [m for m in table.columns if m in REPORTED or m in SERVING_OBJECTIVES or m in (converged, OFFLINE_SPEED)]
     for label, values in (("default", defaults), ("chosen", chosen)):
         evaluated = score(with_values(evaluate_cfg, values), profile, evaluation)
         scores[label] = {

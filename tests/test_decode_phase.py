@@ -79,8 +79,13 @@ def test_every_job_reports_decode_beside_prefill(tmp_path, attention):
             assert summary["decode_tokens"] == summary["num_requests"] * 8 and summary["decode_steps"] == 8
             assert summary["decode_moe_seconds_per_step"] > 0 and 0 <= summary["decode_lar"] <= 1
             assert 0 <= summary["prefill_lar"] <= 1
+            # the serving-shaped estimate: prompt tokens in prefill steps, generated ones in decode steps
+            assert summary["time_estimate_serving_s"] == pytest.approx(
+                summary["prefill_time_estimate_s"] + summary["decode_moe_seconds"])
+            assert 0 < summary["prefill_time_estimate_s"] < summary["time_estimate_s"]
         else:
             assert summary["decode_phase"] == NO_DECODE
+            assert summary["time_estimate_serving_s"] == summary["time_estimate_s"]
             assert not any(key.startswith("decode_") for key in summary if key != "decode_phase")
 
 

@@ -48,6 +48,7 @@ COMMANDS = {
     "python -m repro.drift.report runs/drift": "flags",
     "python -m repro.traces.import routing.csv --out traces/served --arrival-col arrival_time": "flags",
     "python -m repro.sim.validation": "flags",
+    "python -m bench --only migration": "flags",
     "python -m repro.engines.replacement runs/<job_a> runs/<job_b> --out replacements/ --model-config config.json":
         "flags",
 }

@@ -11,6 +11,9 @@ import io
 import json
 import os
 import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,6 +24,8 @@ from repro.engines.capture import main as capture_main
 from repro.routing.hf_capture import capture_routing
 from repro.traces import read_trace
 from repro.workloads.request import Request
+
+ROOT = Path(__file__).resolve().parents[1]
 
 GENERATED = 4
 
@@ -160,3 +165,42 @@ def test_vllm_fused_moe_table_has_every_row_count_and_grows_with_rows():
     assert [row[0] for row in table] == list(engine_cpu.EXPERT_ROWS)
     seconds = dict(table)
     assert all(s > 0 for s in seconds.values()) and seconds[1024] > seconds[4]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_the_server_does_not_outlive_a_killed_benchmark(tmp_path):
+    """SIGKILL of the benchmark (no finally runs) still stops the server it started: the kernel sends it SIGTERM."""
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    fake_server = [sys.executable, "-c", (  # answers 200 to every GET, /health included
+        "import http.server as h\n"
+        "class OK(h.BaseHTTPRequestHandler):\n"
+        "    def do_GET(self):\n"
+        "        self.send_response(200); self.end_headers()\n"
+        f"h.HTTPServer(('127.0.0.1', {port}), OK).serve_forever()  # fake-vllm-{port}")]
+    parent = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from bench.engine_cpu import running_server\n"
+        f"with running_server({fake_server!r}, __import__('pathlib').Path({str(tmp_path / 'server.log')!r}), {port}, startup_timeout_s=60):\n"
+        "    print('up', flush=True); time.sleep(600)")], stdout=subprocess.PIPE, text=True, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert parent.stdout.readline().strip() == "up"  # the fake server answered /health
+    server_pids = [int(p) for p in subprocess.run(["pgrep", "-f", f"fake-vllm-{port}"], capture_output=True,
+                                                   text=True).stdout.split()]
+    assert server_pids
+    parent.kill()
+    parent.wait()
+
+    def alive(pid: int) -> bool:  # a zombie waiting for init to reap it has stopped
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(alive(pid) for pid in server_pids):
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in server_pids)

@@ -44,6 +44,7 @@ def test_a_swap_is_exported_in_every_format_with_its_two_copies(tmp_path, capsys
     assert sglang_rows == [list(range(NUM_EXPERTS))] + SWAPPED.tolist()
     vllm_doc = json.loads((step / "vllm_placement.json").read_text())
     assert vllm_doc["physical_to_logical_map"] == SWAPPED.tolist() and vllm_doc["ep_size"] == DEVICES
+    assert json.loads((step / "vllm_initial_expert_map.json").read_text()) == SWAPPED.tolist()  # MoE layers only
     with open(step / "moved_experts.csv") as f:
         moves = list(csv.DictReader(f))
     assert [(m["plan_layer"], m["expert"], m["from_device"], m["to_device"], m["link"]) for m in moves] == [

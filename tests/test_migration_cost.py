@@ -155,3 +155,16 @@ def test_expert_copies_list_each_copy_with_its_source_and_link():
     assert len(expert_copies(old, old, devices_per_node=2)) == 0
     with pytest.raises(ConfigError, match="devices_per_node must be an integer >= 1 that divides"):
         expert_copies(old, new, devices_per_node=3)
+
+
+def test_outputs_have_the_shapes_the_docstrings_give():
+    rng = np.random.default_rng(0)
+    old = Placement(np.stack([rng.permutation(8) for _ in range(3)]), 4, 8)
+    new = Placement(np.stack([rng.permutation(8) for _ in range(3)]), 4, 8)
+    cost = price_migration(old, new, SHAPE, hardware(), "async", bandwidth_share=0.5)
+    for field in ("copies_received", "copies_rdma", "bytes_received", "bytes_sent"):
+        assert getattr(cost, field).shape == (3, 4), field
+    assert cost.layer_seconds.shape == (3,)
+    assert cost.copies_received.sum() == experts_received(old, new).sum() == cost.experts_moved
+    assert np.isclose(cost.bytes_received.sum(), cost.bytes_sent.sum())  # no local copies here: every copy is sent
+    assert set(cost.summary()) >= {"mode", "experts_moved", "bytes_moved", "stall_s", "duration_s", "a2a_slowdown"}

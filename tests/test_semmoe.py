@@ -24,6 +24,7 @@ from repro.systems.semmoe import (
     window_exact_assign,
     window_lookahead,
 )
+from repro.systems.semmoe.dp import slack_argmax
 from repro.traces import TraceMeta, make_trace, split_trace
 
 
@@ -555,6 +556,28 @@ def test_request_votes_match_dense_scores_of_one_hot_tables():
         votes = request_votes(vocab_device, vocab_weight, token_ids, offsets, prefill, 3)
         dense = request_scores(token_score, np.arange(20), token_ids, offsets, prefill)
         np.testing.assert_allclose(votes, dense, rtol=1e-5, atol=1e-6)
+
+
+def test_one_request_vote_equals_the_batch_path_and_refuses_unknown_ids():
+    rng = np.random.default_rng(14)
+    vocab_device = rng.integers(8, size=500)
+    vocab_weight = rng.random(500)
+    token_ids = rng.integers(500, size=3000)
+    offsets = np.array([0, 1000, 1700, 3000])
+    prefill = np.array([1000, 650, 1300])
+    batch = request_votes(vocab_device, vocab_weight, token_ids, offsets, prefill, 8)
+    for r in range(3):  # the compiled one-request pass, bit for bit
+        one = request_votes(vocab_device, vocab_weight, token_ids, offsets[r : r + 2], prefill[r : r + 1], 8)
+        assert np.array_equal(one[0], batch[r])
+    with pytest.raises(TraceError, match="outside the plan's vocabulary of 500 ids"):
+        request_votes(vocab_device, vocab_weight, np.array([3, 500]), np.array([0, 2]), np.array([2]), 8)
+
+
+def test_slack_argmax_keeps_affinity_within_the_slack():
+    score = np.array([0.1, 0.9, 0.5, 0.9])
+    assert slack_argmax(score, np.array([3, 5, 3, 5]), 0.0) == 2  # rank 1 and 3 score best but are busier
+    assert slack_argmax(score, np.array([3, 5, 3, 5]), 2.0) == 1  # within slack: best score, lowest id
+    assert slack_argmax(score, np.array([3.0, 2.5, 9.0, 2.0]), 0.5) == 1
 
 
 def test_exact_expert_step_never_loses_local_activations():

@@ -36,8 +36,19 @@ def test_ratios_are_paired_per_seed_and_unconverged_values_are_not_used(summary)
 
 def test_the_gain_split_names_the_twin_and_the_locality_part(summary):
     text = "\n".join(gain_split_section(summary))
-    assert "| semmoe | 1.210 [1.210, 1.210] |" in text
+    assert "| semmoe | 3 | 1.210 [1.210, 1.210] |" in text
     assert "1.100 [1.100, 1.100] (least_wait) | 1.100 |" in text
+    assert "(add seeds: sim.seeds_until): none." in text
+
+
+def test_intervals_wider_than_the_target_are_listed_and_seeds_pair_over_the_common_ones():
+    wide = pd.DataFrame([job("ep", [100.0, 110.0, 90.0], 1.0),
+                         job("shortest_queue", [100.0, 121.0, 81.0, 95.0], 1.0)])  # one seed more than ep
+    ratios = serving_ratios(wide).set_index("system")
+    assert ratios.loc["shortest_queue", "capacity_seeds"] == 3
+    assert ratios.loc["shortest_queue", "capacity_mean"] == pytest.approx((1.0 + 1.1 + 0.9) / 3)
+    text = "\n".join(gain_split_section(wide))
+    assert "(add seeds: sim.seeds_until): shortest_queue (serve, capacity), shortest_queue (serve, ttft)." in text
 
 
 def test_sign_disagreements_list_exactly_the_opposite_signs(summary):

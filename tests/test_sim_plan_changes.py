@@ -99,6 +99,25 @@ def test_a_sync_change_adds_exactly_its_stall_to_the_requests_in_flight(case):
     assert run.iterations == plain.iterations
 
 
+def test_latency_around_changes_splits_the_requests_a_migration_overlaps(case):
+    from repro.sim.metrics import latency_around_changes, overlaps_changes
+
+    requests, hw, _, old, new = case
+    arrivals = np.array([0.0, 0.0, 20.0, 20.0])  # two served around the change at 0.05 s, two long after it
+    changes = priced_changes(old, [(0.05, new)], SHAPE, hw, "sync", host_seconds=0.25)
+    run = engine(case).run(arrivals, changes=changes)
+    plain = engine(case).run(arrivals)
+    assert overlaps_changes(run).tolist() == [True, True, False, False]
+    split = latency_around_changes(run, requests.output_len, "mean")
+    stall = changes[0].cost.stall_s
+    assert split["requests_during"] == 2 and split["requests_outside"] == 2
+    # 3 generated tokens: first token before the stall, the two decode steps after it
+    tpot_plain = float(np.mean((plain.finish - plain.first_token)[:2] / 2))
+    assert split["tpot_mean_s_during"] == pytest.approx(tpot_plain + stall / 2, rel=1e-9)
+    assert split["ttft_mean_s_during"] == pytest.approx(float(np.mean(plain.first_token[:2])), rel=1e-12)
+    assert split["e2e_mean_s_outside"] == pytest.approx(float(np.mean(plain.finish[2:] - 20.0)), rel=1e-9)
+
+
 def test_an_async_change_prices_the_iterations_it_overlaps_on_the_shared_links(case):
     requests, hw, cost, old, new = case
     arrivals = np.zeros(2)
@@ -151,13 +170,21 @@ def test_a_change_that_moves_nothing_takes_effect_at_once(case):
     assert run.changes[0]["start_s"] == run.changes[0]["end_s"] and run.stall_seconds == 0.0
 
 
+def test_a_placement_stands_for_a_round_robin_plan_and_a_schedule_priced_for_another_plan_is_refused(case):
+    _, hw, _, old, new = case
+    [change] = priced_changes(old, [(0.05, new.placement)], SHAPE, hw, "sync")
+    assert type(change.plan) is Plan and change.plan.parallel == old.parallel and change.cost.experts_moved == 2
+    with pytest.raises(ConfigError, match="priced from another placement"):
+        engine(case, plan=new).run(np.zeros(2), changes=[change])  # priced from `old`, served from `new`
+
+
 def test_bad_schedules_are_one_sentence(case):
     _, hw, _, old, new = case
     with pytest.raises(ConfigError, match="non-decreasing"):
         priced_changes(old, [(2.0, new), (1.0, old)], SHAPE, hw)
     with pytest.raises(ConfigError, match="non-decreasing"):
         priced_changes(old, [(float("nan"), new)], SHAPE, hw)
-    with pytest.raises(ConfigError, match=r"\(time in seconds, Plan\) pair"):
+    with pytest.raises(ConfigError, match=r"\(time in seconds, Plan or Placement\) pair"):
         priced_changes(old, [new], SHAPE, hw)
     other = Plan(new.placement, ParallelConfig(devices=2, attention="tp", bytes_per_token=4, devices_per_node=2))
     with pytest.raises(ConfigError, match="same parallel config"):

@@ -4,6 +4,7 @@ for every system, and the paired ratio interval.
 Legend: R requests, L MoE layers, k experts per token, E experts.
 """
 
+import importlib
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +24,7 @@ from repro.sim.metrics import (
     request_latencies,
     run_until_converged,
 )
-from repro.sim.simulate import _pool, check_sim_config, draw_requests, lattice_ladder
+from repro.sim.simulate import _pool, check_sim_config, draw_requests, lattice_ladder, seeds_settled
 from repro.systems.base import Placement, Plan
 from repro.systems.ep import contiguous_placement
 from repro.traces import TraceMeta, make_trace
@@ -357,6 +358,33 @@ def test_every_system_gets_vanilla_eps_slo(small):
     assert own.summary["slo_ttft_s"] != ep.summary["slo_ttft_s"]
 
 
+def test_seeds_until_adds_the_same_seeds_a_longer_run_has(small, monkeypatch):
+    given = {"ttft_s": 0.05, "tpot_s": 0.01, "e2e_s": 0.5}  # SLOs fixed, so they do not depend on the seed count
+    four = run_small(small, seeds=4, slo=given)
+    until = {"rel_halfwidth": 0.02, "max_seeds": 4, "step": 2}
+    settled = run_small(small, seeds=2, slo=given, seeds_until=until)  # this toy's seeds agree: nothing to add
+    assert settled.summary["sim_seeds"] == 2 and settled.summary["sim_seeds_settled"] is True
+    monkeypatch.setattr(importlib.import_module("repro.sim.simulate"), "seeds_settled", lambda seeds, rel_halfwidth: False)  # never settles
+    added = run_small(small, seeds=2, slo=given, seeds_until=until)
+    assert added.summary["sim_seeds"] == 4 and added.summary["sim_seeds_added"] == 2
+    assert added.summary["sim_seeds_settled"] is False  # the cap came first, and the summary says so
+    pd.testing.assert_frame_equal(added.per_rate, four.per_rate, check_exact=True)
+    pd.testing.assert_frame_equal(added.probes, four.probes, check_exact=True)
+
+
+def test_seeds_settled_rule():
+    def seeds(*capacities, converged=True):
+        return [{"found": {rule: {"low": c, "converged": converged} for rule in ("capacity", "ttft")}}
+                for c in capacities]
+
+    assert not seeds_settled(seeds(100.0, 120.0), 0.05)  # t(1 dof) x sd / sqrt(2) = 127 % of the mean
+    assert seeds_settled(seeds(100.0, 100.0, 100.0), 0.01)
+    half = 4.302652729911275 * np.std([100, 102, 104], ddof=1) / np.sqrt(3) / 102
+    assert seeds_settled(seeds(100.0, 102.0, 104.0), half + 1e-9) and not seeds_settled(seeds(100.0, 102.0, 104.0), half - 1e-9)
+    assert seeds_settled(seeds(100.0, 300.0, converged=False), 0.01)  # more seeds cannot settle an unconverged one
+    assert seeds_settled(seeds(0.0, 300.0), 0.01)
+
+
 def test_ratio_interval_of_paired_seeds():
     out = ratio_interval([110.0, 120.0, 130.0], [100.0, 100.0, 100.0])
     half = 4.302652729911275 * 0.1 / np.sqrt(3)  # t(0.975, 2 dof) x sd / sqrt(n)
@@ -368,13 +396,18 @@ def test_ratio_interval_of_paired_seeds():
     # rates on the same bisection lattice steps: the t-interval alone would be zero wide; the resolution is not
     steps = ratio_interval([102.0, 102.0, 102.0], [100.0, 100.0, 100.0], resolution=0.02)
     assert steps["mean"] == pytest.approx(1.02) and steps["low"] == pytest.approx(1.0) and steps["high"] == pytest.approx(1.02 * 1.02)
-    with pytest.raises(ConfigError, match="one length"):
-        ratio_interval([1.0, 2.0], [1.0])
+    # a job that added seeds pairs with the other over their common seeds
+    assert ratio_interval([110.0, 120.0, 130.0, 500.0], [100.0, 100.0, 100.0]) == out
+    with pytest.raises(ConfigError, match="per-seed value lists"):
+        ratio_interval([[1.0, 2.0]], [1.0])
 
 
 @pytest.mark.parametrize("overrides, message", [
     ({"duration_s": 2.0, "warmup_s": 1.5, "cooldown_s": 0.5}, "leaves no measurement window"),
     ({"seeds": 0}, "sim.seeds must be an integer >= 1"),
+    ({"seeds_until": {"rel_halfwidth": 0.02, "max_seeds": 2}}, "sim.seeds_until must be null or have exactly the keys"),
+    ({"seeds": 3, "seeds_until": {"rel_halfwidth": 0.02, "max_seeds": 2, "step": 1}}, "is below sim.seeds=3"),
+    ({"seeds_until": {"rel_halfwidth": 0, "max_seeds": 4, "step": 1}}, "sim.seeds_until.rel_halfwidth"),
     ({"drain_s": -1}, "sim.drain_s must be a number >= 0"),
     ({"rates": [10.0, 10.0]}, "must not repeat a rate"),
     ({"slo": {"rel_tol": 0}}, "sim.slo.rel_tol must be a relative tolerance"),

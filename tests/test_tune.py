@@ -54,8 +54,16 @@ def test_choice_is_made_on_validate_and_blind_to_the_evaluate_split(tmp_path):
     assert again["chosen"]["evaluate"] != result["chosen"]["evaluate"]  # positive control: evaluate did change
 
 
+def test_the_offline_speed_objective_maximises_tokens_per_estimated_second(tmp_path):
+    trace_dir = synthetic_trace_dir(tmp_path / "t")
+    result = tune_job(tune_config(trace_dir, "tune.objective=offline_tokens_per_s"), tmp_path / "a")
+    table = pd.read_csv(tmp_path / "a" / "candidates.csv")
+    assert result["chosen"]["validate"]["offline_tokens_per_s"] == table[table["feasible"]]["offline_tokens_per_s"].max()
+    assert table["offline_tokens_per_s"].gt(0).all()
+
+
 @pytest.mark.parametrize("override, message", [
-    ("tune.objective=a2a_bytes", "tune.objective must be one of ['lar', 'capacity_rps'"),
+    ("tune.objective=a2a_bytes", "tune.objective must be one of ['lar', 'offline_tokens_per_s', 'capacity_rps'"),
     ("+tune.constraints.nope=1.5", "tune.constraints.nope is not a metric"),
     ("tune.space.tp={system.params.lookback:[]}", "tune.space.tp.system.params.lookback must be a non-empty list"),
     ("parallel.devices=abc", "parallel.devices must be an integer"),

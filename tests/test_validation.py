@@ -78,6 +78,13 @@ def test_the_per_layer_overhead_is_fitted_on_one_in_sample_row_and_tested_on_the
         assert predicted == pytest.approx(more["transfer_s"] + more["layers"] * more["layer_overhead_s"], rel=1e-12)
 
 
+def test_the_fitted_overhead_is_the_fitting_rows():
+    from repro.sim.validation import fitted_layer_overhead_s
+
+    fitted = next(r for r in REARRANGEMENTS if r["layer_overhead"] == "fit")
+    assert fitted_layer_overhead_s() == resimulate(fitted, ROWS)[1]["layer_overhead_s"] > 0
+
+
 def test_rearrangement_placements_move_the_stated_share_of_slots():
     from repro.sim.validation import rearrangement_placements
 

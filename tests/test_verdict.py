@@ -427,3 +427,22 @@ def test_flags_read_as_python_bools_when_every_job_has_them(tmp_path):
     assert summary["converged_ttft"].iloc[0] is True and summary["bracketed_ttft"].iloc[0] is True
     ttft = {p["part"]: p for p in verdict.parts_r4(summary)}["DeepSeek-V2-Lite, TTFT SLO, vs ep"]
     assert ttft["rule_verdict"] == REPRODUCED
+
+
+def test_the_report_says_what_each_serving_claim_cost(tmp_path):
+    from repro.figures.verdict import serving_cost_lines
+
+    root = plant(tmp_path / "runs")
+    for run in (root / "serve_dp").rglob("metrics.json"):  # two of serve_dp's three jobs carry their cost
+        data = json.loads(run.read_text())
+        if data["summary"]["system"] != "moetuner":
+            data["summary"].update(sim_runs=40, sim_simulated_s=120.5, sim_cpu_s=30.0,
+                                   converged_capacity_per_seed=[True, True, False],
+                                   converged_ttft_per_seed=[True, True, True])
+        run.write_text(json.dumps(data))
+    summary, _, _ = read_jobs(root)
+    _, parts = verdict_tables(summary)
+    text = "\n".join(serving_cost_lines(summary, parts))
+    r4 = next(line for line in text.splitlines() if line.startswith("| R4 "))
+    assert "| serve_dp | 3 | 80 | 241 | 60 |" in r4
+    assert "ep 2/3" in r4 and "semmoe 2/3" in r4 and "moetuner" not in r4  # a job without per-seed flags says nothing

@@ -8,6 +8,9 @@ Plans are given in serving order; step k (plan k-1 -> plan k) gets its own folde
   sglang_init_expert_location.json  plan k as SGLang's `--init-expert-location` (format A, every model layer;
                                     repro.engines.sglang's rules checked)
   vllm_placement.json               plan k for the suite's vLLM EPLB policy plugin (repro.engines.vllm)
+  vllm_initial_expert_map.json      plan k as one physical-to-logical list per MoE layer of the model (vLLM PR #49572's
+                                    `eplb_config.initial_expert_map_path`, open as of 2026-12: vLLM moves the loaded
+                                    weights to it with its own EPLB transfer before serving)
   vllm_expert_to_ep_rank.json       {"expert_to_ep_rank": [rank of each expert]} (vLLM issue #34297 / PR #34811's
                                     proposed --expert-placement-file), only when plan k fits it: one map for every
                                     MoE layer, no replicas; manifest.json says why when it is left out
@@ -77,6 +80,7 @@ def step_files(old: SavedPlan, new: SavedPlan, devices_per_node: int | None = No
     files = {
         "sglang_init_expert_location.json": json.dumps({sglang.LOCATION_KEY: location.tolist()}, separators=(",", ":")),
         "vllm_placement.json": json.dumps(vllm.placement_document(new), separators=(",", ":")),
+        "vllm_initial_expert_map.json": json.dumps(vllm.placement_rows(new).tolist(), separators=(",", ":")),
     }
     left_out = {}
     ranks, why = vllm.expert_to_ep_rank(new)

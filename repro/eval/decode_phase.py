@@ -29,7 +29,7 @@ import numpy as np
 
 from repro.errors import ConfigError, TraceError
 from repro.eval.accounting import _max_over, account, decode_homes, home_devices
-from repro.eval.time_cost import PARTS, STEPS_PER_BLOCK, TimeModel, moe_layer_seconds
+from repro.eval.time_cost import PARTS, STEPS_PER_BLOCK, TimeModel, moe_layer_seconds, time_estimate
 from repro.systems.base import Plan
 from repro.traces import RoutingTrace, make_trace
 
@@ -203,6 +203,13 @@ def decode_summary(plan: Plan, trace: RoutingTrace, *, time_model: TimeModel | N
     batch = DECODE_BATCH_PER_RANK * plan.parallel.devices
     out["decode_batch_requests"] = batch
     out.update(decode_phase_metrics(plan, trace, time_model=time_model, home_NL=home_NL, batch_requests=batch))
+    if time_model is not None:
+        # the job's offline time as serving runs it: prompt tokens in prefill steps, generated ones in decode steps
+        # (time_estimate_s prices every token as prefill, which hides a decode slowdown behind prefill-heavy totals)
+        prefill = time_estimate(time_model, np.asarray(home_NL[prompt]), np.asarray(trace.experts[prompt]),
+                                plan.parallel.attention) if len(prompt) else {part: np.zeros(1) for part in PARTS}
+        out["prefill_time_estimate_s"] = float(sum(prefill[part].sum() for part in PARTS))
+        out["time_estimate_phases_s"] = out["prefill_time_estimate_s"] + out.get("decode_moe_seconds", 0.0)
     return out
 
 

@@ -326,11 +326,11 @@ def one_slo_throughput(tables: dict[str, pd.DataFrame], statistic: str, multipli
 
 def throughput_ratio(numerator: pd.Series, denominator: pd.Series, rule: str) -> dict:
     """Sem-MoE / baseline throughput under the `rule` SLO ("ttft" | "e2e" | "distserve") of two jobs: mean and 95 %
-    interval of the paired per-seed ratios when both jobs kept per-seed values of one length
+    interval of the paired per-seed ratios over their common seeds when both jobs kept per-seed values
     (repro.sim.metrics.ratio_interval), else the ratio of their means with NaN bounds."""
     key = "goodput_distserve_rps" if rule == "distserve" else f"throughput_under_{rule}_slo_rps"
     num, den = numerator.get(key + "_per_seed"), denominator.get(key + "_per_seed")
-    if isinstance(num, list) and isinstance(den, list) and len(num) == len(den) and len(num) >= 2:
+    if isinstance(num, list) and isinstance(den, list) and min(len(num), len(den)) >= 2:
         return ratio_interval(num, den)
     a, b = (float(job.get(key, np.nan)) if isinstance(job.get(key), int | float) else np.nan
             for job in (numerator, denominator))

@@ -21,6 +21,7 @@ from repro.sim.metrics import ratio_interval
 RULES = {"capacity": "capacity_rps_per_seed", "ttft": "throughput_under_ttft_slo_rps_per_seed"}
 LOAD_BALANCERS = ("round_robin", "shortest_queue", "minimum_tokens", "vllm_dp", "balance_route", "gimbal", "least_wait")
 GROUP = ("experiment", "devices", "evaluate_split")
+TARGET_HALFWIDTH = 0.05  # issue 32: every paired ratio judged within +-5 %
 # Sem-MoE dp_load_rule -> the system that applies the same rule without affinity (repro/systems/dp_balance.py)
 TWINS = {"shortest_queue": "shortest_queue", "minimum_tokens": "minimum_tokens", "vllm": "vllm_dp",
          "balance_route": "balance_route", "wait": "least_wait"}
@@ -55,10 +56,17 @@ def serving_ratios(summary: pd.DataFrame) -> pd.DataFrame:
                 interval = ratio_interval(job[key], ep[key], resolution=float(job.get("slo_rel_tol", 0.0) or 0.0))
                 for part in ("mean", "low", "high"):
                     row[f"{rule}_{part}"] = interval[part] if converged else np.nan
-            estimate, ep_estimate = job.get("time_estimate_s"), ep.get("time_estimate_s")
+                row[f"{rule}_seeds"] = interval["n"]  # paired over the seeds both jobs ran
+            phased = all(_number(j.get("time_estimate_serving_s")) for j in (job, ep))
+            key = "time_estimate_serving_s" if phased else "time_estimate_s"
+            estimate, ep_estimate = job.get(key), ep.get(key)  # decode steps counted where the routing has them
             row["offline_speedup"] = ep_estimate / estimate if estimate and ep_estimate else np.nan
             rows.append(row)
     return pd.DataFrame(rows)
+
+
+def _number(value) -> bool:
+    return isinstance(value, int | float | np.number) and bool(np.isfinite(value))
 
 
 def _true(value) -> bool:
@@ -83,8 +91,8 @@ def gain_split_section(summary: pd.DataFrame) -> list[str]:
              "per seed with 95 % intervals. *Load part*: the locality-free router's ratio (for a load-aware Sem-MoE "
              "the system applying its load rule without affinity; else the best load balancer of the experiment); "
              "*locality part*: the system's ratio over that router's (placement and affinity together).", "",
-             "| experiment | D | split | system | capacity vs ep | TTFT-SLO vs ep | load part (router) | locality part | "
-             "offline estimate vs ep |", "|---" * 9 + "|"]
+             "| experiment | D | split | system | seeds | capacity vs ep | TTFT-SLO vs ep | load part (router) | "
+             "locality part | offline estimate vs ep |", "|---" * 10 + "|"]
     for key, group in ratios.groupby(list(GROUP), dropna=False):
         balancers = group[group["system"].isin(LOAD_BALANCERS) & np.isfinite(group["capacity_mean"])]
         best = balancers.loc[balancers["capacity_mean"].idxmax()] if len(balancers) else None
@@ -96,9 +104,20 @@ def gain_split_section(summary: pd.DataFrame) -> list[str]:
             load = "-" if router is None else f"{_cell(router, 'capacity')} ({router['label']})"
             judged = router is not None and np.isfinite(row["capacity_mean"]) and np.isfinite(router["capacity_mean"])
             locality = f"{row['capacity_mean'] / router['capacity_mean']:.3f}" if judged else "-"
-            lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {row['label']} | {_cell(row, 'capacity')} | "
-                         f"{_cell(row, 'ttft')} | {load} | {locality} | {row['offline_speedup']:.3f} |")
+            lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {row['label']} | {row['capacity_seeds']} | "
+                         f"{_cell(row, 'capacity')} | {_cell(row, 'ttft')} | {load} | {locality} | "
+                         f"{row['offline_speedup']:.3f} |")
+    wide = [f"{row['label']} ({row['experiment']}, {rule})" for _, row in ratios[ratios["system"] != "ep"].iterrows()
+            for rule in RULES if np.isfinite(row[f"{rule}_mean"]) and not within_target(row, rule)]
+    lines += ["", f"Intervals wider than +-{TARGET_HALFWIDTH:.0%} of the ratio (add seeds: sim.seeds_until): "
+              + (", ".join(wide) if wide else "none") + "."]
     return lines + [""]
+
+
+def within_target(row, rule: str) -> bool:
+    """Whether a paired ratio's interval lies within +-TARGET_HALFWIDTH of its mean."""
+    mean = row[f"{rule}_mean"]
+    return row[f"{rule}_high"] <= mean * (1 + TARGET_HALFWIDTH) and row[f"{rule}_low"] >= mean * (1 - TARGET_HALFWIDTH)
 
 
 def sign_disagreements(ratios: pd.DataFrame) -> pd.DataFrame:

@@ -826,7 +826,39 @@ def verdict_section(summary: pd.DataFrame, runs_dir: str | Path, out_dir: str | 
             markdown_table(pd.DataFrame([{k: _escape(v) for k, v in r.items()} for r in rows])), "",
             "### Verdict per part (each compares one number by the claim's rule)", "",
             "`number rule`: the rule on the numbers alone; `verdict`: after the caps.", "",
-            markdown_table(detail.map(_escape)), ""] + calibration_lines(summary, out_dir)
+            markdown_table(detail.map(_escape)), ""] + serving_cost_lines(summary, parts) + calibration_lines(summary, out_dir)
+
+
+def serving_cost_lines(summary: pd.DataFrame, parts: pd.DataFrame) -> list[str]:
+    """Markdown lines: what each claim judged on serving runs cost (issue 33): per claim, the serving jobs of the
+    experiments its tested parts come from, their simulator runs, simulated seconds, CPU seconds, and how many
+    seeds converged for each system (capacity and TTFT-SLO rule)."""
+    jobs = _serving(summary)
+    rows = []
+    for claim in CLAIMS:
+        experiments = set(parts[(parts["claim"] == claim.id) & (parts["verdict"] != NOT_TESTABLE)]["experiment"])
+        mine = jobs[jobs["experiment"].isin(experiments)]
+        if mine.empty:
+            continue
+        converged = []
+        for _, job in mine.iterrows():
+            flags = [job.get(f"converged_{rule}_per_seed") for rule in ("capacity", "ttft")]
+            if all(isinstance(f, list) for f in flags):
+                ok = sum(all(pair) for pair in zip(*flags, strict=True))
+                converged.append(f"{job['system']} {ok}/{len(flags[0])}")
+        rows.append({"claim": claim.id, "experiments": ", ".join(sorted(experiments)), "serving jobs": len(mine),
+                     "simulator runs": int(_col(mine, "sim_runs").fillna(0).sum()),
+                     "simulated s": f"{_col(mine, 'sim_simulated_s').fillna(0).sum():.0f}",
+                     "CPU s": f"{_col(mine, 'sim_cpu_s').fillna(0).sum():.0f}",
+                     "seeds converged (capacity and TTFT rule)": "; ".join(converged)})
+    if not rows:
+        return []
+    return ["### What the serving claims cost", "",
+            "Per claim, the serving jobs behind its tested parts: simulator runs (every rate probed, each seed, the "
+            "SLO reference's light runs included), simulated seconds (arrival span plus drain of each run), CPU "
+            "seconds of the simulation (forked seed workers included) and, per system, the seeds on which both the "
+            "capacity and the TTFT-SLO search converged.", "",
+            markdown_table(pd.DataFrame([{k: _escape(v) for k, v in r.items()} for r in rows])), ""]
 
 
 __all__ = ["CLAIMS", "VERDICTS", "combine", "rule_at_most", "rule_band", "rule_gain", "rule_ratio",

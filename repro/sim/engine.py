@@ -42,7 +42,7 @@ import numpy as np
 from repro.errors import ConfigError, ReproError
 from repro.sim.costs import COMPONENTS, SEG_KEYS, CostModel
 from repro.sim.events import ARRIVAL, CHANGE, STEP_END, EventQueue
-from repro.sim.plan_changes import PlanChange, cost_while_migrating
+from repro.sim.plan_changes import PlanChange, check_chain, cost_while_migrating
 from repro.sim.traffic import device_tables, stream_traffic
 from repro.systems.base import Plan
 from repro.systems.load import RankLoad
@@ -183,6 +183,7 @@ class Engine:
             if not isinstance(change, PlanChange):
                 raise ReproError(f"Engine.run takes plan changes made by repro.sim.plan_changes.priced_changes, got {change!r}.")
             queue.push(change.time_s, CHANGE, change)
+        check_chain(self.plan, changes)
         busy = False
         while len(queue):
             now, priority, payload = queue.pop()

@@ -59,6 +59,28 @@ def request_latencies(run: RunResult, output_len: np.ndarray) -> dict[str, np.nd
     return {"ttft": first - run.arrival, "tpot": tpot, "e2e": finish - run.arrival}
 
 
+def overlaps_changes(run: RunResult) -> np.ndarray:
+    """bool[R]: requests whose life (arrival to finish; unfinished: to the end) overlaps a plan change's migration
+    (RunResult.changes: [start_s, end_s), a stall or an async migration)."""
+    finish = np.where(np.isnan(run.finish), np.inf, run.finish)
+    out = np.zeros(len(run.arrival), dtype=bool)
+    for change in run.changes or ():
+        out |= (run.arrival < change["end_s"]) & (finish > change["start_s"])
+    return out
+
+
+def latency_around_changes(run: RunResult, output_len: np.ndarray, stat: str = "p99") -> dict:
+    """{"<latency>_<stat>_s_during" | "_outside": seconds}: TTFT, TPOT and E2E of the requests a migration overlaps
+    (`overlaps_changes`) and of the others, and how many of each (what a placement change does to serving)."""
+    latencies = request_latencies(run, np.asarray(output_len)[: len(run.arrival)])
+    during = overlaps_changes(run)
+    out = {"requests_during": int(during.sum()), "requests_outside": int((~during).sum())}
+    for name in LATENCIES:
+        out[f"{name}_{stat}_s_during"] = statistic(latencies[name][during], stat)
+        out[f"{name}_{stat}_s_outside"] = statistic(latencies[name][~during], stat)
+    return out
+
+
 def statistic(values: np.ndarray, name: str) -> float:
     """mean or p50 / p90 / p99 over the finite values (NaN when there are none)."""
     values = values[np.isfinite(values)]
@@ -400,7 +422,8 @@ def ratio_interval(numerator_S, denominator_S, confidence: float = 0.95, resolut
     """Paired ratio of two systems' per-seed values (same seed = same arrivals and requests): the mean of the
     per-seed ratios and its Student-t interval at `confidence`, widened by `resolution`.
 
-    numerator_S, denominator_S: float[S] (S >= 2 for an interval). resolution: the relative width each value is
+    numerator_S, denominator_S: float[S] (S >= 2 for an interval); lists of different lengths are paired over
+    their common seeds 0..S-1 (a job whose sim.seeds_until added seeds has more; seed i is the same in both). resolution: the relative width each value is
     known to (bisection's rel_tol: the true crossing lies within a factor 1 + rel_tol above the rate found), so
     the interval becomes [low / (1 + resolution), high x (1 + resolution)]; without it, seeds whose rates land
     on the same lattice steps would give a zero-width interval. Returns {"mean", "low", "high", "n", "ratios":
@@ -408,8 +431,10 @@ def ratio_interval(numerator_S, denominator_S, confidence: float = 0.95, resolut
     fewer than 2 ratios remain.
     """
     num, den = np.asarray(numerator_S, dtype=np.float64), np.asarray(denominator_S, dtype=np.float64)
-    if num.shape != den.shape or num.ndim != 1:
-        raise ConfigError(f"ratio_interval needs two per-seed value lists of one length, got {num.shape} and {den.shape}.")
+    if num.ndim != 1 or den.ndim != 1:
+        raise ConfigError(f"ratio_interval needs two per-seed value lists, got shapes {num.shape} and {den.shape}.")
+    common = min(len(num), len(den))
+    num, den = num[:common], den[:common]
     if not 0 < confidence < 1:
         raise ConfigError(f"ratio_interval's confidence must be in (0, 1), got {confidence!r}.")
     if not resolution >= 0:

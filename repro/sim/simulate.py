@@ -60,8 +60,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
+from scipy import stats as scipy_stats
 
-from repro.config_values import FLAG, MAPPING, Value, check_table, check_value, integer, number, text
+from repro.config_values import FLAG, MAPPING, OPTIONAL_MAPPING, Value, check_table, check_value, integer, number, text
 from repro.errors import ConfigError, TraceError, check_known_keys
 from repro.sim.costs import A2A_BACKENDS, CostModel
 from repro.sim.engine import SCHEDULES, Engine, EngineConfig, Requests
@@ -93,7 +94,7 @@ SIM_KEYS = {
     "rates", "duration_s", "min_requests", "warmup_s", "cooldown_s", "drain_s", "seeds", "stable_tolerance",
     "arrival", "output_len", "decode_routing", "backend", "schedule", "max_batched_tokens", "max_running_requests",
     "max_block_iterations", "iteration_overhead_us", "calibration", "kv_capacity_tokens", "routing_map", "slo", "shape",
-    "batches", "rel_halfwidth", "max_duration_s", "workers",
+    "batches", "rel_halfwidth", "max_duration_s", "workers", "seeds_until",
 }
 SIM_TABLE = {  # the types and ranges of the job config's sim group (check_sim_config owns choices and cross-field rules)
     "rates": Value(("list",)),
@@ -115,6 +116,7 @@ SIM_TABLE = {  # the types and ranges of the job config's sim group (check_sim_c
     "max_duration_s": number(0, low_open=True, null=True),
     "workers": integer(1),
     "slo": MAPPING,
+    "seeds_until": OPTIONAL_MAPPING,
 }
 SIM_SLO_TABLE = {
     "multiplier": number(0, low_open=True),
@@ -129,6 +131,12 @@ SIM_SLO_TABLE = {
     "require_stable": FLAG,
 }
 SLO_KEYS = set(SIM_SLO_TABLE)  # every slo key has a type; check_sim_config owns the choices
+SEEDS_UNTIL_TABLE = {  # sim.seeds_until: add seeds until each rule's per-seed spread is this tight (`seeds_settled`)
+    "rel_halfwidth": number(0, 1, low_open=True, high_open=True),
+    "max_seeds": integer(2),
+    "step": integer(1),
+}
+SETTLING_RULES = ("capacity", "ttft")  # the rules whose paired ratios the report judges (repro/figures/serving.py)
 
 
 def check_sim_table(sim: dict) -> None:
@@ -137,6 +145,8 @@ def check_sim_table(sim: dict) -> None:
     for rate in sim.get("rates", []):
         check_value("sim.rates[...]", rate, number(0, low_open=True))
     check_table("sim.slo", sim.get("slo") or {}, SIM_SLO_TABLE, SLO_KEYS)
+    if sim.get("seeds_until") is not None:
+        check_table("sim.seeds_until", sim["seeds_until"], SEEDS_UNTIL_TABLE, set(SEEDS_UNTIL_TABLE))
 
 
 @dataclass
@@ -156,7 +166,7 @@ class SimResult:
 def check_sim_config(sim: dict) -> dict:
     """Validate the `sim` config group; one ConfigError sentence per problem."""
     check_known_keys("sim", sim, SIM_KEYS)
-    missing = sorted(SIM_KEYS - {"kv_capacity_tokens", "shape"} - set(sim))
+    missing = sorted(SIM_KEYS - {"kv_capacity_tokens", "shape", "seeds_until"} - set(sim))
     if missing:
         raise ConfigError(f"sim misses key(s) {missing}; see conf/sim/default.yaml.")
     rates = np.asarray(sim["rates"], dtype=np.float64).ravel()
@@ -228,8 +238,18 @@ def check_sim_config(sim: dict) -> dict:
         raise ConfigError(f"sim.iteration_overhead_us must be null (the hardware profile's) or >= 0, got {overhead!r}.")
     if not isinstance(sim["calibration"], str):
         raise ConfigError(f"sim.calibration must name a calibration alternative of the hardware profile, got {sim['calibration']!r}.")
+    until = sim.get("seeds_until")
+    if until is not None:
+        until = dict(until)
+        if set(until) != set(SEEDS_UNTIL_TABLE):
+            raise ConfigError(f"sim.seeds_until must be null or have exactly the keys {sorted(SEEDS_UNTIL_TABLE)}, "
+                              f"got {sorted(until)}.")
+        check_table("sim.seeds_until", until, SEEDS_UNTIL_TABLE, set(SEEDS_UNTIL_TABLE))
+        if until["max_seeds"] < sim["seeds"]:
+            raise ConfigError(f"sim.seeds_until.max_seeds={until['max_seeds']} is below sim.seeds={sim['seeds']}; "
+                              "the cap counts every seed, the first sim.seeds included.")
     cap = float(8 * sim["duration_s"] if cap is None else cap)  # three doublings by default
-    return dict(sim, rates=sorted(rates.tolist()), slo=slo, max_duration_s=cap)
+    return dict(sim, rates=sorted(rates.tolist()), slo=slo, max_duration_s=cap, seeds_until=until)
 
 
 def iteration_overhead(sim: dict, hw: Hardware) -> float:
@@ -585,17 +605,24 @@ def _forked_seed_work(seed: int, seed_seq: np.random.SeedSequence, slo: dict | N
     return _seed_work(_FORKED, seed, seed_seq, slo, light, anchors)
 
 
-def _each_seed(setup: _Setup, seed_seqs: list, slo: dict | None, workers: int, light: list | None = None) -> list[dict]:
-    """_seed_work of every seed, in seed order: in this process, or in `workers` forked processes. With SLOs, seed
-    0 first (its crossings anchor the others' searches), then the rest."""
+def _anchors(seed0: dict) -> dict:
+    """{rule: seed 0's crossing} where seed 0 bracketed one: where later seeds start their searches."""
+    return {rule: f["low"] for rule, f in seed0["found"].items() if f["bracketed"] and f["low"] > 0}
+
+
+def _each_seed(setup: _Setup, seed_seqs: list, slo: dict | None, workers: int, light: list | None = None,
+               first_seed: int = 0, anchors: dict | None = None) -> list[dict]:
+    """_seed_work of seeds first_seed, first_seed + 1, ... (one per seed_seqs entry), in seed order: in this
+    process, or in `workers` forked processes. With SLOs, seed 0 first (its crossings anchor the others' searches),
+    then the rest; later batches (first_seed > 0) take seed 0's `anchors`."""
     light = light or [None] * len(seed_seqs)
-    first, anchors = [], None
-    if slo is not None:
+    first = []
+    if slo is not None and first_seed == 0:
         first = [_seed_work(setup, 0, seed_seqs[0], slo, light[0])]
-        anchors = {rule: f["low"] for rule, f in first[0]["found"].items() if f["bracketed"] and f["low"] > 0}
+        anchors = _anchors(first[0])
     todo = list(range(len(first), len(seed_seqs)))
     if workers <= 1 or len(todo) <= 1:
-        return first + [_seed_work(setup, seed, seed_seqs[seed], slo, light[seed], anchors) for seed in todo]
+        return first + [_seed_work(setup, first_seed + i, seed_seqs[i], slo, light[i], anchors) for i in todo]
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
@@ -603,10 +630,32 @@ def _each_seed(setup: _Setup, seed_seqs: list, slo: dict | None, workers: int, l
     _FORKED = setup
     try:
         with ProcessPoolExecutor(min(workers, len(todo)), mp_context=multiprocessing.get_context("fork")) as pool:
-            return first + list(pool.map(_forked_seed_work, todo, [seed_seqs[s] for s in todo], [slo] * len(todo),
-                                         [light[s] for s in todo], [anchors] * len(todo)))
+            return first + list(pool.map(_forked_seed_work, [first_seed + i for i in todo], [seed_seqs[i] for i in todo],
+                                         [slo] * len(todo), [light[i] for i in todo], [anchors] * len(todo)))
     finally:
         _FORKED = None
+
+
+def seeds_settled(seeds: list[dict], rel_halfwidth: float) -> bool:
+    """Whether adding seeds would change nothing worth their cost: True when some seed's value of a settling rule
+    (capacity, TTFT-SLO throughput) is unconverged or 0 (more seeds cannot fix that), or when every settling rule's
+    per-seed values have a 95 % Student-t half-width <= rel_halfwidth x their mean.
+
+    Why a system's own spread: the paired ratio against another system run on the same seeds has a half-width of
+    at most sqrt(2) x the larger of the two when their per-seed values are not negatively correlated (the same
+    arrivals and requests make them positively correlated in practice), so rel_halfwidth 0.02 keeps a paired
+    ratio within about +-5 % after the report widens it by slo.rel_tol 0.02 (repro.sim.metrics.ratio_interval)."""
+    for rule in SETTLING_RULES:
+        found = [seed["found"][rule] for seed in seeds]
+        values = np.array([f["low"] for f in found], dtype=np.float64)
+        if not all(f["converged"] for f in found) or np.any(values <= 0):
+            return True
+        if len(values) < 2:
+            return False
+        half = scipy_stats.t.ppf(0.975, len(values) - 1) * values.std(ddof=1) / np.sqrt(len(values))
+        if half > rel_halfwidth * values.mean():
+            return False
+    return True
 
 
 def _cpu_seconds() -> float:
@@ -662,6 +711,11 @@ def simulate(config: dict, plan: Plan, trace: RoutingTrace, hardware: dict, shap
         pooled = np.concatenate([seed_light["latency"][name] for seed_light in light])
         slo[name] = float(slo_cfg["multiplier"] * statistic(pooled, stat))
     seeds = _each_seed(setup, seed_seqs, slo, sim["workers"], light)
+    until = sim["seeds_until"]
+    while until and len(seeds) < until["max_seeds"] and not seeds_settled(seeds, until["rel_halfwidth"]):
+        # rng.spawn continues the same sequence of children: seed i is the same whether it came first or was added
+        more = [g.bit_generator.seed_seq for g in rng.spawn(min(until["step"], until["max_seeds"] - len(seeds)))]
+        seeds += _each_seed(setup, more, slo, sim["workers"], first_seed=len(seeds), anchors=_anchors(seeds[0]))
     if bar is not None:
         bar.update(len(seeds))
         bar.close()
@@ -731,7 +785,10 @@ def _summary(sim, slo, stat, light_rate, results, per_rate, probes, seeds, trace
         "sim_schedule": sim["schedule"],
         "sim_attention": parallel.attention,
         "sim_devices": parallel.devices,
-        "sim_seeds": sim["seeds"],
+        "sim_seeds": len(seeds),  # sim.seeds, plus those sim.seeds_until added
+        "sim_seeds_added": len(seeds) - sim["seeds"],
+        "sim_seeds_settled": bool(seeds_settled(seeds, sim["seeds_until"]["rel_halfwidth"]))
+        if sim["seeds_until"] else None,  # false: the cap sim.seeds_until.max_seeds was hit first
         "sim_duration_s": float(sim["duration_s"]),
         "sim_warmup_s": float(sim["warmup_s"]),
         "sim_cooldown_s": float(sim["cooldown_s"]),
@@ -819,6 +876,8 @@ def _summary(sim, slo, stat, light_rate, results, per_rate, probes, seeds, trace
         "lar_sim": float(np.average(per_rate["lar"])),
         "sim_wall_s": wall,
         "sim_cpu_s": cpu,
+        # simulated time of every run (the SLO reference's light runs included): arrivals span plus the drain
+        "sim_simulated_s": float((probes["arrivals_span_s"] + float(sim["drain_s"])).sum()),
         "sim_iterations": int(probes["iterations"].sum()),
         "sim_requests_per_wall_s": float(probes["requests_total"].sum()) / wall,
         "sim_events_per_wall_s": float(probes["iterations"].sum() + probes["requests_total"].sum()) / wall,

@@ -272,6 +272,16 @@ def layer_overhead_fits(rows: list[dict]) -> dict[str, float]:
             if r["kind"] == "eplb_rearrangement" and r["layer_overhead"] == FIT}
 
 
+def fitted_layer_overhead_s(path: Path = TABLE) -> float:
+    """Seconds per migrating layer that the table's one fitting eplb_rearrangement row sets (what to pass as
+    migration_cost's layer_overhead_s to price migrations like the engines' published ones)."""
+    fits = layer_overhead_fits(load_table(path))
+    if len(fits) != 1:
+        raise ConfigError(f"{path} must hold exactly one eplb_rearrangement row with layer_overhead: {FIT}, "
+                          f"it holds {len(fits)}.")
+    return next(iter(fits.values()))
+
+
 def resimulate(row: dict, rows: list[dict] | None = None) -> tuple[float, dict]:
     """(predicted value in the row's unit, details) of one validated row; `rows` is its table (None: TABLE's),
     read only by an eplb_rearrangement row whose per-layer overhead another row fits."""

@@ -45,8 +45,11 @@ itself with affinity as its tie-break; a large slack is pure affinity.
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 from scipy.optimize import linear_sum_assignment
+
+from repro.errors import TraceError
 
 DP_SCORINGS = ("confidence", "vote", "expected")
 DP_SCHEDULERS = ("paper", "time", "load")
@@ -109,10 +112,16 @@ def request_votes(
     of the folded score table, looked up per id once at plan build). One bincount per chunk of requests, so
     the cost is a few nanoseconds per token (the >= 50k requests/s path for 1k-token prompts).
     """
-    if len(offsets) == 2:  # one request (an arrival in the engine or the router): one gather and one bincount
-        tokens = token_ids[int(offsets[0]) : int(offsets[0]) + int(prefill_len[0])]
-        votes = np.bincount(vocab_device[tokens], weights=vocab_weight[tokens], minlength=num_devices)
-        return (votes.astype(np.float32) / np.float32(max(len(tokens), 1)))[None, :]  # the batch path's rounding
+    if len(offsets) == 2:  # one request (an arrival in the engine or the router): one compiled pass
+        tokens = np.asarray(token_ids[int(offsets[0]) : int(offsets[0]) + int(prefill_len[0])])
+        scores = np.empty((1, num_devices), dtype=np.float32)
+        bad = _vote_one(vocab_device, vocab_weight, tokens, scores[0])
+        if bad >= 0:
+            raise TraceError(
+                f"token id {int(tokens[bad])} is outside the plan's vocabulary of {len(vocab_device)} ids; "
+                "fit the plan on a profile of the same model."
+            )
+        return scores
     offsets = np.asarray(offsets, dtype=np.int64)
     prefill_len = np.asarray(prefill_len, dtype=np.int64)
     num_requests = len(offsets) - 1
@@ -131,6 +140,22 @@ def request_votes(
         scores[first:last] = votes.reshape(last - first, num_devices)
         first = last
     return scores / np.maximum(prefill_len, 1)[:, None].astype(np.float32)
+
+
+@numba.njit(cache=True, nogil=True)
+def _vote_one(vocab_device, vocab_weight, tokens, out):  # pragma: no cover (compiled)
+    """Fill out float32[D] with one request's votes divided by its length, summed in token order like np.bincount
+    (so equal to the batch path bit for bit); returns -1, or the position of the first token outside the tables."""
+    votes = np.zeros(len(out))
+    for i in range(len(tokens)):
+        t = tokens[i]
+        if t < 0 or t >= len(vocab_device):
+            return i
+        votes[vocab_device[t]] += vocab_weight[t]
+    length = np.float32(max(len(tokens), 1))
+    for d in range(len(out)):
+        out[d] = np.float32(votes[d]) / length
+    return -1
 
 
 def masked_argmax_assign(
@@ -240,13 +265,18 @@ def token_balance_assign(
     return np.asarray(ranks, dtype=np.int64), np.asarray(load, dtype=np.float64), assigned
 
 
+@numba.njit(cache=True, nogil=True)
 def slack_argmax(score: np.ndarray, load: np.ndarray, slack: float) -> int:
     """The best-scoring rank among those with load <= min(load) + slack (ties: lowest id).
 
     score float[D] the request's affinity per rank; load float[D] per-rank load (lower is better, see
     repro.systems.load.rank_load); slack >= 0 in the load's own units."""
-    allowed = load <= load.min() + slack
-    return int(np.argmax(np.where(allowed, score, -np.inf)))
+    least = load.min() + slack
+    best = -1
+    for d in range(len(score)):  # compiled: one call per arrival, ~1 us instead of ~10 with numpy
+        if load[d] <= least and (best < 0 or score[d] > score[best]):
+            best = d
+    return best
 
 
 def window_exact_assign(

@@ -209,7 +209,9 @@ class SemMoEPlan(Plan):
         only; without it that scheduler reads what the plan handed out itself."""
         if load is not None and len(prefill_len) != 1:
             raise ReproError(f"a live load view describes one arrival; got {len(prefill_len)} requests with it.")
-        token_ids = self._check_tokens(token_ids)
+        one_vote = len(prefill_len) == 1 and self.dp_predictor != "learned" and self.dp_scoring != "expected"
+        if not one_vote:  # the one-request vote checks its ids in its compiled pass
+            token_ids = self._check_tokens(token_ids)
         if self.dp_predictor == "learned":  # repro.systems.semmoe.predictor: prior already subtracted
             scores = learned_request_scores(
                 self.learned_table, self.learned_prior, self.row_of_token, token_ids, offsets, prefill_len
