@@ -46,6 +46,10 @@ COMMANDS = {
     "python -m repro.run -m experiment=drift seed=100 workload=drift_abrupt,drift_stationary name=drift_validate": "config",
     "python -m repro.run -m experiment=drift workload=drift_abrupt,drift_stationary seed=0 name=drift_short": "config",
     "python -m repro.drift.report runs/drift": "flags",
+    "python -m repro.run -m experiment=drift workload=drift_abrupt seed=0 model.domain_strength=1.5 "
+    "name=drift_sensitivity": "config",
+    "python -m repro.run -m experiment=drift workload=drift_abrupt seed=0 drift.window_steps=null "
+    "name=drift_sensitivity": "config",
     "python -m repro.traces.import routing.csv --out traces/served --arrival-col arrival_time": "flags",
     "python -m repro.sim.validation": "flags",
     "python -m bench --only migration": "flags",
