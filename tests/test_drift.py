@@ -295,9 +295,14 @@ def test_report_judges_the_targets_from_metrics_files(tmp_path, capsys):
 
     job("a", {"segments": [{}, {}], "mix": None}, 0.95, 0.2, 1)
     job("s", {"segments": [{}], "mix": None}, 0.9, None, 1)
+    job("t", {"segments": [{}, {}], "mix": None}, 0.1, 0.9, 3)
+    metrics = tmp_path / "t" / "metrics.json"
+    payload = json.loads(metrics.read_text())
+    payload["config"]["trace"] = "traces/served"  # an imported trace is not judged as the workload it replaced
+    metrics.write_text(json.dumps(payload))
     assert main([str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "| abrupt | 0 | semmoe_drift | 1 |" in out
+    assert "| abrupt | 0 | semmoe_drift | 1 |" in out and "| trace served | 0 | semmoe_drift |" in out
     assert "gain kept vs hindsight >= 0.90 on every abrupt job: met" in out
     assert "no re-placement on any stationary job: missed" in out
     (tmp_path / "empty").mkdir()
@@ -305,3 +310,18 @@ def test_report_judges_the_targets_from_metrics_files(tmp_path, capsys):
     with pytest.raises(SystemExit) as missing:
         main([str(tmp_path / "nothing")])
     assert missing.value.code == 2
+
+
+def test_eplb_min_move_relabelling_moves_no_more_than_the_raw_replan():
+    from repro.systems.migration import experts_received
+
+    stream = stream_of(planted_trace(PROFILE + 4 * WINDOW, PROFILE + 2 * WINDOW))
+    raw = EPLBSchedule("raw", interval=1000, window_size=1000)
+    relabelled = EPLBSchedule("relabelled", interval=1000, window_size=1000, min_move=True)
+    plan = raw.start(stream)
+    relabelled.start(stream)
+    for w in range(3):
+        a, b = raw.decide(stream, w, plan).plan, relabelled.decide(stream, w, plan).plan
+        assert experts_received(plan.placement, b.placement).sum() <= experts_received(plan.placement, a.placement).sum()
+        assert np.array_equal(np.sort(a.placement.physical_to_logical, axis=1),
+                              np.sort(b.placement.physical_to_logical, axis=1))  # same experts, renamed devices

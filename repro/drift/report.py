@@ -35,7 +35,8 @@ def load_jobs(root: Path) -> list[tuple[str, int, dict]]:
         if "policies" not in summary or not config.get("drift"):
             continue
         workload = config["workload"]
-        stream = ("abrupt" if workload.get("segments") and len(workload["segments"]) > 1
+        stream = (f"trace {Path(config['trace']).name}" if config.get("trace")  # an imported trace, not the workload
+                  else "abrupt" if workload.get("segments") and len(workload["segments"]) > 1
                   else "periodic" if workload.get("mix") else "stationary")
         jobs.append((stream, int(config["seed"]), summary))
     if not jobs:
