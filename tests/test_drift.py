@@ -325,3 +325,17 @@ def test_eplb_min_move_relabelling_moves_no_more_than_the_raw_replan():
         assert experts_received(plan.placement, b.placement).sum() <= experts_received(plan.placement, a.placement).sum()
         assert np.array_equal(np.sort(a.placement.physical_to_logical, axis=1),
                               np.sort(b.placement.physical_to_logical, axis=1))  # same experts, renamed devices
+
+
+def test_similar_refit_reads_only_the_windows_that_look_like_the_live_one():
+    switch_window = 3
+    stream = stream_of(planted_trace(PROFILE + 6 * WINDOW, PROFILE + switch_window * WINDOW))
+    similar = SemMoEOnDrift("s", small_semmoe(), threshold=0.2, refit_windows=3, refit_rule="similar")
+    last = SemMoEOnDrift("l", small_semmoe(), threshold=0.2, refit_windows=3)
+    for policy in (similar, last):
+        plan = policy.start(stream)
+        for w in range(switch_window):
+            assert policy.decide(stream, w, plan) is None
+        assert policy.decide(stream, switch_window, plan) is not None
+    assert similar.refit_first == switch_window  # the drifted window alone: the ones before it look different
+    assert last.refit_first == switch_window - 2  # the last 3 windows, two of them of the old traffic

@@ -34,6 +34,7 @@ from repro.drift.statistics import (
     intra_device_coactivation,
     request_affinity,
     routing_stats,
+    total_variation,
 )
 from repro.errors import ConfigError
 from repro.parallel import ParallelConfig
@@ -190,13 +191,18 @@ class EPLBSchedule:
 class SemMoEOnDrift:
     """Sem-MoE re-fitted when drift crosses `threshold` on statistic `trigger` (module docstring).
 
-    refit_windows: windows of traffic the re-fit reads; cooldown: windows after a re-fit before the next may fire;
-    budget: at most this share of the L x E expert copies moved per re-placement (1.0 = no limit)."""
+    refit_windows: at most this many windows of traffic the re-fit reads, ending with the window that fired;
+    refit_rule: "last" reads exactly refit_windows windows, "similar" only the run of windows before it whose
+    co-activation distance to the window that fired is within the threshold (the recent traffic that looks like the
+    live one: on an abrupt switch the new domain only, under a gradual drift more requests); cooldown: windows after
+    a re-fit before the next may fire; budget: at most this share of the L x E expert copies moved per re-placement
+    (1.0 = no limit). refit_first: the first window the last re-fit read (for the caller's bookkeeping)."""
 
     kind = "system"
 
     def __init__(self, name: str, system, trigger: str = "coactivation", threshold: float = 0.2,
-                 refit_windows: int = 1, cooldown: int = 1, budget: float = 1.0, mode: str = "sync"):
+                 refit_windows: int = 1, cooldown: int = 1, budget: float = 1.0, mode: str = "sync",
+                 refit_rule: str = "last"):
         if trigger not in STATISTICS:
             raise ConfigError(f"{name}.trigger must be one of {STATISTICS}, got {trigger!r}.")
         if not threshold > 0:
@@ -207,6 +213,9 @@ class SemMoEOnDrift:
             raise ConfigError(f"{name}.budget must be a share of the experts in (0, 1], got {budget}.")
         if mode not in ("sync", "async"):
             raise ConfigError(f"{name}.mode must be sync or async, got {mode!r}.")
+        if refit_rule not in ("last", "similar"):
+            raise ConfigError(f"{name}.refit_rule must be last or similar, got {refit_rule!r}.")
+        self.refit_rule = refit_rule
         self.name, self.system, self.trigger, self.threshold = name, system, trigger, float(threshold)
         self.refit_windows, self.cooldown, self.budget, self.mode = int(refit_windows), int(cooldown), float(budget), mode
 
@@ -223,6 +232,13 @@ class SemMoEOnDrift:
         if distances[self.trigger] <= self.threshold or w - self._last_fit < self.cooldown:
             return None
         first = max(0, w - self.refit_windows + 1)
+        if self.refit_rule == "similar":
+            live = stream.window_stats(w).coactivation
+            # keep the unbroken run of look-alike windows ending at w
+            while first < w and any(total_variation(stream.window_stats(v).coactivation, live) > self.threshold
+                                    for v in range(first, w)):
+                first += 1
+        self.refit_first = first
         refit_on = stream.window(first, w)
         new_device, info = self.system.solve_placement(refit_on, stream.parallel, stream.rng(w))
         old = plan.placement

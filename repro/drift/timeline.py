@@ -166,7 +166,7 @@ def run_policy(policy, stream: Stream, score, migrate, scale: np.ndarray, source
                            "mix_distance": mix_distance(fitted_mix, live_mix),
                            "false_alarm": mix_distance(fitted_mix, live_mix) <= mix_tolerance,
                            **{f"distance_{k}": v for k, v in decision.distances.items()}})
-        first = max(0, w - getattr(policy, "refit_windows", 1) + 1)
+        first = getattr(policy, "refit_first", w)  # the windows the new plan was fitted on
         fitted_mix = sources[stream.bounds[first]:stream.bounds[w + 1]]
         landing = (decision.plan, charge, len(out.events) - 1)
     return out
