@@ -43,7 +43,8 @@ COMMANDS = {
     "python -m repro.affinity.partial merge --trace traces/day --out tables.npz parts/*.npz": "flags",
     "python -m repro.run --cfg job parallel.devices=4 logger=none": "run",
     "python -m repro.run -m experiment=drift logger=none": "config",
-    "python -m repro.run -m experiment=drift seed=100 workload=drift_abrupt,drift_stationary name=drift_validate": "config",
+    "python -m repro.run -m experiment=drift seed=100 workload=drift_abrupt,drift_stationary,drift_periodic "
+    "name=drift_validate": "config",
     "python -m repro.run -m experiment=drift workload=drift_abrupt,drift_stationary seed=0 name=drift_short": "config",
     "python -m repro.drift.report runs/drift": "flags",
     "python -m repro.run -m experiment=drift workload=drift_abrupt seed=0 model.domain_strength=1.5 "
