@@ -497,6 +497,10 @@ def tracked_drift_job(config: dict, out_dir: Path, tracking: JobRun) -> dict | N
         atomic_write(staging / "drift_windows.csv", lambda p: rows.to_csv(p, index=False))
         atomic_write(staging / "drift_events.csv", lambda p: events.to_csv(p, index=False))
         atomic_write(staging / "config.yaml", lambda p: p.write_text(OmegaConf.to_yaml(config)))
+        # W&B: every policy's scalars as <policy>.<key>, and the per-window series and events as tables
+        flat = {**summary, **{f"{name}.{key}": value for name, policy in summary["policies"].items()
+                              for key, value in policy.items()}}
+        tracking.log_results(flat, tables={"drift_windows": rows, "drift_events": events}, files_dir=staging)
         publish_job(staging, out_dir, summary, config)
     log.info("%s: drift, headline %s keeps %s of the hindsight a2a gain, moves %s of EPLB's experts", out_dir,
              summary["headline_policy"], summary["gain_kept_vs_hindsight"], summary["experts_moved_vs_eplb"])
