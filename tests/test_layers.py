@@ -24,6 +24,7 @@ LAYERS = [
     ("repro.sim.hardware", "repro.sim.shapes", "repro.sim.traffic", "repro.sim.costs"),  # the one cost model
     ("repro.eval",),
     ("repro.sim",),
+    ("repro.drift",),  # placement over time: systems re-fitted window by window, scored by the evaluator
     ("repro.exec",),
     ("repro.engines",),
     ("repro.config_schema",),

@@ -340,7 +340,7 @@ def _check_finite_weights(weights: np.ndarray) -> None:
             )
 
 
-TRACE_EXTRA_FILES = ("vocab.json",)  # files a trace directory may hold beside meta, requests and arrays
+TRACE_EXTRA_FILES = ("vocab.json", "arrival_time.json")  # files a trace directory may hold beside meta, requests and arrays
 TRACE_FILES = frozenset({"meta.json", "requests.json", *TRACE_EXTRA_FILES, *(f"{n}.npy" for n in ARRAY_DTYPES)})
 IF_EXISTS = ("replace", "keep", "error")
 
