@@ -46,7 +46,7 @@ SHARED_DATA ?= $(or $(REPRO_SHARED_DATA),../shared/data)
 SYNTHETIC_EXPERIMENTS := exec serve_dp
 SYNTHETIC_AFTER_TRAINING := serve_tp
 TINY_EXPERIMENTS_A := paper_dp paper_tp dp_lookahead
-TINY_EXPERIMENTS_B := routing_sources exec_model
+TINY_EXPERIMENTS_B := routing_sources exec_model cross_dataset_offline
 # beyond the paper (replicated and multi-node placement; serve_dp's steady state with long windows, under each
 # calibration alternative and each corner of the cost model's measured error bands, and on every routing source):
 # a separate target
