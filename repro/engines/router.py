@@ -14,7 +14,8 @@ requests; a non-Sem-MoE plan gives its own online behaviour, e.g. round robin). 
 in the header SGLang (`X-Data-Parallel-Rank`, entrypoints/openai/serving_base.py) or vLLM
 (`X-data-parallel-rank`, `_get_data_parallel_rank`) reads; HTTP header names are case-insensitive, each engine
 gets its own spelling anyway. With D upstreams (vLLM external load balancing, one server per rank) rank r's
-request goes to upstream r, without a header. A request that already carries the header keeps it, unscored.
+request goes to upstream r, without a header. A request that already carries the header keeps its rank, unscored
+(with D upstreams it goes to that rank's upstream); a rank outside the plan's, or two different ranks, get 400.
 
 Everything is passed through unchanged: method, path, query, headers (hop-by-hop ones excepted), body bytes,
 status, response headers (plus the chosen rank's header when the router chose one) and body (a body with a Content-Length up to BUFFER_BYTES is read whole and sent in one
@@ -337,12 +338,18 @@ class ClientRefusal(Exception):
     """A request the router answers itself with 400 and one sentence (never forwarded)."""
 
 
-def client_rank(values: list[str], header: str, num_ranks: int) -> None:
-    """Check a client-set rank header against the plan: the upstream would otherwise get rank 99 of 4, or 'abc'."""
+def client_rank(values: list[str], header: str, num_ranks: int) -> int:
+    """The rank a client set in its rank header(s), checked against the plan: the upstream would otherwise get rank
+    99 of 4, or 'abc'; two different ranks in one request name no upstream."""
     for value in values:
         if not re.fullmatch(r"[0-9]{1,9}", value.strip()) or int(value) >= num_ranks:
             raise ClientRefusal(f"{header}: {value!r} is not a DP rank of this plan (0..{num_ranks - 1}); send a rank "
                                 "in that range, or no header to let the router choose.")
+    ranks = sorted({int(value) for value in values})
+    if len(ranks) > 1:
+        raise ClientRefusal(f"{header} is sent {len(values)} times with different ranks {ranks}; send it once, or no "
+                            "header to let the router choose.")
+    return ranks[0]
 
 
 def check_upstreams(upstreams: Sequence[str], flag: str = "--upstream") -> None:
@@ -476,9 +483,11 @@ def build_app(
         if request.method != "POST" or request.path not in ROUTED_PATHS:
             return None
         if header in request.headers:  # a CIMultiDict: any spelling
-            client_rank(request.headers.getall(header), header, router.num_ranks)
+            # the client's rank is kept, unscored; it still picks the upstream (with one per rank, rank 3's request
+            # once went to rank 0's server) and replaces the client's header (proxy)
+            rank = client_rank(request.headers.getall(header), header, router.num_ranks)
             metrics.unscored_client_rank.inc()
-            return None
+            return rank
         prompt = extract_prompt(request.path, _json_object(raw))
         if prompt is None:
             metrics.unscored_no_prompt.inc()
@@ -631,8 +640,10 @@ def build_app(
         except ClientRefusal as e:
             return _error_response(400, "bad_request", str(e))
         # a list, not a dict: a header the client sent twice goes upstream twice. aiohttp hands over the body
-        # decoded, so its Content-Encoding stays behind (a gzip body went upstream plain but labelled gzip: 500)
-        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP | {"content-encoding"}]
+        # decoded, so its Content-Encoding stays behind (a gzip body went upstream plain but labelled gzip: 500).
+        # A rank header is the router's to set (target): with one upstream per rank the rank is in the URL
+        dropped = HOP_BY_HOP | {"content-encoding"} | ({header.lower()} if rank is not None else set())
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in dropped]
         metrics.in_flight.inc()
         try:
             if decode is not None and request.method == "POST" and request.path in PD_PATHS:
