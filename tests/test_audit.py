@@ -356,18 +356,38 @@ def test_router_answers_malformed_clients_400_with_one_log_line(caplog):
 
 
 @pytest.mark.parametrize("args, fragment", [
-    (["--upstream", "not-a-url"], "--upstream 'not-a-url' is not an http(s) URL with a host"),
-    (["--upstream", "http://127.0.0.1:9", "--max-body-mb", "nan"], "must be finite numbers > 0"),
+    (["--upstream", "not-a-url"], "argument --upstream: must be an http(s) URL with a host"),
+    (["--upstream", "http://127.0.0.1:9", "--max-body-mb", "nan"], "argument --max-body-mb: must be a finite number > 0"),
+    # issue 35: the router's options on repro.cli's kinds (they were plain argparse: 'ftp://', a port of 0 in a URL,
+    # an EP size of 0, an infinite lease or timeout, a --plan that is a file went on to the plan reader or the socket)
+    (["--upstream", "ftp://127.0.0.1:9"], "argument --upstream: must be an http(s) URL with a host"),
+    (["--upstream", "http://127.0.0.1:9", "http://127.0.0.1:70000"], "got 'http://127.0.0.1:70000'"),
+    (["--prefill", "http://p:1", "--decode", "d"], "argument --decode: must be an http(s) URL with a host"),
+    (["--upstream", "http://127.0.0.1:9", "--ep-size", "0"], "argument --ep-size: must be an integer >= 1"),
+    (["--upstream", "http://127.0.0.1:9", "--kv-lease", "inf"], "argument --kv-lease: must be a finite number > 0"),
+    (["--upstream", "http://127.0.0.1:9", "--timeout", "-1"], "argument --timeout: must be a finite number > 0"),
+    (["--upstream", "http://127.0.0.1:9", "--port", "0"], "argument --port: must be an integer in [1, 65535]"),
+    (["--upstream", "http://127.0.0.1:9", "--max-running-requests", "1.5"], "argument --max-running-requests"),
+    (["--upstream", "http://127.0.0.1:9", "--plan", "config.yaml"], "argument --plan: must be an existing folder"),
+    (["--upstream", "http://127.0.0.1:9", "--plan", "missing"], "argument --plan: must be an existing folder"),
+    (["--prefill", "http://p:1", "--decode", "http://d:1", "--decode-plan", "missing"], "argument --decode-plan"),
+    (["--upstream", "http://u:1", "--prefill", "http://p:1"], "not both or neither"),
 ])
-def test_router_refuses_a_bad_command_line_at_start(tmp_path, capsys, args, fragment):
-    from test_engines_router import NUM_EXPERTS, semmoe_plan, write_job
+def test_router_refuses_a_bad_command_line_at_start(tmp_path, capsys, monkeypatch, args, fragment):
+    """One `error:` sentence naming the option, exit code 2, before the plan is read or a port opened."""
+    from test_engines_router import NUM_EXPERTS, router_exit, semmoe_plan, write_job
 
     from repro.engines import router as router_mod
 
     job = write_job(tmp_path / "job", semmoe_plan(), model={"name": "toy", "num_experts": NUM_EXPERTS})
-    assert router_mod.main(["--plan", str(job), "--tokenizer", "mixtral", *args]) == 2
+    (tmp_path / "config.yaml").write_text("x: 1\n")
+    monkeypatch.chdir(tmp_path)
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    monkeypatch.setattr(router_mod, "make_router", lambda args: pytest.fail("the plan was read"))
+    assert router_exit(["--plan", str(job), "--tokenizer", "mixtral", *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error:") and fragment in err[0]
+    assert len(err) == 1 and err[0].startswith("error:") and fragment in err[0], err
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
 
 
 def test_figures_and_diff_skip_a_metrics_json_holding_nan_and_refuse_a_file_as_out(tmp_path, capsys):
@@ -912,7 +932,7 @@ pids = sys.argv[1]
 sleeper = ["sh", "-c", f"echo $$ >> {pids}; exec sleep 60"]
 b.serve_commands = lambda args: (sleeper, {}, sleeper)  # an engine and a router that only sleep
 b._wait_healthy = lambda *args: None
-sys.exit(b.main(["serve", "--plan", "x", "--model-path", "m"]))
+sys.exit(b.main(["serve", "--plan", ".", "--model-path", "m"]))
 """
 
 
