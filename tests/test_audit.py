@@ -613,6 +613,26 @@ def test_partial_merge_refuses_a_part_of_a_capture_differing_in_one_token_past_t
     merge_tables(trace, [tmp_path / "own.npz"])  # its own part merges
 
 
+def test_partial_merge_refuses_a_part_of_a_trace_edited_since_even_with_its_mtime_set_back(counted):
+    """Item 3: the digest is cached beside the trace for every later process (count jobs, the merge), keyed by the
+    state of its files; a trace edited after its count (in place, same size, mtime set back) is hashed again and
+    the part refused, never merged on the stale cache."""
+    from test_traces_digest import edit_in_place
+
+    from repro.traces.digest import DIGEST_CACHE
+
+    tmp_path, trace = counted
+    assert (trace / DIGEST_CACHE).exists()  # written by the count job's process
+    res = run_cli("repro.affinity.partial", "merge", "--trace", trace, "--out", tmp_path / "m.npz", tmp_path / "p0.npz",
+                  cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    edit_in_place(trace / "experts.npy", keep_mtime=True)
+    res = run_cli("repro.affinity.partial", "merge", "--trace", trace, "--out", tmp_path / "m2.npz", tmp_path / "p0.npz",
+                  cwd=tmp_path)
+    assert_clean_refusal(res, "the routing of shard 0 differs in some token")
+    assert not (tmp_path / "m2.npz").exists()
+
+
 @pytest.mark.parametrize("field, value, fragment", [
     ("expert", 99, "holds expert 99, outside 0..15"),
     ("count", -3, "holds a count of -3"),
