@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from repro import cli
+from repro.proctree import stop_group
 
 POLL_S = 0.2  # how often the two streams are checked (only latency: no result depends on it)
 STOP_GRACE_S = 30.0  # SIGTERM, then SIGKILL if a stream's process group is still there after this long
@@ -35,36 +36,8 @@ TAIL_LINES = 40
 
 
 def stop(process: subprocess.Popen) -> None:
-    """SIGTERM the process group `process` leads, SIGKILL what is left of it after the grace period. The group is
-    signalled even when its leader has exited already: a SIGKILLed guard left its stream running in the group (an
-    orphan under init)."""
-    try:
-        os.killpg(process.pid, signal.SIGTERM)
-    except ProcessLookupError:  # nobody left in the group
-        process.poll()
-        return
-    deadline = time.monotonic() + STOP_GRACE_S
-    while time.monotonic() < deadline:
-        process.poll()  # reap the leader: a zombie would still count as a member of the group
-        if not group_alive(process.pid):
-            return
-        time.sleep(POLL_S)
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    process.wait()
-
-
-def group_alive(pgid: int) -> bool:
-    """Whether any process of group `pgid` still runs."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # a member we may not signal: still there
-        return True
-    return True
+    """Stop a stream's whole process group (repro.proctree.stop_group: even when its leader, the guard, is gone)."""
+    stop_group(process, STOP_GRACE_S)
 
 
 def guard(parent: int, command: str) -> int:

@@ -917,10 +917,11 @@ def test_diff_lists_a_job_unreadable_in_b_as_unreadable_not_as_only_in_a(tmp_pat
     assert "## Jobs unreadable in B (1)" in (tmp_path / "out" / "diff.md").read_text()
 
 
-@pytest.mark.parametrize("victim", ["guard", "stream shell"])
+@pytest.mark.parametrize("victim", ["guard", "stream shell", "side_by_side"])
 def test_sigkill_of_one_stream_process_ends_both_streams(tmp_path, victim):
     """SIGKILL of one side_by_side guard left that guard's stream running under init; SIGKILL of a stream's shell
-    left its children. side_by_side now stops a stream's whole process group even when its leader is gone."""
+    left its children. side_by_side now stops a stream's whole process group even when its leader is gone; SIGKILL
+    of side_by_side alone (item 6: each level) is seen by both guards, which stop their streams."""
     import signal
     import time
 
@@ -937,7 +938,7 @@ def test_sigkill_of_one_stream_process_ends_both_streams(tmp_path, victim):
     sleepers = [int(p.read_text()) for p in pids.values()]
     guard = os.getpgid(sleepers[1])  # the foreground guard leads its stream's group
     shell = int(subprocess.run(["ps", "-o", "ppid=", "-p", str(sleepers[1])], capture_output=True, text=True).stdout)
-    os.kill(guard if victim == "guard" else shell, signal.SIGKILL)
+    os.kill({"guard": guard, "stream shell": shell, "side_by_side": driver.pid}[victim], signal.SIGKILL)
     assert driver.wait(timeout=40) != 0
     deadline = time.perf_counter() + 10
     while any(alive(pid) for pid in sleepers) and time.perf_counter() < deadline:
@@ -949,37 +950,46 @@ SERVE_WITH_FAKE_ENGINE = """
 import sys
 from repro.engines import bench_serving as b
 pids = sys.argv[1]
-sleeper = ["sh", "-c", f"echo $$ >> {pids}; exec sleep 60"]
-b.serve_commands = lambda args: (sleeper, {}, sleeper)  # an engine and a router that only sleep
+# an engine with a child of its own (as SGLang's schedulers, vLLM's engine cores), which it stops on SIGTERM as the
+# real ones do; a router that only sleeps. Each writes "role pid" lines.
+engine = ["sh", "-c", f"sleep 60 & child=$!; trap 'kill $child; exit 143' TERM; echo engine_child $child >> {pids}; "
+                      f"echo engine $$ >> {pids}; wait"]
+router = ["sh", "-c", f"echo router $$ >> {pids}; exec sleep 60"]
+b.serve_commands = lambda args: (engine, {}, router)
 b._wait_healthy = lambda *args: None
 sys.exit(b.main(["serve", "--plan", ".", "--model-path", "m"]))
 """
 
 
-@pytest.mark.parametrize("victim", ["serve", "engine"])
+@pytest.mark.parametrize("victim", ["serve", "engine", "router", "engine_child"])
 def test_sigkill_in_bench_serving_serve_ends_the_whole_tree(tmp_path, victim):
     """SIGKILL of `bench_serving serve` left the engine and the router running under init; a killed engine left the
-    router running. The children die with serve (PR_SET_PDEATHSIG), and serve stops the router when the engine dies."""
+    router running, and (item 6) its own children: they stayed in serve's process group, and serve stopped only the
+    engine's pid. The children die with serve (PR_SET_PDEATHSIG); each leads a process group that serve stops as a
+    whole (repro.proctree.stop_group) when either child ends."""
     import signal
     import time
 
     from test_side_by_side import alive
 
-    pids = tmp_path / "pids"
-    serve = subprocess.Popen([sys.executable, "-c", SERVE_WITH_FAKE_ENGINE, str(pids)], cwd=ROOT,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    pids, err = tmp_path / "pids", tmp_path / "stderr"
+    # stderr to a file, not a pipe: an orphan holding the pipe would make reading it wait for the orphan's end
+    with open(err, "w") as stderr:
+        serve = subprocess.Popen([sys.executable, "-c", SERVE_WITH_FAKE_ENGINE, str(pids)], cwd=ROOT,
+                                 stdout=subprocess.DEVNULL, stderr=stderr)
     deadline = time.perf_counter() + 30
-    while (not pids.exists() or len(pids.read_text().split()) < 2) and time.perf_counter() < deadline:
+    while (not pids.exists() or len(pids.read_text().splitlines()) < 3) and time.perf_counter() < deadline:
         time.sleep(0.05)
-    engine, router = (int(p) for p in pids.read_text().split())
-    os.kill(serve.pid if victim == "serve" else engine, signal.SIGKILL)
+    tree = {role: int(pid) for role, pid in (line.split() for line in pids.read_text().splitlines())}
+    os.kill(serve.pid if victim == "serve" else tree[victim], signal.SIGKILL)
     status = serve.wait(timeout=60)
-    if victim == "engine":
-        assert status == 1 and "error: the engine exited with status -9" in serve.stderr.read()
+    if victim != "serve":
+        died = "router" if victim == "router" else "engine"
+        assert status == 1 and f"error: the {died} exited with status" in err.read_text()
     deadline = time.perf_counter() + 10
-    while (alive(engine) or alive(router)) and time.perf_counter() < deadline:
+    while any(alive(pid) for pid in tree.values()) and time.perf_counter() < deadline:
         time.sleep(0.05)
-    assert not alive(engine) and not alive(router)
+    assert not [role for role, pid in tree.items() if alive(pid)], f"left running after SIGKILL of {victim}"
 
 
 def test_a_killed_writers_temporary_is_removed_by_the_next_write_into_its_folder(tmp_path):

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS = [
     ("repro.errors", "repro.atomic", "repro.config_values", "repro.parallel", "repro.jobdir", "repro.tracking",
-     "repro.tune_config", "repro.cli", "repro.exec_config"),  # exec_config: the exec group's check, torch-free
+     "repro.tune_config", "repro.cli", "repro.exec_config", "repro.proctree"),  # exec_config: the exec group's check, torch-free
     ("repro.traces",),
     ("repro.workloads",),
     ("repro.routing",),
