@@ -8,7 +8,9 @@ degenerate trace, and byte-identical metrics.json across two runs. The section a
 76-case audit's, and what the entry-point fuzzer of tests/test_entry_points.py found): outputs replaced without
 --overwrite or over an input, partial counts checked by the digest of every byte they counted, hostile JSONL,
 tracebacks of trust / validation / cpu_check / hf_export, workload keys a trace= job ignored, one config per job
-folder, refused configs leaving folders, process trees outliving a SIGKILL, and a killed writer's temporaries.
+folder, refused configs leaving folders, process trees outliving a SIGKILL at any level, a killed writer's
+temporaries, the router's command line on the shared kinds, a client's rank with one upstream per rank, and a
+partial merge on a stale digest cache (the cache's own cases: test_traces_digest.py).
 
 The audit's other rows live beside the code they test:
 - data loss: importer --out, concurrent trace writers and readers, SIGTERM temp files, bad weights and meta.json
@@ -353,6 +355,46 @@ def test_router_answers_malformed_clients_400_with_one_log_line(caplog):
     finally:
         stop_router()
         stop_upstream()
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_a_clients_rank_goes_to_that_ranks_upstream(engine):
+    """Issue 35: with one upstream per DP rank, a client's valid rank header picks that rank's server (it went to rank 0's),
+    unscored and without the header (the URL says it); a rank outside the plan, or two different ranks, get 400
+    and one sentence, and reach no upstream."""
+    from multidict import MultiDict
+    from test_engines_capture import serve_in_thread
+    from test_engines_router import DEVICES, call, fake_upstream, semmoe_plan
+
+    from repro.engines import router as router_mod
+    from repro.engines.router import SemanticRouter, build_app
+    from repro.workloads import load_tokenizer
+
+    tokenizer = load_tokenizer("mixtral")
+    logs = [[] for _ in range(DEVICES)]
+    servers = [serve_in_thread(fake_upstream(log)) for log in logs]
+    router = SemanticRouter(semmoe_plan(), tokenizer)
+    router_url, stop_router = serve_in_thread(build_app(router, [u for u, _ in servers], engine))
+    try:
+        for i, rank in enumerate([3, 1, 3, 0, 2]):
+            status, headers, raw = call(router_url, "/v1/completions", {"prompt": "hello", "id": i},
+                                        headers={"X-Data-Parallel-Rank": str(rank)})
+            assert status == 200 and logs[rank] and logs[rank][-1] == i, (rank, logs)
+            assert headers[router_mod.RANK_HEADERS[engine]] == str(rank)  # the reply names the rank it ran on
+            assert all(k.lower() != "x-data-parallel-rank" for k, _ in json.loads(raw)["raw_headers"])
+        assert sum(map(len, logs)) == 5
+        for sent in (["4"], ["99"], ["1", "2"]):
+            status, _, raw = call(router_url, "/v1/completions", {"prompt": "hello"},
+                                  headers=MultiDict(("X-Data-Parallel-Rank", v) for v in sent))
+            message = json.loads(raw)["error"]["message"]
+            assert status == 400 and message.count(". ") == 0 and "x-data-parallel-rank" in message.lower(), message
+        assert sum(map(len, logs)) == 5  # nothing refused went upstream
+        metrics = call(router_url, "/metrics", method="GET")[2].decode()
+        assert 'semmoe_router_unscored_requests_total{reason="client_rank"} 5.0' in metrics
+    finally:
+        stop_router()
+        for _, stop in servers:
+            stop()
 
 
 @pytest.mark.parametrize("args, fragment", [

@@ -276,37 +276,6 @@ def test_vllm_spelling_and_per_rank_upstreams(stack, tokenizer):
         build_app(router, ["http://a", "http://b"])
 
 
-@pytest.mark.parametrize("engine", ["vllm", "sglang"])
-def test_a_clients_rank_goes_to_that_ranks_upstream(tokenizer, engine):
-    """With one upstream per DP rank, a client's valid rank header picks that rank's server (it went to rank 0's),
-    unscored and without the header (the URL says it); a rank outside the plan, or two different ranks, get 400
-    and one sentence, and reach no upstream."""
-    logs = [[] for _ in range(DEVICES)]
-    servers = [serve_in_thread(fake_upstream(log)) for log in logs]
-    router = SemanticRouter(semmoe_plan(), tokenizer)
-    router_url, stop_router = serve_in_thread(build_app(router, [u for u, _ in servers], engine))
-    try:
-        for i, rank in enumerate([3, 1, 3, 0, 2]):
-            status, headers, raw = call(router_url, "/v1/completions", {"prompt": "hello", "id": i},
-                                        headers={"X-Data-Parallel-Rank": str(rank)})
-            assert status == 200 and logs[rank] and logs[rank][-1] == i, (rank, logs)
-            assert headers[router_mod.RANK_HEADERS[engine]] == str(rank)  # the reply names the rank it ran on
-            assert all(k.lower() != "x-data-parallel-rank" for k, _ in json.loads(raw)["raw_headers"])
-        assert sum(map(len, logs)) == 5
-        for sent in (["4"], ["99"], ["1", "2"]):
-            status, _, raw = call(router_url, "/v1/completions", {"prompt": "hello"},
-                                  headers=MultiDict(("X-Data-Parallel-Rank", v) for v in sent))
-            message = json.loads(raw)["error"]["message"]
-            assert status == 400 and message.count(". ") == 0 and "x-data-parallel-rank" in message.lower(), message
-        assert sum(map(len, logs)) == 5  # nothing refused went upstream
-        metrics = call(router_url, "/metrics", method="GET")[2].decode()
-        assert 'semmoe_router_unscored_requests_total{reason="client_rank"} 5.0' in metrics
-    finally:
-        stop_router()
-        for _, stop in servers:
-            stop()
-
-
 def test_metrics_count_every_request(stack):
     url, _, _, _ = stack()
     for text in PROMPTS:
