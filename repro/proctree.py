@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -47,6 +48,24 @@ def group_alive(pgid: int) -> bool:
     except PermissionError:  # a member we may not signal: still there
         return True
     return True
+
+
+def others_in_group(pgid: int) -> bool:
+    """Whether a running process other than this one is in group `pgid` (Linux /proc; elsewhere False: the caller
+    then relies on its own child's end). Zombies are not counted: they have ended, and init reaps them."""
+    me = os.getpid()
+    try:
+        entries = [e for e in os.scandir("/proc") if e.name.isdigit() and int(e.name) != me]
+    except OSError:
+        return False
+    for entry in entries:
+        try:
+            fields = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):  # gone meanwhile
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:  # state, ppid, pgrp
+            return True
+    return False
 
 
 def stop_group(process: subprocess.Popen, grace_s: float = 30.0) -> int | None:

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from repro import cli
-from repro.proctree import stop_group
+from repro.proctree import others_in_group, stop_group
 
 POLL_S = 0.2  # how often the two streams are checked (only latency: no result depends on it)
 STOP_GRACE_S = 30.0  # SIGTERM, then SIGKILL if a stream's process group is still there after this long
@@ -40,17 +40,20 @@ def stop(process: subprocess.Popen) -> None:
     stop_group(process, STOP_GRACE_S)
 
 
-def guard(parent: int, command: str) -> int:
-    """Run `command` (a shell line) in this process group; stop the group when `parent` is gone (reparented)."""
+def guard(parent: int, command: str, grace_s: float = STOP_GRACE_S) -> int:
+    """Run `command` (a shell line) in this process group; stop the group when `parent` is gone (reparented): SIGTERM,
+    then SIGKILL after grace_s to whatever of the group still runs, the stream's own children included (the shell
+    ending first once left a child that ignored SIGTERM running under init)."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the group's SIGTERM is for the stream: wait for it, then exit
     child = subprocess.Popen(command, shell=True, preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
     while child.poll() is None:
         if os.getppid() != parent:  # side_by_side died without stopping us
             os.killpg(0, signal.SIGTERM)
-            try:
-                child.wait(timeout=STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                os.killpg(0, signal.SIGKILL)
+            deadline = time.monotonic() + grace_s
+            while time.monotonic() < deadline and (child.poll() is None or others_in_group(os.getpgrp())):
+                time.sleep(POLL_S)
+            if child.poll() is None or others_in_group(os.getpgrp()):
+                os.killpg(0, signal.SIGKILL)  # this guard too: nobody waits for its status any more
             break
         time.sleep(POLL_S)
     return _exit_status(child.wait())
@@ -106,9 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     # internal: a stream's guard (module docstring)
     parser.add_argument("--guard", type=cli.positive, help=argparse.SUPPRESS)
     parser.add_argument("--command", help=argparse.SUPPRESS)
+    parser.add_argument("--grace", type=cli.rate, default=STOP_GRACE_S, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.guard is not None:
-        return guard(args.guard, args.command)
+        return guard(args.guard, args.command, args.grace)
     if not (args.background and args.foreground and args.log):
         parser.error("--background, --foreground and --log are required")
     print(f"running `{args.background}` beside `{args.foreground}`; its output: {args.log}", flush=True)
