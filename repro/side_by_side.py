@@ -14,7 +14,8 @@ when the other stream fails, so a failed or interrupted `make reproduce` would k
 
 Each stream runs under a guard (`--guard PID`, this module again, leading the stream's process group): when this
 process dies without stopping them (SIGKILL of its process group, e.g. `kill -9 -- -PGID` of `make`), the guard
-sees its parent gone and stops its stream's group the same way, so no stream runs on as an orphan.
+sees its parent gone and stops its stream's group the same way (SIGTERM, then SIGKILL after the grace to any member
+still running, a child that ignores SIGTERM included), so no stream runs on as an orphan (repro.proctree).
 """
 
 from __future__ import annotations
