@@ -416,7 +416,8 @@ def run_tool(client: str, args, workload, url: str, rates: Sequence[float]) -> t
                                 args.seed + index, args.max_in_flight, args.warmup_requests, result)
             print("$ " + " ".join(argv), file=sys.stderr)
             before = router_snapshot(args.router_metrics) if args.router_metrics else {}
-            code = subprocess.run(argv).returncode
+            # the tool dies with this sweep, even by SIGKILL: an orphaned one kept loading the server (repro.proctree)
+            code = subprocess.run(argv, preexec_fn=functools.partial(die_with, os.getpid())).returncode
             if code != 0:
                 raise ReproError(f"{client}'s benchmark exited with status {code} at rate {rate:g}; see its output above.")
             data = read_tool_result(result)
