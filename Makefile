@@ -46,11 +46,11 @@ SHARED_DATA ?= $(or $(REPRO_SHARED_DATA),../shared/data)
 SYNTHETIC_EXPERIMENTS := exec serve_dp
 SYNTHETIC_AFTER_TRAINING := serve_tp
 TINY_EXPERIMENTS_A := paper_dp paper_tp dp_lookahead
-TINY_EXPERIMENTS_B := routing_sources exec_model
+TINY_EXPERIMENTS_B := routing_sources exec_model cross_dataset_offline
 # beyond the paper (replicated and multi-node placement; serve_dp's steady state with long windows, under each
 # calibration alternative and each corner of the cost model's measured error bands, and on every routing source):
 # a separate target
-BEYOND_EXPERIMENTS := replication_dp replication_tp multinode multinode_bound serve_dp_long calibration cost_bands serve_dp_sources serve_dp_heavy
+BEYOND_EXPERIMENTS := replication_dp replication_tp multinode multinode_bound serve_dp_long calibration cost_bands serve_dp_sources serve_dp_heavy drift
 SHARED_EXPERIMENTS := $(if $(wildcard $(SHARED_DATA)/arena-hard),cross_dataset replay_olmoe_dp replay_olmoe_tp routing_sources_replay)
 BEYOND_SHARED_EXPERIMENTS := $(if $(wildcard $(SHARED_DATA)/olmoe-routing),replication_replay serve_dp_sources_replay serve_dp_arena)
 
@@ -62,6 +62,9 @@ reproduce:
 	  --background '$(MAKE) --no-print-directory experiments EXPERIMENTS="$(TINY_EXPERIMENTS_B)"' \
 	  --foreground '$(MAKE) --no-print-directory experiments EXPERIMENTS="$(TINY_EXPERIMENTS_A)" tune'
 	$(MAKE) --no-print-directory experiments EXPERIMENTS="$(SHARED_EXPERIMENTS)"
+	# placement over time, short: the abrupt switch and the stationary control, seed 0 (~2 CPU minutes; the whole
+	# sweep, 3 streams x 3 seeds, is experiment=drift in reproduce-beyond); docs/drift.md
+	WANDB_MODE=$${WANDB_MODE:-offline} $(PY) -m repro.run -m experiment=drift workload=drift_abrupt,drift_stationary seed=0 name=drift_short
 	# when Sem-MoE's locality pays in MoE-layer time, from the simulator's cost model (seconds; runs/breakeven)
 	$(PY) -m repro.sim.breakeven --out runs/breakeven
 	$(MAKE) figures

@@ -37,6 +37,7 @@ cores (and whatever else runs on the machine, see load_average), so loaded numbe
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import json
 import os
@@ -50,6 +51,8 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
+
+from repro.proctree import die_with, stop_group
 
 RANK_HEADER = "X-Data-Parallel-Rank"
 ISSUE_REQUESTS, ISSUE_CONCURRENCY = 2000, 64  # the issue's bounded load test
@@ -279,11 +282,14 @@ def run(quick: bool) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench_router.") as tmp:
         job = write_plan(Path(tmp))
         upstream_port, router_port = free_port(), free_port()
-        upstream = subprocess.Popen([sys.executable, "-m", "bench.bench_router", "--fake-upstream", str(upstream_port)])
+        # both die with this benchmark, even by SIGKILL, and are stopped as groups (repro.proctree)
+        tied = {"preexec_fn": functools.partial(die_with, os.getpid()), "start_new_session": True}
+        upstream = subprocess.Popen([sys.executable, "-m", "bench.bench_router", "--fake-upstream", str(upstream_port)],
+                                    **tied)
         router = subprocess.Popen([
             sys.executable, "-m", "repro.engines.router", "--plan", str(job), "--port", str(router_port),
             "--upstream", f"http://127.0.0.1:{upstream_port}",
-        ], stderr=subprocess.DEVNULL)
+        ], stderr=subprocess.DEVNULL, **tied)
         try:
             direct_url, router_url = f"http://127.0.0.1:{upstream_port}", f"http://127.0.0.1:{router_port}"
             wait_for(direct_url)
@@ -300,8 +306,7 @@ def run(quick: bool) -> dict:
         finally:
             gc.unfreeze()
             for process in (router, upstream):
-                process.terminate()
-                process.wait(10)
+                stop_group(process, 10)
         in_process = routing_in_process(job, prompts)
     phases = {"serial (1 in flight)": serial, "issue (closed loop, echo upstream)": issue,
               f"issue (closed loop, {UPSTREAM_DELAY_MS:g} ms upstream)": issue_model,

@@ -48,7 +48,6 @@ import contextlib
 import functools
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -58,7 +57,7 @@ from pathlib import Path
 import numpy as np
 
 from repro import cli
-from repro.engines.bench_serving import die_with
+from repro.proctree import die_with, stop_group
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE_VENV = ROOT / ".venv-engine-cpu"
@@ -282,14 +281,7 @@ def running_server(command: list[str], log_path: Path, port: int, startup_timeou
             time.sleep(2)
         yield time.monotonic() - started
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
+        stop_group(server, 30)
 
 
 def one_at_a_time(url: str, prompts, outputs, count: int) -> list[dict]:

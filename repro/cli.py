@@ -142,6 +142,26 @@ class OutputPath(Kind):
         return path
 
 
+class Url(Kind):
+    """An http(s) URL with a host (and a port in 1..65535 when one is given): a server a command talks to. Refused
+    at start, where a bad one was otherwise answered 502 on every request."""
+
+    takes = "an http(s) URL with a host (such as http://127.0.0.1:30000)"
+
+    def __call__(self, text: str) -> str:
+        from urllib.parse import urlsplit
+
+        try:
+            parts = urlsplit(text)
+            parts.port  # noqa: B018 - raises ValueError for a port that is not a number in 0..65535
+        except ValueError:
+            raise self.refuse(text) from None
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.port == 0 or any(
+                c.isspace() or not c.isprintable() for c in text):
+            raise self.refuse(text)
+        return text
+
+
 count = Integer(0)  # how many, an index
 positive = Integer(1)  # a size, a number of ranks
 seed = Integer(0, SEED_MAX)
@@ -152,6 +172,7 @@ probability = Number(0, 1)
 existing_file = InputPath("file")
 existing_dir = InputPath("dir")
 existing_path = InputPath("any")
+url = Url()
 
 
 def output_file(suffix: str | tuple[str, ...] = ()) -> OutputPath:

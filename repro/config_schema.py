@@ -66,7 +66,7 @@ ROOT = {
 }
 # config groups: required ones, and those a job may leave out (null or absent)
 GROUPS = ("model", "workload", "system", "parallel", "hardware", "logger")
-OPTIONAL_GROUPS = ("sim", "exec", "eval_workload", "train_workload", "tune")
+OPTIONAL_GROUPS = ("sim", "exec", "eval_workload", "train_workload", "tune", "drift")
 
 # ---- groups ---------------------------------------------------------------------------------------------------
 
@@ -281,6 +281,10 @@ def check_config(config: dict, overrides=()) -> None:
         check_exec(config["exec"], parallel)
     if config.get("tune"):
         check_tune_config(config["tune"])
+    if config.get("drift"):
+        from repro.drift.timeline import check_drift_config  # the drift group's own check
+
+        check_drift_config(config["drift"])
 
 
 # ---- multirun: every job checked before the first runs --------------------------------------------------------

@@ -68,7 +68,7 @@ JOB_OUTPUTS = (
     "plan", "per_layer.csv", "traffic.npy", "expert_load.npy", "token_load.npy", "activation_map.npz",
     "request_activations.npz", "affinity_stats.csv", "config.yaml", "sim_per_rate.csv", "sim_per_layer.csv", "sim_probes.csv",
     "sim_requests.parquet",
-    "exec_per_layer.csv", "exec_per_rank.csv", "timings.json",
+    "exec_per_layer.csv", "exec_per_rank.csv", "timings.json", "drift_windows.csv", "drift_events.csv",
 )
 # Staging folders start with "." (figures' rglob("metrics.json") finds none there: metrics.json is never staged)
 # and name their host and process, so a rerun can remove those its killed predecessors left behind.
@@ -471,8 +471,46 @@ def job_claim(out_dir: Path, config: dict, replace_other: bool = False) -> Itera
             claim.unlink(missing_ok=True)
 
 
+def drift_stream(config: dict, on_progress=None) -> RoutingTrace:
+    """The whole routed stream of a drift job, in arrival order (no profile / evaluate split: the drift job takes its
+    profile from the stream's head): trace= as stored, else the workload routed (cached like any workload)."""
+    if config.get("trace"):
+        return read_trace(config["trace"])
+    trace, _ = routed_workload(config, config["workload"], Path(config["cache_dir"]), on_progress)
+    return trace
+
+
+def tracked_drift_job(config: dict, out_dir: Path, tracking: JobRun) -> dict | None:
+    """A drift job (config["drift"], repro.drift.timeline): every re-placement policy window by window."""
+    from repro.drift.timeline import drift_job
+
+    stream = drift_stream(config, on_progress=tracking.on_progress)
+    digests = {"evaluated": trace_digest(stream)}
+    if job_finished(out_dir, config, digests):
+        log.info("%s already finished with this config and this trace; skipping", out_dir)
+        return None
+    tracking.start()
+    summary, rows, events = drift_job(config, stream)
+    summary["trace_digests"] = digests
+    metrics_text(summary, config)  # a non-finite metric fails before anything is written
+    with staging_dir(out_dir) as staging:
+        atomic_write(staging / "drift_windows.csv", lambda p: rows.to_csv(p, index=False))
+        atomic_write(staging / "drift_events.csv", lambda p: events.to_csv(p, index=False))
+        atomic_write(staging / "config.yaml", lambda p: p.write_text(OmegaConf.to_yaml(config)))
+        # W&B: every policy's scalars as <policy>.<key>, and the per-window series and events as tables
+        flat = {**summary, **{f"{name}.{key}": value for name, policy in summary["policies"].items()
+                              for key, value in policy.items()}}
+        tracking.log_results(flat, tables={"drift_windows": rows, "drift_events": events}, files_dir=staging)
+        publish_job(staging, out_dir, summary, config)
+    log.info("%s: drift, headline %s keeps %s of the hindsight a2a gain, moves %s of EPLB's experts", out_dir,
+             summary["headline_policy"], summary["gain_kept_vs_hindsight"], summary["experts_moved_vs_eplb"])
+    return summary
+
+
 def tracked_job(config: dict, out_dir: Path, tracking: JobRun) -> dict | None:
     """run_job's work, reported to `tracking` (which does nothing when W&B is off)."""
+    if config.get("drift"):
+        return tracked_drift_job(config, out_dir, tracking)
     profile, evaluation = build_traces(config, on_progress=tracking.on_progress)
     digests = {"profile": trace_digest(profile), "evaluated": trace_digest(evaluation)}
     if job_finished(out_dir, config, digests):

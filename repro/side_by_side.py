@@ -14,7 +14,8 @@ when the other stream fails, so a failed or interrupted `make reproduce` would k
 
 Each stream runs under a guard (`--guard PID`, this module again, leading the stream's process group): when this
 process dies without stopping them (SIGKILL of its process group, e.g. `kill -9 -- -PGID` of `make`), the guard
-sees its parent gone and stops its stream's group the same way, so no stream runs on as an orphan.
+sees its parent gone and stops its stream's group the same way (SIGTERM, then SIGKILL after the grace to any member
+still running, a child that ignores SIGTERM included), so no stream runs on as an orphan (repro.proctree).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import time
 from pathlib import Path
 
 from repro import cli
+from repro.proctree import others_in_group, stop_group
 
 POLL_S = 0.2  # how often the two streams are checked (only latency: no result depends on it)
 STOP_GRACE_S = 30.0  # SIGTERM, then SIGKILL if a stream's process group is still there after this long
@@ -35,49 +37,24 @@ TAIL_LINES = 40
 
 
 def stop(process: subprocess.Popen) -> None:
-    """SIGTERM the process group `process` leads, SIGKILL what is left of it after the grace period. The group is
-    signalled even when its leader has exited already: a SIGKILLed guard left its stream running in the group (an
-    orphan under init)."""
-    try:
-        os.killpg(process.pid, signal.SIGTERM)
-    except ProcessLookupError:  # nobody left in the group
-        process.poll()
-        return
-    deadline = time.monotonic() + STOP_GRACE_S
-    while time.monotonic() < deadline:
-        process.poll()  # reap the leader: a zombie would still count as a member of the group
-        if not group_alive(process.pid):
-            return
-        time.sleep(POLL_S)
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    process.wait()
+    """Stop a stream's whole process group (repro.proctree.stop_group: even when its leader, the guard, is gone)."""
+    stop_group(process, STOP_GRACE_S)
 
 
-def group_alive(pgid: int) -> bool:
-    """Whether any process of group `pgid` still runs."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # a member we may not signal: still there
-        return True
-    return True
-
-
-def guard(parent: int, command: str) -> int:
-    """Run `command` (a shell line) in this process group; stop the group when `parent` is gone (reparented)."""
+def guard(parent: int, command: str, grace_s: float = STOP_GRACE_S) -> int:
+    """Run `command` (a shell line) in this process group; stop the group when `parent` is gone (reparented): SIGTERM,
+    then SIGKILL after grace_s to whatever of the group still runs, the stream's own children included (the shell
+    ending first once left a child that ignored SIGTERM running under init)."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the group's SIGTERM is for the stream: wait for it, then exit
     child = subprocess.Popen(command, shell=True, preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
     while child.poll() is None:
         if os.getppid() != parent:  # side_by_side died without stopping us
             os.killpg(0, signal.SIGTERM)
-            try:
-                child.wait(timeout=STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                os.killpg(0, signal.SIGKILL)
+            deadline = time.monotonic() + grace_s
+            while time.monotonic() < deadline and (child.poll() is None or others_in_group(os.getpgrp())):
+                time.sleep(POLL_S)
+            if child.poll() is None or others_in_group(os.getpgrp()):
+                os.killpg(0, signal.SIGKILL)  # this guard too: nobody waits for its status any more
             break
         time.sleep(POLL_S)
     return _exit_status(child.wait())
@@ -133,9 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     # internal: a stream's guard (module docstring)
     parser.add_argument("--guard", type=cli.positive, help=argparse.SUPPRESS)
     parser.add_argument("--command", help=argparse.SUPPRESS)
+    parser.add_argument("--grace", type=cli.rate, default=STOP_GRACE_S, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.guard is not None:
-        return guard(args.guard, args.command)
+        return guard(args.guard, args.command, args.grace)
     if not (args.background and args.foreground and args.log):
         parser.error("--background, --foreground and --log are required")
     print(f"running `{args.background}` beside `{args.foreground}`; its output: {args.log}", flush=True)

@@ -8,7 +8,9 @@ degenerate trace, and byte-identical metrics.json across two runs. The section a
 76-case audit's, and what the entry-point fuzzer of tests/test_entry_points.py found): outputs replaced without
 --overwrite or over an input, partial counts checked by the digest of every byte they counted, hostile JSONL,
 tracebacks of trust / validation / cpu_check / hf_export, workload keys a trace= job ignored, one config per job
-folder, refused configs leaving folders, process trees outliving a SIGKILL, and a killed writer's temporaries.
+folder, refused configs leaving folders, process trees outliving a SIGKILL at any level, a killed writer's
+temporaries, the router's command line on the shared kinds, a client's rank with one upstream per rank, and a
+partial merge on a stale digest cache (the cache's own cases: test_traces_digest.py).
 
 The audit's other rows live beside the code they test:
 - data loss: importer --out, concurrent trace writers and readers, SIGTERM temp files, bad weights and meta.json
@@ -89,7 +91,8 @@ BAD_VALUES = [
     ("config", ["sim=default", "sim.rates=abc"], "sim.rates must be a list, got 'abc'"),
     ("config", ["sim=default", "sim.rates=[10,-1]"], "sim.rates[...] must be a number > 0, got -1"),
     ("config", ["sim=default", "sim.slo.attainment=abc"], "sim.slo.attainment must be a number in (0, 1]"),
-    ("tune", ["tune.objective=nope"], "tune.objective must be one of ['lar', 'capacity_rps'"),
+    # the objective list grows (offline_tokens_per_s came after capacity_rps): the row pins the key and the refusal
+    ("tune", ["tune.objective=nope"], "tune.objective must be one of ['lar', "),
     ("tune", ["+tune.constraints.nope=1"], "tune.constraints.nope is not a metric"),
     ("tune", ["tune.constraints.token_imbalance_max_mean=abc"], "tune.constraints.token_imbalance_max_mean must be a number > 0"),
     ("tune", ["tune.space.tp={system.params.theta:[]}"], "tune.space.tp.system.params.theta must be a non-empty list"),
@@ -355,19 +358,79 @@ def test_router_answers_malformed_clients_400_with_one_log_line(caplog):
         stop_upstream()
 
 
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_a_clients_rank_goes_to_that_ranks_upstream(engine):
+    """Issue 35: with one upstream per DP rank, a client's valid rank header picks that rank's server (it went to rank 0's),
+    unscored and without the header (the URL says it); a rank outside the plan, or two different ranks, get 400
+    and one sentence, and reach no upstream."""
+    from multidict import MultiDict
+    from test_engines_capture import serve_in_thread
+    from test_engines_router import DEVICES, call, fake_upstream, semmoe_plan
+
+    from repro.engines import router as router_mod
+    from repro.engines.router import SemanticRouter, build_app
+    from repro.workloads import load_tokenizer
+
+    tokenizer = load_tokenizer("mixtral")
+    logs = [[] for _ in range(DEVICES)]
+    servers = [serve_in_thread(fake_upstream(log)) for log in logs]
+    router = SemanticRouter(semmoe_plan(), tokenizer)
+    router_url, stop_router = serve_in_thread(build_app(router, [u for u, _ in servers], engine))
+    try:
+        for i, rank in enumerate([3, 1, 3, 0, 2]):
+            status, headers, raw = call(router_url, "/v1/completions", {"prompt": "hello", "id": i},
+                                        headers={"X-Data-Parallel-Rank": str(rank)})
+            assert status == 200 and logs[rank] and logs[rank][-1] == i, (rank, logs)
+            assert headers[router_mod.RANK_HEADERS[engine]] == str(rank)  # the reply names the rank it ran on
+            assert all(k.lower() != "x-data-parallel-rank" for k, _ in json.loads(raw)["raw_headers"])
+        assert sum(map(len, logs)) == 5
+        for sent in (["4"], ["99"], ["1", "2"]):
+            status, _, raw = call(router_url, "/v1/completions", {"prompt": "hello"},
+                                  headers=MultiDict(("X-Data-Parallel-Rank", v) for v in sent))
+            message = json.loads(raw)["error"]["message"]
+            assert status == 400 and message.count(". ") == 0 and "x-data-parallel-rank" in message.lower(), message
+        assert sum(map(len, logs)) == 5  # nothing refused went upstream
+        metrics = call(router_url, "/metrics", method="GET")[2].decode()
+        assert 'semmoe_router_unscored_requests_total{reason="client_rank"} 5.0' in metrics
+    finally:
+        stop_router()
+        for _, stop in servers:
+            stop()
+
+
 @pytest.mark.parametrize("args, fragment", [
-    (["--upstream", "not-a-url"], "--upstream 'not-a-url' is not an http(s) URL with a host"),
-    (["--upstream", "http://127.0.0.1:9", "--max-body-mb", "nan"], "must be finite numbers > 0"),
+    (["--upstream", "not-a-url"], "argument --upstream: must be an http(s) URL with a host"),
+    (["--upstream", "http://127.0.0.1:9", "--max-body-mb", "nan"], "argument --max-body-mb: must be a finite number > 0"),
+    # issue 35: the router's options on repro.cli's kinds (they were plain argparse: 'ftp://', a port of 0 in a URL,
+    # an EP size of 0, an infinite lease or timeout, a --plan that is a file went on to the plan reader or the socket)
+    (["--upstream", "ftp://127.0.0.1:9"], "argument --upstream: must be an http(s) URL with a host"),
+    (["--upstream", "http://127.0.0.1:9", "http://127.0.0.1:70000"], "got 'http://127.0.0.1:70000'"),
+    (["--prefill", "http://p:1", "--decode", "d"], "argument --decode: must be an http(s) URL with a host"),
+    (["--upstream", "http://127.0.0.1:9", "--ep-size", "0"], "argument --ep-size: must be an integer >= 1"),
+    (["--upstream", "http://127.0.0.1:9", "--kv-lease", "inf"], "argument --kv-lease: must be a finite number > 0"),
+    (["--upstream", "http://127.0.0.1:9", "--timeout", "-1"], "argument --timeout: must be a finite number > 0"),
+    (["--upstream", "http://127.0.0.1:9", "--port", "0"], "argument --port: must be an integer in [1, 65535]"),
+    (["--upstream", "http://127.0.0.1:9", "--max-running-requests", "1.5"], "argument --max-running-requests"),
+    (["--upstream", "http://127.0.0.1:9", "--plan", "config.yaml"], "argument --plan: must be an existing folder"),
+    (["--upstream", "http://127.0.0.1:9", "--plan", "missing"], "argument --plan: must be an existing folder"),
+    (["--prefill", "http://p:1", "--decode", "http://d:1", "--decode-plan", "missing"], "argument --decode-plan"),
+    (["--upstream", "http://u:1", "--prefill", "http://p:1"], "not both or neither"),
 ])
-def test_router_refuses_a_bad_command_line_at_start(tmp_path, capsys, args, fragment):
-    from test_engines_router import NUM_EXPERTS, semmoe_plan, write_job
+def test_router_refuses_a_bad_command_line_at_start(tmp_path, capsys, monkeypatch, args, fragment):
+    """One `error:` sentence naming the option, exit code 2, before the plan is read or a port opened."""
+    from test_engines_router import NUM_EXPERTS, router_exit, semmoe_plan, write_job
 
     from repro.engines import router as router_mod
 
     job = write_job(tmp_path / "job", semmoe_plan(), model={"name": "toy", "num_experts": NUM_EXPERTS})
-    assert router_mod.main(["--plan", str(job), "--tokenizer", "mixtral", *args]) == 2
+    (tmp_path / "config.yaml").write_text("x: 1\n")
+    monkeypatch.chdir(tmp_path)
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    monkeypatch.setattr(router_mod, "make_router", lambda args: pytest.fail("the plan was read"))
+    assert router_exit(["--plan", str(job), "--tokenizer", "mixtral", *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error:") and fragment in err[0]
+    assert len(err) == 1 and err[0].startswith("error:") and fragment in err[0], err
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
 
 
 def test_figures_and_diff_skip_a_metrics_json_holding_nan_and_refuse_a_file_as_out(tmp_path, capsys):
@@ -591,6 +654,26 @@ def test_partial_merge_refuses_a_part_of_a_capture_differing_in_one_token_past_t
         merge_tables(trace, [tmp_path / "foreign.npz"])
     count_shard(trace, 0, tmp_path / "own.npz")
     merge_tables(trace, [tmp_path / "own.npz"])  # its own part merges
+
+
+def test_partial_merge_refuses_a_part_of_a_trace_edited_since_even_with_its_mtime_set_back(counted):
+    """Item 3: the digest is cached beside the trace for every later process (count jobs, the merge), keyed by the
+    state of its files; a trace edited after its count (in place, same size, mtime set back) is hashed again and
+    the part refused, never merged on the stale cache."""
+    from test_traces_digest import edit_in_place
+
+    from repro.traces.digest import DIGEST_CACHE
+
+    tmp_path, trace = counted
+    assert (trace / DIGEST_CACHE).exists()  # written by the count job's process
+    res = run_cli("repro.affinity.partial", "merge", "--trace", trace, "--out", tmp_path / "m.npz", tmp_path / "p0.npz",
+                  cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    edit_in_place(trace / "experts.npy", keep_mtime=True)
+    res = run_cli("repro.affinity.partial", "merge", "--trace", trace, "--out", tmp_path / "m2.npz", tmp_path / "p0.npz",
+                  cwd=tmp_path)
+    assert_clean_refusal(res, "the routing of shard 0 differs in some token")
+    assert not (tmp_path / "m2.npz").exists()
 
 
 @pytest.mark.parametrize("field, value, fragment", [
@@ -877,10 +960,11 @@ def test_diff_lists_a_job_unreadable_in_b_as_unreadable_not_as_only_in_a(tmp_pat
     assert "## Jobs unreadable in B (1)" in (tmp_path / "out" / "diff.md").read_text()
 
 
-@pytest.mark.parametrize("victim", ["guard", "stream shell"])
+@pytest.mark.parametrize("victim", ["guard", "stream shell", "side_by_side"])
 def test_sigkill_of_one_stream_process_ends_both_streams(tmp_path, victim):
     """SIGKILL of one side_by_side guard left that guard's stream running under init; SIGKILL of a stream's shell
-    left its children. side_by_side now stops a stream's whole process group even when its leader is gone."""
+    left its children. side_by_side now stops a stream's whole process group even when its leader is gone; SIGKILL
+    of side_by_side alone (item 6: each level) is seen by both guards, which stop their streams."""
     import signal
     import time
 
@@ -897,7 +981,7 @@ def test_sigkill_of_one_stream_process_ends_both_streams(tmp_path, victim):
     sleepers = [int(p.read_text()) for p in pids.values()]
     guard = os.getpgid(sleepers[1])  # the foreground guard leads its stream's group
     shell = int(subprocess.run(["ps", "-o", "ppid=", "-p", str(sleepers[1])], capture_output=True, text=True).stdout)
-    os.kill(guard if victim == "guard" else shell, signal.SIGKILL)
+    os.kill({"guard": guard, "stream shell": shell, "side_by_side": driver.pid}[victim], signal.SIGKILL)
     assert driver.wait(timeout=40) != 0
     deadline = time.perf_counter() + 10
     while any(alive(pid) for pid in sleepers) and time.perf_counter() < deadline:
@@ -909,37 +993,46 @@ SERVE_WITH_FAKE_ENGINE = """
 import sys
 from repro.engines import bench_serving as b
 pids = sys.argv[1]
-sleeper = ["sh", "-c", f"echo $$ >> {pids}; exec sleep 60"]
-b.serve_commands = lambda args: (sleeper, {}, sleeper)  # an engine and a router that only sleep
+# an engine with a child of its own (as SGLang's schedulers, vLLM's engine cores), which it stops on SIGTERM as the
+# real ones do; a router that only sleeps. Each writes "role pid" lines.
+engine = ["sh", "-c", f"sleep 60 & child=$!; trap 'kill $child; exit 143' TERM; echo engine_child $child >> {pids}; "
+                      f"echo engine $$ >> {pids}; wait"]
+router = ["sh", "-c", f"echo router $$ >> {pids}; exec sleep 60"]
+b.serve_commands = lambda args: (engine, {}, router)
 b._wait_healthy = lambda *args: None
-sys.exit(b.main(["serve", "--plan", "x", "--model-path", "m"]))
+sys.exit(b.main(["serve", "--plan", ".", "--model-path", "m"]))
 """
 
 
-@pytest.mark.parametrize("victim", ["serve", "engine"])
+@pytest.mark.parametrize("victim", ["serve", "engine", "router", "engine_child"])
 def test_sigkill_in_bench_serving_serve_ends_the_whole_tree(tmp_path, victim):
     """SIGKILL of `bench_serving serve` left the engine and the router running under init; a killed engine left the
-    router running. The children die with serve (PR_SET_PDEATHSIG), and serve stops the router when the engine dies."""
+    router running, and (item 6) its own children: they stayed in serve's process group, and serve stopped only the
+    engine's pid. The children die with serve (PR_SET_PDEATHSIG); each leads a process group that serve stops as a
+    whole (repro.proctree.stop_group) when either child ends."""
     import signal
     import time
 
     from test_side_by_side import alive
 
-    pids = tmp_path / "pids"
-    serve = subprocess.Popen([sys.executable, "-c", SERVE_WITH_FAKE_ENGINE, str(pids)], cwd=ROOT,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    pids, err = tmp_path / "pids", tmp_path / "stderr"
+    # stderr to a file, not a pipe: an orphan holding the pipe would make reading it wait for the orphan's end
+    with open(err, "w") as stderr:
+        serve = subprocess.Popen([sys.executable, "-c", SERVE_WITH_FAKE_ENGINE, str(pids)], cwd=ROOT,
+                                 stdout=subprocess.DEVNULL, stderr=stderr)
     deadline = time.perf_counter() + 30
-    while (not pids.exists() or len(pids.read_text().split()) < 2) and time.perf_counter() < deadline:
+    while (not pids.exists() or len(pids.read_text().splitlines()) < 3) and time.perf_counter() < deadline:
         time.sleep(0.05)
-    engine, router = (int(p) for p in pids.read_text().split())
-    os.kill(serve.pid if victim == "serve" else engine, signal.SIGKILL)
+    tree = {role: int(pid) for role, pid in (line.split() for line in pids.read_text().splitlines())}
+    os.kill(serve.pid if victim == "serve" else tree[victim], signal.SIGKILL)
     status = serve.wait(timeout=60)
-    if victim == "engine":
-        assert status == 1 and "error: the engine exited with status -9" in serve.stderr.read()
+    if victim != "serve":
+        died = "router" if victim == "router" else "engine"
+        assert status == 1 and f"error: the {died} exited with status" in err.read_text()
     deadline = time.perf_counter() + 10
-    while (alive(engine) or alive(router)) and time.perf_counter() < deadline:
+    while any(alive(pid) for pid in tree.values()) and time.perf_counter() < deadline:
         time.sleep(0.05)
-    assert not alive(engine) and not alive(router)
+    assert not [role for role, pid in tree.items() if alive(pid)], f"left running after SIGKILL of {victim}"
 
 
 def test_a_killed_writers_temporary_is_removed_by_the_next_write_into_its_folder(tmp_path):

@@ -16,6 +16,9 @@ from repro.atomic import atomic_write
     (cli.rate, {"0.5": 0.5, "1e3": 1000.0}, ["0", "-1", "nan", "inf", "-inf", "abc", ""]),
     (cli.non_negative, {"0": 0.0}, ["-0.1", "nan"]),
     (cli.probability, {"0": 0.0, "1": 1.0, "0.25": 0.25}, ["1.5", "-0.5", "nan"]),
+    (cli.url, {u: u for u in ("http://127.0.0.1:30000", "https://host/v1", "http://[::1]:8000", "http://h")},
+     ["", "not-a-url", "127.0.0.1:8000", "ftp://h", "http://", "http://h:0", "http://h:65536", "http://[::1",
+      "http://h x", "http://h:1\n"]),
 ])
 def test_each_kind_takes_what_it_says_and_refuses_the_rest(kind, good, bad):
     for text, value in good.items():

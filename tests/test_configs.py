@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 
 from repro.routing import PRODUCERS
 from repro.systems import REGISTRY
-from repro.workloads import WORKLOADS
+from repro.workloads import COMPOSED_WORKLOADS, WORKLOADS
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
@@ -42,7 +42,7 @@ def test_system_configs_match_the_registry():
 
 def test_workload_and_model_configs_name_real_loaders():
     for name in options("workload"):
-        assert compose_cfg(f"workload={name}").workload.name in WORKLOADS
+        assert compose_cfg(f"workload={name}").workload.name in (*WORKLOADS, *COMPOSED_WORKLOADS)
     for name in options("model"):
         assert compose_cfg(f"model={name}").model.kind in PRODUCERS
 

@@ -42,6 +42,16 @@ COMMANDS = {
     "hydra/launcher=submitit_slurm": "skip: needs a sharded trace, the submitit plugin and a SLURM cluster",
     "python -m repro.affinity.partial merge --trace traces/day --out tables.npz parts/*.npz": "flags",
     "python -m repro.run --cfg job parallel.devices=4 logger=none": "run",
+    "python -m repro.run -m experiment=drift logger=none": "config",
+    "python -m repro.run -m experiment=drift seed=100 workload=drift_abrupt,drift_stationary,drift_periodic "
+    "name=drift_validate": "config",
+    "python -m repro.run -m experiment=drift workload=drift_abrupt,drift_stationary seed=0 name=drift_short": "config",
+    "python -m repro.drift.report runs/drift": "flags",
+    "python -m repro.run -m experiment=drift workload=drift_abrupt seed=0 model.domain_strength=1.5 "
+    "name=drift_sensitivity": "config",
+    "python -m repro.run -m experiment=drift workload=drift_abrupt seed=0 drift.window_steps=null "
+    "name=drift_sensitivity": "config",
+    "python -m repro.traces.import routing.csv --out traces/served --arrival-col arrival_time": "flags",
     "python -m repro.sim.validation": "flags",
     "python -m bench --only migration": "flags",
     "python -m repro.engines.replacement runs/<job_a> runs/<job_b> --out replacements/ --model-config config.json":

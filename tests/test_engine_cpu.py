@@ -204,3 +204,37 @@ def test_the_server_does_not_outlive_a_killed_benchmark(tmp_path):
     while time.monotonic() < deadline and any(alive(pid) for pid in server_pids):
         time.sleep(0.1)
     assert not any(alive(pid) for pid in server_pids)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups and /proc are Linux's here")
+def test_a_server_killed_mid_run_leaves_none_of_its_children(tmp_path):
+    """Item 6, the level below: the vLLM server dies by SIGKILL (it cannot stop its own engine-core children then);
+    leaving running_server stops the server's whole process group, so its children end too."""
+    import signal
+    import socket
+
+    from test_side_by_side import alive
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    child_file = tmp_path / "child.pid"
+    fake_server = [sys.executable, "-c", (  # starts a child of its own, then answers 200 to every GET
+        "import http.server as h, subprocess\n"
+        f"open({str(child_file)!r}, 'w').write(str(subprocess.Popen(['sleep', '60']).pid))\n"
+        "class OK(h.BaseHTTPRequestHandler):\n"
+        "    def do_GET(self):\n"
+        "        self.send_response(200); self.end_headers()\n"
+        f"h.HTTPServer(('127.0.0.1', {port}), OK).serve_forever()")]
+    with engine_cpu.running_server(fake_server, tmp_path / "server.log", port, startup_timeout_s=60):
+        child = int(child_file.read_text())
+        server = int(subprocess.run(["ps", "-o", "ppid=", "-p", str(child)], capture_output=True, text=True).stdout)
+        os.kill(server, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while alive(server) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert alive(child)  # orphaned, still running: only the group stop below ends it
+    deadline = time.monotonic() + 5
+    while alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(child)

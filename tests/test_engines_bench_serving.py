@@ -307,7 +307,7 @@ def test_sweep_drives_an_installed_tool(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(bench_serving, "tool_available", lambda client: client == "vllm")
     calls = []
 
-    def fake_run(argv):  # what `vllm bench serve --save-detailed` leaves behind
+    def fake_run(argv, **popen):  # what `vllm bench serve --save-detailed` leaves behind
         calls.append(argv)
         folder, name = argv[argv.index("--result-dir") + 1], argv[argv.index("--result-filename") + 1]
         prompts = Path(argv[argv.index("--dataset-path") + 1]).read_text().splitlines()
@@ -369,3 +369,44 @@ def test_serve_stops_engine_and_router_on_sigterm(tmp_path):
     for pid in map(int, pids.read_text().split()):
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+SWEEP_WITH_A_HANGING_TOOL = """
+import sys
+from repro.engines import bench_serving as b
+pids = sys.argv[1]
+b.tool_available = lambda client: client == "vllm"
+b._first_model = lambda url: "toy"
+b.tool_command = lambda *args: ["sh", "-c", f"echo $$ >> {pids}; exec sleep 60"]  # a benchmark tool that hangs
+sys.exit(b.main(["sweep", "--url", "http://127.0.0.1:9", "--rates", "1", "--out", sys.argv[2], "--client", "vllm",
+                 *sys.argv[3:]]))
+"""
+
+
+def test_a_sweep_killed_by_sigkill_leaves_no_benchmark_tool_running(tmp_path):
+    """Item 6: SIGKILL of `bench_serving sweep` left its sglang / vllm benchmark tool loading the server under init;
+    the tool now gets SIGTERM from the kernel when the sweep dies (PR_SET_PDEATHSIG)."""
+    import os
+    import signal
+    import sys
+    import time
+
+    from test_side_by_side import alive
+
+    pids = tmp_path / "pids"
+    sweep = subprocess.Popen([sys.executable, "-c", SWEEP_WITH_A_HANGING_TOOL, str(pids), str(tmp_path / "out"),
+                              *[a for a in SWEEP if a not in ("--client", "builtin")]],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not (pids.exists() and pids.read_text().strip()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    tool = int(pids.read_text())
+    sweep.send_signal(signal.SIGKILL)
+    sweep.wait()
+    deadline = time.monotonic() + 5
+    while alive(tool) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stopped = not alive(tool)
+    if not stopped:
+        os.kill(tool, signal.SIGKILL)
+    assert stopped, "the benchmark tool outlived the killed sweep"

@@ -13,10 +13,9 @@ import pytest
 from aiohttp import web
 from multidict import CIMultiDict
 from test_engines_capture import serve_in_thread
-from test_engines_router import PROMPTS, call, semmoe_plan
+from test_engines_router import PROMPTS, call, router_exit, semmoe_plan
 from test_engines_sglang import DEVICES, NUM_EXPERTS, TOP_K, toy_placement, write_job
 
-from repro.engines import router as router_mod
 from repro.engines.layout import load_plan, read_plan
 from repro.engines.pd import DecodeChooser, prefill_body
 from repro.engines.router import DECODE_RANK_HEADER, SemanticRouter, build_app
@@ -198,7 +197,7 @@ def test_pd_refusals_and_saved_plan(tmp_path, capsys):
     for argv, message in ((["--upstream", "http://u", "--prefill", "http://p"], "not both"),
                           (["--prefill", "http://p"], "--decode-plan"),
                           (["--upstream", "http://u", "--decode", "http://d"], "belong to PD mode")):
-        assert router_mod.main(["--plan", str(plain), "--engine", "vllm", *argv]) == 2
+        assert router_exit(["--plan", str(plain), "--engine", "vllm", *argv]) == 2
         assert message in capsys.readouterr().err
 
 

@@ -46,9 +46,7 @@ INTERNAL = {
     "bench.engine_cpu_capture": "run by bench.engine_cpu in the engine's own venv with two paths it made itself",
 }
 # argparse apps still on plain argparse types, and why (each is a known gap of issue 35, not a pass)
-NOT_YET = {
-    "repro.engines.router": "its argument parsing is being changed in another branch; convert it to repro.cli after",
-}
+NOT_YET: dict[str, str] = {}
 
 
 def module_name(path: Path) -> str:
@@ -229,6 +227,10 @@ def bad_values(kind) -> st.SearchStrategy[str]:
         missing = st.text("abcxyz_", min_size=1, max_size=12).map(lambda s: f"missing_{s}")
         wrong_sort = {"file": st.just("a_folder"), "dir": st.just("a_file"), "any": st.nothing()}[kind.what]
         return st.one_of(missing, wrong_sort, st.just(""))
+    if isinstance(kind, cli.Url):
+        return st.one_of(WRONG_TYPE, st.sampled_from(["127.0.0.1:8000", "ftp://h", "http://", "http://h:0",
+                                                      "http://h:65536", "http://h:-1", "http://[::1", "http://h x"]),
+                         st.integers(65536, 10**30).map(lambda port: f"http://127.0.0.1:{port}"))
     if isinstance(kind, cli.OutputPath):
         if kind.suffixes:
             return st.sampled_from(["out.txt", "out", "out" + kind.suffixes[0] + ".bak"])
@@ -277,7 +279,7 @@ def folder(tmp_path_factory):
 def test_each_option_refuses_the_plainest_bad_value(option, folder):
     """One fixed bad value per option (deterministic coverage of every option, whatever hypothesis draws)."""
     plain = {cli.Integer: "-1" if getattr(option.kind, "low", None) is not None else "abc", cli.Number: "nan",
-             cli.InputPath: "missing_path", cli.OutputPath: ""}
+             cli.InputPath: "missing_path", cli.OutputPath: "", cli.Url: "not-a-url"}
     assert_refused(option, next(v for t, v in plain.items() if isinstance(option.kind, t)), folder)
 
 

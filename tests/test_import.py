@@ -272,3 +272,45 @@ def test_int_list_parser_reads_sliced_and_large_string_arrays():
     for column in (pa.array(["[9]", "[1, 2]", " [ -3 ] "])[1:], pa.array(["[9]", "[1, 2]", " [ -3 ] "], type=pa.large_string())[1:]):
         flat, lengths, malformed = parse_int_lists(*string_buffers(column), np.zeros(2, bool))
         assert flat.tolist() == [1, 2, -3] and lengths.tolist() == [2, 1] and not malformed.any()
+
+
+# ---- the optional arrival-time column: kept beside the trace, requests in arrival order --------------------------
+
+@pytest.mark.parametrize("suffix", [".csv", ".jsonl", ".parquet"])
+def test_arrival_time_column_is_kept_in_request_order(tmp_path, suffix):
+    from repro.traces.tabular import import_table_to_dir, read_arrival_times
+
+    df = small_table().assign(arrival_time=lambda d: d.request_id.map({"a": 0.5, "b": 0.5}))  # ties are allowed
+    df.loc[df.request_id == "b", "arrival_time"] = 2.25
+    path = write_table(df, tmp_path / f"arrivals{suffix}")
+    import_table_to_dir(path, tmp_path / "trace")
+    assert read_arrival_times(tmp_path / "trace").tolist() == [0.5, 2.25]
+    assert read_trace(tmp_path / "trace").request_ids == ("a", "b")
+    plain = write_table(small_table(), tmp_path / f"plain{suffix}")
+    import_table_to_dir(plain, tmp_path / "plain")
+    assert read_arrival_times(tmp_path / "plain") is None
+
+
+@pytest.mark.parametrize(
+    "arrivals, row, words",
+    [
+        ({"a": 3.0, "b": 1.0}, 4, "arrives at arrival_time 1.0, before a listed before it"),
+        ({"a": float("nan"), "b": 1.0}, 0, "is not a finite number of seconds >= 0"),
+        ({"a": float("inf"), "b": 1.0}, 0, "is not a finite number of seconds >= 0"),
+        ({"a": -1.0, "b": 1.0}, 0, "is not a finite number of seconds >= 0"),
+    ],
+    ids=["out-of-order", "nan", "inf", "negative"],
+)
+def test_bad_arrival_times_are_refused_in_one_sentence(tmp_path, arrivals, row, words):
+    df = small_table().assign(arrival_time=lambda d: d.request_id.map(arrivals))
+    message = import_error(tmp_path, df, suffix=".parquet")
+    assert f"row {row + 1}:" in message and words in message, message
+    assert message.count(". ") == 0, message  # one sentence
+
+
+def test_arrival_time_must_be_one_per_request_and_a_number(tmp_path):
+    df = small_table().assign(arrival_time=1.0)
+    df.loc[2, "arrival_time"] = 1.5
+    assert "one arrival time per request" in import_error(tmp_path, df, suffix=".jsonl")
+    text = small_table().assign(arrival_time="soon")
+    assert "'soon' is not a finite number of seconds" in import_error(tmp_path, text, suffix=".csv")

@@ -46,3 +46,33 @@ def test_a_failing_background_stream_shows_its_log(tmp_path, capsys):
     assert status == 5
     err = capsys.readouterr().err
     assert "the cause" in err and f"its output: {tmp_path / 'bg.log'}" in err
+
+
+def test_an_orphaned_guard_ends_a_stream_child_that_ignores_sigterm(tmp_path):
+    """Item 6: when side_by_side dies by SIGKILL, its guard stops the stream's group; a child of the stream that
+    ignores SIGTERM outlived the stream's shell under init. The guard now SIGKILLs what is left after its grace."""
+    import signal
+    import subprocess
+    import sys
+
+    pid_file = tmp_path / "straggler.pid"
+    command = f"sh -c 'trap \"\" TERM; echo $$ > {pid_file}; exec sleep 60' & wait"
+    parent = subprocess.Popen([sys.executable, "-c", (  # stands in for side_by_side: starts the guard, then sleeps
+        "import os, subprocess, sys, time\n"
+        f"subprocess.Popen([sys.executable, '-m', 'repro.side_by_side', '--guard', str(os.getpid()), '--command', "
+        f"{command!r}, '--grace', '0.5'], start_new_session=True)\n"
+        "time.sleep(60)\n")], cwd=Path(__file__).resolve().parents[1])
+    deadline = time.monotonic() + 20
+    while not (pid_file.exists() and pid_file.read_text().strip()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    straggler = int(pid_file.read_text())
+    time.sleep(0.2)  # the trap is set before the pid is written; exec sleep keeps it
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 8
+    while alive(straggler) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stopped = not alive(straggler)
+    if not stopped:
+        os.kill(straggler, signal.SIGKILL)
+    assert stopped, "a stream child that ignores SIGTERM outlived side_by_side and its guard"

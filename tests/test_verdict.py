@@ -5,6 +5,7 @@ REPORT.md / REPORT.html, and the atomic CSV."""
 
 import json
 import re
+import shutil
 import sys
 import types
 from pathlib import Path
@@ -446,3 +447,17 @@ def test_the_report_says_what_each_serving_claim_cost(tmp_path):
     r4 = next(line for line in text.splitlines() if line.startswith("| R4 "))
     assert "| serve_dp | 3 | 80 | 241 | 60 |" in r4
     assert "ep 2/3" in r4 and "semmoe 2/3" in r4 and "moetuner" not in r4  # a job without per-seed flags says nothing
+
+
+def test_r8_is_judged_on_the_offline_pair_when_the_papers_pair_did_not_run(tmp_path):
+    root = as_paper_model(plant(tmp_path / "runs"))
+    (root / "cross_dataset").rename(root / "cross_dataset_offline")
+    for run in (root / "cross_dataset_offline").rglob("metrics.json"):
+        data = json.loads(run.read_text())
+        data["config"]["name"] = "cross_dataset_offline"
+        run.write_text(json.dumps(data))
+    claims, parts = tables(root)
+    r8 = parts[parts["claim"] == "R8"]
+    assert (r8["verdict"] == REPRODUCED).all() and set(r8["experiment"]) == {"cross_dataset_offline"}
+    shutil.rmtree(root / "cross_dataset_offline")
+    assert by_claim(tables(root)[0])["R8"] == NOT_TESTABLE

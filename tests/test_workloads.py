@@ -269,7 +269,8 @@ def test_lmsys_local_export(tmp_path):
 
 
 def test_unknown_workload_and_bad_arguments():
-    assert set(WORKLOADS) == {"mmlu", "lmsys_chat", "sharegpt", "arena_hard"}
+    assert set(WORKLOADS) == {"mmlu", "lmsys_chat", "sharegpt", "arena_hard", "arc_easy", "arc_challenge", "hellaswag",
+                              "trivia_qa", "nq_open", "basic_arithmetic"}
     with pytest.raises(ConfigError, match="unknown workload 'wikitext'"):
         load_workload("wikitext")
     for kwargs, message in [

@@ -25,7 +25,6 @@ Legend: S shards, L MoE layers, E experts, t distinct token ids, nnz nonzero cel
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import sys
 import zipfile
@@ -36,7 +35,8 @@ import numpy as np
 from repro import cli
 from repro.affinity.tables import profile_chunks, profile_tokens, profile_vocab
 from repro.errors import TraceError
-from repro.traces import RoutingTrace, read_trace, trace_digest
+from repro.traces import RoutingTrace, read_trace
+from repro.traces.digest import dir_digest
 from repro.traces.manifest import is_sharded, manifest_shards
 
 FIELDS = ("identity", "shards", "shard_digest", "num_shards", "num_layers", "num_experts", "prompt_only", "token_vocab",
@@ -68,21 +68,9 @@ def trace_identity(trace_path: str | Path) -> str:
 def shard_digest(directory: str | Path) -> str:
     """trace_digest of one shard: every byte of its routing, streamed in row chunks. A capture that differs from
     another in one expert of one token has another digest (a sample of the routing once let such a part through).
-    Computed once per process for a given state of the shard's files (_cached_digest)."""
-    directory = Path(directory)
-    try:
-        files = sorted(p for p in directory.iterdir() if p.is_file() and not p.name.startswith("."))
-        signature = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns, p.stat().st_ino) for p in files)
-    except OSError as e:
-        raise TraceError(f"cannot read the shard {directory} ({e.strerror or e}); is it a complete trace?") from e
-    return _cached_digest(str(directory.resolve()), signature)
-
-
-@functools.lru_cache(maxsize=256)
-def _cached_digest(directory: str, signature: tuple) -> str:
-    """The digest of the shard whose files had `signature` (name, size, mtime, inode): one rewritten since is read
-    again."""
-    return trace_digest(read_trace(directory))
+    Computed once and cached in the shard's folder for the state of its files (repro.traces.digest): each count job
+    and the merge read it instead of hashing the whole trace again; a stale cache is never used."""
+    return dir_digest(directory)
 
 
 def sum_sparse(keys: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

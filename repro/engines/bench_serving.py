@@ -15,7 +15,10 @@ request rates and record TTFT / TPOT / ITL / E2E in the simulator's per-rate sch
 and refuses a plan fitted on synthetic routing or on another tokenizer's ids unless --allow-synthetic-plan /
 --allow-tokenizer-mismatch, exports the placement (SGLang `--init-expert-location` JSON, or the vLLM plugin's
 placement file) into the job's engine/ folder, starts the server, waits for /health, starts `python -m
-repro.engines.router` in front of it and keeps both until Ctrl-C (`--print` only prints the commands).
+repro.engines.router` in front of it and keeps both until Ctrl-C (`--print` only prints the commands). The three
+end together (repro.proctree): when serve dies, even by SIGKILL, the kernel sends both SIGTERM; when either child
+dies, serve stops the other's whole process group and its own (an engine's own children included), SIGKILL after
+STOP_GRACE_S.
 
 `sweep` sends the workload's prompts at each rate (Poisson arrivals, seeded; open loop, at most --max-in-flight
 outstanding) with one of three clients (--client, default auto: the first installed):
@@ -49,7 +52,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
 import functools
 import importlib.util
 import json
@@ -72,6 +74,7 @@ import pandas as pd
 from repro import cli
 from repro.atomic import atomic_write, atomic_write_text
 from repro.errors import ConfigError, ReproError
+from repro.proctree import STOP_SIGNALS, die_with, stop_group
 from repro.sim.metrics import LATENCIES, STATISTICS, statistic
 
 REAL_COLUMNS = ("rate", "num_requests", "makespan_s", "throughput_rps", "output_tok_s", "total_tok_s") + tuple(
@@ -413,7 +416,8 @@ def run_tool(client: str, args, workload, url: str, rates: Sequence[float]) -> t
                                 args.seed + index, args.max_in_flight, args.warmup_requests, result)
             print("$ " + " ".join(argv), file=sys.stderr)
             before = router_snapshot(args.router_metrics) if args.router_metrics else {}
-            code = subprocess.run(argv).returncode
+            # the tool dies with this sweep, even by SIGKILL: an orphaned one kept loading the server (repro.proctree)
+            code = subprocess.run(argv, preexec_fn=functools.partial(die_with, os.getpid())).returncode
             if code != 0:
                 raise ReproError(f"{client}'s benchmark exited with status {code} at rate {rate:g}; see its output above.")
             data = read_tool_result(result)
@@ -561,21 +565,8 @@ def _wait_healthy(url: str, seconds: float, process: subprocess.Popen) -> None:
     raise ReproError(f"{url} was not healthy after {seconds:g} s; see the server's log.")
 
 
-STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
 CHILD_POLL_S = 1.0  # how often serve checks that the engine and the router still run
-
-
-def die_with(parent: int) -> None:
-    """preexec_fn of the engine and the router: the kernel sends them SIGTERM when `parent` (this process) dies, even
-    by SIGKILL, so neither outlives `serve` as an orphan under init (Linux; elsewhere nothing)."""
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # a child starts able to take the stop signals
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:  # the parent died before prctl took effect
-        os._exit(1)
+STOP_GRACE_S = 60.0  # a child's group gets SIGTERM, then SIGKILL after this long (an engine frees its GPU memory)
 
 
 def run_serve(args) -> int:
@@ -586,12 +577,14 @@ def run_serve(args) -> int:
     print(shlex.join(router))
     if args.print:
         return 0
+    # each child leads its own process group (stopped as a whole: an engine killed by SIGKILL left its own
+    # children running) and gets SIGTERM from the kernel when serve dies, even by SIGKILL (repro.proctree)
     tied = functools.partial(die_with, os.getpid())
-    server = subprocess.Popen(engine, env={**os.environ, **env}, preexec_fn=tied)
+    server = subprocess.Popen(engine, env={**os.environ, **env}, preexec_fn=tied, start_new_session=True)
     proxy, status = None, 0
     try:
         _wait_healthy(f"http://127.0.0.1:{args.server_port}/health", args.startup_timeout, server)
-        proxy = subprocess.Popen(router, preexec_fn=tied)
+        proxy = subprocess.Popen(router, preexec_fn=tied, start_new_session=True)
         # sigtimedwait takes a signal only while it is blocked; unblocked, SIGTERM would kill this process before the
         # finally below stops the engine and the router. Between signals the two are polled: when one dies, the
         # other is stopped (a killed engine left the router forwarding to nothing).
@@ -609,9 +602,8 @@ def run_serve(args) -> int:
     finally:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
         for process in (proxy, server):
-            if process is not None and process.poll() is None:
-                process.terminate()
-                process.wait(60)
+            if process is not None:  # the group even when its leader has exited: its children may remain
+                stop_group(process, STOP_GRACE_S)
     return status
 
 
@@ -622,7 +614,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="export the placement, start the engine and the router")
     serve.add_argument("--engine", choices=["sglang", "vllm"], default="sglang")
-    serve.add_argument("--plan", type=Path, required=True, help="job directory under runs/ or its plan/ folder")
+    serve.add_argument("--plan", type=cli.existing_dir, required=True, help="job directory under runs/ or its plan/ folder")
     serve.add_argument("--model-path", required=True, help="HF id or local folder the engine serves")
     serve.add_argument("--tokenizer", help="the router's tokenizer (default: the job's)")
     serve.add_argument("--server-port", type=cli.port, default=30000)
@@ -632,12 +624,13 @@ def build_parser() -> argparse.ArgumentParser:
     _layout_args(serve)
     _serving_args(serve)
     sweep = sub.add_parser("sweep", help="request-rate sweep against a running server or router")
-    sweep.add_argument("--url", required=True, help="the router (or the server itself, for a baseline)")
+    sweep.add_argument("--url", type=cli.url, required=True, help="the router (or the server itself, for a baseline)")
     sweep.add_argument("--rates", required=True, help="comma-separated request rates (req/s)")
     sweep.add_argument("--out", type=Path, required=True, help="folder for real_per_rate.csv (e.g. runs/serve_real/<name>)")
     sweep.add_argument("--overwrite", action="store_true", help="replace the results of an earlier sweep in --out")
     sweep.add_argument("--model", help="the model field of each request (default: the first of /v1/models)")
-    sweep.add_argument("--router-metrics", help="the router's /metrics URL, to record requests per rank and LAR")
+    sweep.add_argument("--router-metrics", type=cli.url,
+                       help="the router's /metrics URL, to record requests per rank and LAR")
     sweep.add_argument("--max-in-flight", type=cli.positive, default=1024)
     sweep.add_argument("--timeout", type=cli.rate, default=1800.0, help="seconds per request")
     sweep.add_argument("--seed", type=cli.seed, default=0)

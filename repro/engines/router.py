@@ -14,7 +14,8 @@ requests; a non-Sem-MoE plan gives its own online behaviour, e.g. round robin). 
 in the header SGLang (`X-Data-Parallel-Rank`, entrypoints/openai/serving_base.py) or vLLM
 (`X-data-parallel-rank`, `_get_data_parallel_rank`) reads; HTTP header names are case-insensitive, each engine
 gets its own spelling anyway. With D upstreams (vLLM external load balancing, one server per rank) rank r's
-request goes to upstream r, without a header. A request that already carries the header keeps it, unscored.
+request goes to upstream r, without a header. A request that already carries the header keeps its rank, unscored
+(with D upstreams it goes to that rank's upstream); a rank outside the plan's, or two different ranks, get 400.
 
 Everything is passed through unchanged: method, path, query, headers (hop-by-hop ones excepted), body bytes,
 status, response headers (plus the chosen rank's header when the router chose one) and body (a body with a Content-Length up to BUFFER_BYTES is read whole and sent in one
@@ -79,7 +80,6 @@ Legend: L plan layers, D DP ranks, t profiled token rows (+1 OOV row), n prompt 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import gc
 import json
@@ -92,10 +92,10 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
+from repro import cli
 from repro.engines.load_signals import LiveLoad, parse_metrics
 from repro.engines.pd import KV_LEASE_S, PD_PATHS, DecodeChooser, decode_body, prefill_body
 from repro.errors import ConfigError, ReproError, TraceError
@@ -337,12 +337,18 @@ class ClientRefusal(Exception):
     """A request the router answers itself with 400 and one sentence (never forwarded)."""
 
 
-def client_rank(values: list[str], header: str, num_ranks: int) -> None:
-    """Check a client-set rank header against the plan: the upstream would otherwise get rank 99 of 4, or 'abc'."""
+def client_rank(values: list[str], header: str, num_ranks: int) -> int:
+    """The rank a client set in its rank header(s), checked against the plan: the upstream would otherwise get rank
+    99 of 4, or 'abc'; two different ranks in one request name no upstream."""
     for value in values:
         if not re.fullmatch(r"[0-9]{1,9}", value.strip()) or int(value) >= num_ranks:
             raise ClientRefusal(f"{header}: {value!r} is not a DP rank of this plan (0..{num_ranks - 1}); send a rank "
                                 "in that range, or no header to let the router choose.")
+    ranks = sorted({int(value) for value in values})
+    if len(ranks) > 1:
+        raise ClientRefusal(f"{header} is sent {len(values)} times with different ranks {ranks}; send it once, or no "
+                            "header to let the router choose.")
+    return ranks[0]
 
 
 def check_upstreams(upstreams: Sequence[str], flag: str = "--upstream") -> None:
@@ -476,9 +482,11 @@ def build_app(
         if request.method != "POST" or request.path not in ROUTED_PATHS:
             return None
         if header in request.headers:  # a CIMultiDict: any spelling
-            client_rank(request.headers.getall(header), header, router.num_ranks)
+            # the client's rank is kept, unscored; it still picks the upstream (with one per rank, rank 3's request
+            # once went to rank 0's server) and replaces the client's header (proxy)
+            rank = client_rank(request.headers.getall(header), header, router.num_ranks)
             metrics.unscored_client_rank.inc()
-            return None
+            return rank
         prompt = extract_prompt(request.path, _json_object(raw))
         if prompt is None:
             metrics.unscored_no_prompt.inc()
@@ -631,8 +639,10 @@ def build_app(
         except ClientRefusal as e:
             return _error_response(400, "bad_request", str(e))
         # a list, not a dict: a header the client sent twice goes upstream twice. aiohttp hands over the body
-        # decoded, so its Content-Encoding stays behind (a gzip body went upstream plain but labelled gzip: 500)
-        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP | {"content-encoding"}]
+        # decoded, so its Content-Encoding stays behind (a gzip body went upstream plain but labelled gzip: 500).
+        # A rank header is the router's to set (target): with one upstream per rank the rank is in the URL
+        dropped = HOP_BY_HOP | {"content-encoding"} | ({header.lower()} if rank is not None else set())
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in dropped]
         metrics.in_flight.inc()
         try:
             if decode is not None and request.method == "POST" and request.path in PD_PATHS:
@@ -674,44 +684,44 @@ def _timed_token_ids(router: SemanticRouter, prompt) -> tuple[np.ndarray, float]
 # ---- CLI -----------------------------------------------------------------------------------------------------
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m repro.engines.router", description=__doc__.splitlines()[0])
-    p.add_argument("--plan", type=Path, required=True, help="job directory under runs/ or its plan/ folder")
-    p.add_argument("--upstream", nargs="+", help="server URL, or one URL per DP rank")
-    p.add_argument("--prefill", nargs="+", help="PD mode (vLLM, NIXL): prefill server URL, or one per DP rank")
-    p.add_argument("--decode", nargs="+", help="PD mode: decode server URL, or one per rank of the decode plan")
-    p.add_argument("--decode-plan", type=Path, help="PD mode: job directory of a system=signature / signature_eldr plan")
-    p.add_argument("--kv-lease", type=float, default=KV_LEASE_S,
+def build_parser() -> cli.ArgumentParser:
+    """The router's options, each of a shared kind (repro.cli): a bad value is one sentence naming the option, exit
+    code 2, before the plan is read or a port opened."""
+    p = cli.ArgumentParser(prog="python -m repro.engines.router", description=__doc__.splitlines()[0])
+    p.add_argument("--plan", type=cli.existing_dir, required=True, help="job directory under runs/ or its plan/ folder")
+    p.add_argument("--upstream", nargs="+", type=cli.url, help="server URL, or one URL per DP rank")
+    p.add_argument("--prefill", nargs="+", type=cli.url,
+                   help="PD mode (vLLM, NIXL): prefill server URL, or one per DP rank")
+    p.add_argument("--decode", nargs="+", type=cli.url,
+                   help="PD mode: decode server URL, or one per rank of the decode plan")
+    p.add_argument("--decode-plan", type=cli.existing_dir,
+                   help="PD mode: job directory of a system=signature / signature_eldr plan")
+    p.add_argument("--kv-lease", type=cli.rate, default=KV_LEASE_S,
                    help="PD mode: seconds the prefill holds the KV blocks (its kv_lease_duration)")
-    p.add_argument("--model-config", help="PD mode: the served model's config.json (default: the decode job's model)")
+    p.add_argument("--model-config", type=cli.existing_file,
+                   help="PD mode: the served model's config.json (default: the decode job's model)")
     p.add_argument("--shape", help="PD mode: a simulator shape (conf/sim/shape) instead of --model-config")
     p.add_argument("--engine", choices=ENGINES, default="sglang")
     p.add_argument("--tokenizer", help="the model's tokenizer (mixtral, qwen, olmoe, hf:<repo or folder>); default: the job's")
-    p.add_argument("--ep-size", type=int, help="DP ranks = EP degree (default: the job's parallel.devices)")
+    p.add_argument("--ep-size", type=cli.positive, help="DP ranks = EP degree (default: the job's parallel.devices)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=_port, default=8080)
-    p.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to connect to the upstream")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds the upstream may stay silent")
-    p.add_argument("--client-timeout", type=float, default=CLIENT_TIMEOUT_S,
+    p.add_argument("--port", type=cli.port, default=8080)
+    p.add_argument("--connect-timeout", type=cli.rate, default=5.0, help="seconds to connect to the upstream")
+    p.add_argument("--timeout", type=cli.rate, default=600.0, help="seconds the upstream may stay silent")
+    p.add_argument("--client-timeout", type=cli.rate, default=CLIENT_TIMEOUT_S,
                    help="seconds a client may take to send a request's headers, and its body")
-    p.add_argument("--max-body-mb", type=float, default=MAX_BODY_BYTES / 2**20,
+    p.add_argument("--max-body-mb", type=cli.rate, default=MAX_BODY_BYTES / 2**20,
                    help="largest request body accepted, in MiB (413 beyond)")
-    p.add_argument("--load-poll-ms", type=float, default=LOAD_POLL_S * 1000,
+    p.add_argument("--load-poll-ms", type=cli.rate, default=LOAD_POLL_S * 1000,
                    help="a load-reading plan: how often the upstreams' /metrics are read, in ms")
-    p.add_argument("--kv-capacity-tokens", type=int, default=1_000_000,
+    p.add_argument("--kv-capacity-tokens", type=cli.positive, default=1_000_000,
                    help="a load-reading plan: KV-cache tokens per rank (the engine reports a fraction)")
-    p.add_argument("--max-batched-tokens", type=int, default=8192,
+    p.add_argument("--max-batched-tokens", type=cli.positive, default=8192,
                    help="a load-reading plan: the engine's per-rank token budget per iteration (chunked prefill size)")
-    p.add_argument("--max-running-requests", type=int, default=256,
+    p.add_argument("--max-running-requests", type=cli.positive, default=256,
                    help="a load-reading plan: the engine's per-rank running-request cap (SGLang max_running_requests, "
                         "vLLM max_num_seqs)")
     return p
-
-
-def _port(text: str) -> int:
-    if not text.isdigit() or not 0 < int(text) < 65536:
-        raise argparse.ArgumentTypeError(f"a TCP port is an integer in 1..65535, got {text!r}")
-    return int(text)
 
 
 def make_router(args) -> tuple[SemanticRouter, object]:
@@ -723,8 +733,6 @@ def make_router(args) -> tuple[SemanticRouter, object]:
     if not name:
         raise ConfigError("the job config names no tokenizer; pass the model's with --tokenizer.")
     tokenizer = load_tokenizer(name)
-    if min(args.kv_capacity_tokens, args.max_batched_tokens, args.max_running_requests) < 1:
-        raise ConfigError("--kv-capacity-tokens, --max-batched-tokens and --max-running-requests must be integers >= 1.")
     live = LiveLoad(plan.parallel.devices, args.kv_capacity_tokens, args.max_batched_tokens, args.max_running_requests)
     return SemanticRouter(plan, tokenizer, live), tokenizer
 
@@ -769,17 +777,13 @@ def install_reload(router: SemanticRouter, args) -> None:
 def main(argv: list[str] | None = None) -> int:
     from aiohttp import web
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)  # every value checked by its kind (timeouts finite and > 0, ports, URLs, paths)
+    if bool(args.upstream) == bool(args.prefill):
+        parser.error("give --upstream (plain mode) or --prefill with --decode (PD mode), not both or neither")
+    if not args.prefill and (args.decode or args.decode_plan):
+        parser.error("--decode and --decode-plan belong to PD mode; give --prefill instead of --upstream")
     try:
-        limits = (args.connect_timeout, args.timeout, args.client_timeout, args.max_body_mb, args.kv_lease,
-                  args.load_poll_ms)
-        if not all(math.isfinite(x) and x > 0 for x in limits):  # nan passed a `<= 0` test
-            raise ConfigError("--connect-timeout, --timeout, --client-timeout, --max-body-mb, --kv-lease and "
-                              "--load-poll-ms must be finite numbers > 0.")
-        if bool(args.upstream) == bool(args.prefill):
-            raise ConfigError("give --upstream (plain mode) or --prefill with --decode (PD mode), not both or neither.")
-        if not args.prefill and (args.decode or args.decode_plan):
-            raise ConfigError("--decode and --decode-plan belong to PD mode; give --prefill instead of --upstream.")
         decode = make_decode(args) if args.prefill else None
         router, tokenizer = make_router(args)
         app = build_app(router, args.prefill or args.upstream, args.engine, connect_timeout=args.connect_timeout,

@@ -340,8 +340,15 @@ def _check_finite_weights(weights: np.ndarray) -> None:
             )
 
 
-TRACE_EXTRA_FILES = ("vocab.json",)  # files a trace directory may hold beside meta, requests and arrays
+TRACE_EXTRA_FILES = ("vocab.json", "arrival_time.json")  # files a trace directory may hold beside meta, requests and arrays
 TRACE_FILES = frozenset({"meta.json", "requests.json", *TRACE_EXTRA_FILES, *(f"{n}.npy" for n in ARRAY_DTYPES)})
+DIGEST_CACHE = ".digest.json"  # the trace's own digest, cached by repro.traces.digest
+
+
+def is_digest_cache(name: str) -> bool:
+    """Whether `name` in a trace folder is its digest cache or a temporary of that cache's writer: part of the
+    trace, not foreign data that would stop the folder being replaced."""
+    return name == DIGEST_CACHE or name.startswith(f".{DIGEST_CACHE}.")
 IF_EXISTS = ("replace", "keep", "error")
 
 
@@ -376,7 +383,7 @@ def _trace_dir_state_once(path: Path) -> tuple[str, str]:
         return "other", f"cannot be listed ({e.strerror})"
     if not names:
         return "empty", ""
-    foreign = sorted(names - TRACE_FILES)
+    foreign = sorted(n for n in names - TRACE_FILES if not is_digest_cache(n))
     if foreign:
         return "other", f"holds {foreign[0]!r}, which is not part of a routing trace"
     missing = [f for f in ("meta.json", *(f"{n}.npy" for n in REQUIRED_ARRAYS)) if f not in names]

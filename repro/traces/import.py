@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--label-col", help="default: label if present")
     p.add_argument("--phase-col", help="prefill/decode per token; default: phase if present")
     p.add_argument("--prefill-len-col", help="prompt length per request; default: prefill_len if present")
+    p.add_argument("--arrival-col", help="arrival time per request (seconds, requests in arrival order); "
+                   "default: arrival_time if present")
     p.add_argument("--batch-rows", type=cli.positive, default=DEFAULT_BATCH_ROWS,
                    help=f"rows read and checked at once; bounds memory (default {DEFAULT_BATCH_ROWS:,})")
     return p
@@ -87,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
             label_col=args.label_col,
             phase_col=args.phase_col,
             prefill_len_col=args.prefill_len_col,
+            arrival_col=args.arrival_col,
         )
     except ReproError as e:
         print(f"error: {e}", file=sys.stderr)

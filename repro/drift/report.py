@@ -1,0 +1,80 @@
+"""`python -m repro.drift.report runs/drift`: the drift experiment's summary table and its targets, read from the jobs'
+metrics.json files (nothing is recomputed).
+
+One markdown row per (stream, seed, policy), then the issue's three targets judged by stated rules over the
+jobs found: on every abrupt-switch job the headline policy keeps >= 90 % of the hindsight all-to-all gain
+(gain_kept_vs_hindsight >= 0.9) and moves <= 25 % of EPLB's experts (experts_moved_vs_eplb <= 0.25); on every
+stationary job it never re-places (false_alarms == 0 and replacements == 0).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from repro import cli
+from repro.errors import ReproError
+
+COLUMNS = ("a2a_s", "stall_s", "migration_s", "gain_kept_vs_hindsight", "gain_kept_vs_best_per_window", "experts_moved", "experts_moved_vs_eplb", "replacements",
+           "false_alarms", "lar_mean", "balance_mean")
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def load_jobs(root: Path) -> list[tuple[str, int, dict]]:
+    """(stream name, seed, summary) of every finished drift job under root, sorted."""
+    jobs = []
+    for metrics in sorted(Path(root).rglob("metrics.json")):
+        payload = json.loads(metrics.read_text())
+        config, summary = payload.get("config", {}), payload.get("summary", {})
+        if "policies" not in summary or not config.get("drift"):
+            continue
+        workload = config["workload"]
+        stream = (f"trace {Path(config['trace']).name}" if config.get("trace")  # an imported trace, not the workload
+                  else "abrupt" if workload.get("segments") and len(workload["segments"]) > 1
+                  else "periodic" if workload.get("mix") else "stationary")
+        jobs.append((stream, int(config["seed"]), summary))
+    if not jobs:
+        raise ReproError(f"{root} holds no finished drift job (metrics.json with a drift summary); run "
+                         "`python -m repro.run -m experiment=drift` first.")
+    return sorted(jobs, key=lambda j: (j[0], j[1]))
+
+
+def report(root: Path) -> str:
+    jobs = load_jobs(root)
+    lines = ["| stream | seed | policy | " + " | ".join(COLUMNS) + " |", "|" + "---|" * (len(COLUMNS) + 3)]
+    for stream, seed, summary in jobs:
+        for name, policy in summary["policies"].items():
+            label = f"{name} ({policy['kind']})" if policy["kind"] != "system" else name
+            lines.append(f"| {stream} | {seed} | {label} | " + " | ".join(_cell(policy.get(c)) for c in COLUMNS) + " |")
+    lines.append("")
+    abrupt = [s for stream, _, s in jobs if stream == "abrupt"]
+    stationary = [s for stream, _, s in jobs if stream == "stationary"]
+    if abrupt:
+        kept = [s["gain_kept_vs_hindsight"] for s in abrupt]
+        moved = [s["experts_moved_vs_eplb"] for s in abrupt]
+        lines.append(f"- gain kept vs hindsight >= 0.90 on every abrupt job: "
+                     f"{'met' if all(k is not None and k >= 0.9 for k in kept) else 'missed'} ({[_cell(k) for k in kept]})")
+        lines.append(f"- experts moved <= 0.25 x EPLB's on every abrupt job: "
+                     f"{'met' if all(m is not None and m <= 0.25 for m in moved) else 'missed'} ({[_cell(m) for m in moved]})")
+    if stationary:
+        alarms = [s["replacements"] for s in stationary]
+        lines.append(f"- no re-placement on any stationary job: {'met' if not any(alarms) else 'missed'} "
+                     f"(re-placements per job {alarms})")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = cli.ArgumentParser(prog="python -m repro.drift.report", description=__doc__.splitlines()[0])
+    parser.add_argument("runs", type=cli.existing_dir, help="the experiment's folder, e.g. runs/drift")
+    args = parser.parse_args(argv)
+    return cli.run(lambda: print(report(Path(args.runs))))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
