@@ -127,9 +127,9 @@ def synthetic_trace_dir(path: Path) -> Path:
 @pytest.mark.sweep
 @pytest.mark.parametrize(
     "experiment",
-    # cross_dataset routes two workloads and exec_model runs the tiny model that routed the workload, which trace=
+    # cross_dataset(_offline) routes two workloads and exec_model runs the tiny model that routed the workload, which trace=
     # cannot stand in for: test_honesty and tests/test_exec_model.py run them for real
-    sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml") if p.stem not in ("cross_dataset", "exec_model")),
+    sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml") if p.stem not in ("cross_dataset", "cross_dataset_offline", "exec_model")),
 )
 def test_every_experiment_sweep_runs(tmp_path, cache, experiment):
     """Each experiment's whole sweep (every system x mode x degree it names) runs, on a small imported trace."""
@@ -144,6 +144,8 @@ def test_every_experiment_sweep_runs(tmp_path, cache, experiment):
     # a trace's requests keep their own lengths: paper_table2's input_len sweep applies to routed workloads only
     nodes += ["workload.input_len=null"] if experiment == "paper_table2" else []
     nodes += ["workload.input_len_lognormal=null"] if experiment == "serve_dp_heavy" else []
+    # the small trace's 60 requests: a shorter profile and windows, so the stream holds several windows
+    nodes += ["drift.profile_requests=20", "drift.window_requests=10"] if experiment == "drift" else []
     res = subprocess.run(
         [sys.executable, "-m", "repro.run", "-m", f"experiment={experiment}", "logger=none", f"trace={trace}",
          "parallel.tokens_per_step=256", f"hydra.sweep.dir={tmp_path / 'runs'}",
