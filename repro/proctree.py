@@ -50,6 +50,35 @@ def group_alive(pgid: int) -> bool:
     return True
 
 
+def running(pid: int) -> bool:
+    """Whether process `pid` still runs; a zombie (ended, not yet reaped by whoever adopted it) has ended. Linux
+    reads /proc; elsewhere a signal 0 decides (a zombie then counts as running)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        if Path("/proc/self").exists():
+            return False
+    except (OSError, IndexError):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def wait_ended(pids, timeout_s: float) -> bool:
+    """Wait up to timeout_s for every process of `pids` to end (`running`); True when they all did."""
+    deadline = time.monotonic() + timeout_s
+    while any(running(pid) for pid in pids):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(POLL_S)
+    return True
+
+
 def others_in_group(pgid: int) -> bool:
     """Whether a running process other than this one is in group `pgid` (Linux /proc; elsewhere False: the caller
     then relies on its own child's end). Zombies are not counted: they have ended, and init reaps them."""

@@ -21,6 +21,7 @@ from test_engines_hf_export import CFG, REAL_VOCAB, random_tiny_model
 
 from bench import engine_cpu
 from repro.engines.capture import main as capture_main
+from repro.proctree import wait_ended
 from repro.routing.hf_capture import capture_routing
 from repro.traces import read_trace
 from repro.workloads.request import Request
@@ -194,16 +195,7 @@ def test_the_server_does_not_outlive_a_killed_benchmark(tmp_path):
     parent.kill()
     parent.wait()
 
-    def alive(pid: int) -> bool:  # a zombie waiting for init to reap it has stopped
-        try:
-            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-        except OSError:
-            return False
-
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(alive(pid) for pid in server_pids):
-        time.sleep(0.1)
-    assert not any(alive(pid) for pid in server_pids)
+    assert wait_ended(server_pids, 10)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups and /proc are Linux's here")

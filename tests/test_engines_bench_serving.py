@@ -391,7 +391,7 @@ def test_a_sweep_killed_by_sigkill_leaves_no_benchmark_tool_running(tmp_path):
     import sys
     import time
 
-    from test_side_by_side import alive
+    from repro.proctree import wait_ended
 
     pids = tmp_path / "pids"
     sweep = subprocess.Popen([sys.executable, "-c", SWEEP_WITH_A_HANGING_TOOL, str(pids), str(tmp_path / "out"),
@@ -403,10 +403,7 @@ def test_a_sweep_killed_by_sigkill_leaves_no_benchmark_tool_running(tmp_path):
     tool = int(pids.read_text())
     sweep.send_signal(signal.SIGKILL)
     sweep.wait()
-    deadline = time.monotonic() + 5
-    while alive(tool) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    stopped = not alive(tool)
+    stopped = wait_ended([tool], 5)
     if not stopped:
         os.kill(tool, signal.SIGKILL)
     assert stopped, "the benchmark tool outlived the killed sweep"

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from repro.exec.launch import PARENT_POLL_S
+from repro.proctree import running as alive
 
 TESTS = Path(__file__).resolve().parent
 GONE_WITHIN_S = 5.0  # PR_SET_PDEATHSIG and the SIGTERM path end the ranks in ~0.2 s; this leaves room for load
@@ -28,10 +29,6 @@ def _stat(pid: int) -> list[str] | None:
         return None
 
 
-def alive(pid: int) -> bool:
-    """True while pid runs; a zombie (exited, not yet reaped by whoever adopted it) counts as gone."""
-    fields = _stat(pid)
-    return fields is not None and fields[0] not in ("Z", "X")
 
 
 def children(ppid: int) -> dict[int, str]:

@@ -5,19 +5,9 @@ import os
 import time
 from pathlib import Path
 
+from repro.proctree import running as alive
+from repro.proctree import wait_ended
 from repro.side_by_side import run
-
-
-def alive(pid: int) -> bool:
-    """Running (a zombie, killed but not yet reaped by init, is not)."""
-    stat = Path(f"/proc/{pid}/stat")
-    if stat.exists():
-        return stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def test_both_streams_run_with_one_thread_each(tmp_path):
@@ -69,10 +59,7 @@ def test_an_orphaned_guard_ends_a_stream_child_that_ignores_sigterm(tmp_path):
     time.sleep(0.2)  # the trap is set before the pid is written; exec sleep keeps it
     parent.send_signal(signal.SIGKILL)
     parent.wait()
-    deadline = time.monotonic() + 8
-    while alive(straggler) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    stopped = not alive(straggler)
+    stopped = wait_ended([straggler], 8)
     if not stopped:
         os.kill(straggler, signal.SIGKILL)
     assert stopped, "a stream child that ignores SIGTERM outlived side_by_side and its guard"
