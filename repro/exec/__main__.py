@@ -91,7 +91,7 @@ def main(cfg: DictConfig) -> None:
         if in_torchrun():
             torchrun_job(OmegaConf.to_container(cfg, resolve=True), out_dir)
         else:
-            from repro.run import run_job
+            from repro.run import run_job  # layer: standalone it is python -m repro.run (see torchrun_job)
 
             run_job(cfg, out_dir)
     except ReproError as e:
