@@ -5,6 +5,7 @@ Legend: R requests, L MoE layers, k experts per token, E experts.
 """
 
 import importlib
+import os
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +25,7 @@ from repro.sim.metrics import (
     request_latencies,
     run_until_converged,
 )
-from repro.sim.simulate import _pool, check_sim_config, draw_requests, lattice_ladder, seeds_settled
+from repro.sim.simulate import _pool, check_sim_config, draw_requests, lattice_ladder, seed_workers, seeds_settled
 from repro.systems.base import Placement, Plan
 from repro.systems.ep import contiguous_placement
 from repro.traces import TraceMeta, make_trace
@@ -315,13 +316,21 @@ def test_results_state_the_method(small):
 def test_seeds_in_parallel_processes_give_the_serial_numbers(small):
     """sim.workers forks one process per seed; each seed's work is independent of the others, so the tables and
     every summary value but the timings are the serial run's, bit for bit."""
-    serial, forked = run_small(small, max_duration_s=4.0), run_small(small, max_duration_s=4.0, workers=2)
+    serial, forked = run_small(small, max_duration_s=4.0, workers=1), run_small(small, max_duration_s=4.0, workers=2)
     for name in ("per_rate", "per_layer", "probes", "requests"):
         pd.testing.assert_frame_equal(getattr(serial, name), getattr(forked, name), check_exact=True)
     timings = {"sim_wall_s", "sim_cpu_s", "sim_requests_per_wall_s", "sim_events_per_wall_s", "sim_workers"}
     assert {k: v for k, v in serial.summary.items() if k not in timings} == \
         {k: v for k, v in forked.summary.items() if k not in timings}
     assert serial.summary["sim_extensions"] > 0  # the runs did lengthen: the loop ran in the workers too
+
+
+def test_workers_auto_is_the_cpus_this_process_may_use_and_bad_values_are_refused():
+    assert seed_workers("auto") == len(os.sched_getaffinity(0)) and seed_workers(3) == 3
+    assert check_sim_config(sim_section(workers="auto"))["workers"] == "auto"
+    for bad in (0, "all", 1.5, True):
+        with pytest.raises(ConfigError, match="sim.workers must be an integer >= 1 or 'auto'"):
+            check_sim_config(sim_section(workers=bad))
 
 
 def test_a_run_capped_before_it_converges_is_labelled_so(small):

@@ -114,7 +114,7 @@ SIM_TABLE = {  # the types and ranges of the job config's sim group (check_sim_c
     "batches": integer(3),
     "rel_halfwidth": number(0, 1, low_open=True, high_open=True),
     "max_duration_s": number(0, low_open=True, null=True),
-    "workers": integer(1),
+    "workers": Value(("int", "str"), low=1, choices=("auto",)),
     "slo": MAPPING,
     "seeds_until": OPTIONAL_MAPPING,
 }
@@ -179,8 +179,11 @@ def check_sim_config(sim: dict) -> dict:
     for key, allowed in choices:
         if sim[key] not in allowed:
             raise ConfigError(f"sim.{key} must be one of {allowed}, got {sim[key]!r}.")
-    for key in ("min_requests", "seeds", "max_batched_tokens", "max_running_requests", "max_block_iterations",
-                "workers"):
+    if sim["workers"] != "auto" and (not isinstance(sim["workers"], int | np.integer)
+                                     or isinstance(sim["workers"], bool) or sim["workers"] < 1):
+        raise ConfigError(f"sim.workers must be an integer >= 1 or 'auto' (the CPUs this process may use), "
+                          f"got {sim['workers']!r}.")
+    for key in ("min_requests", "seeds", "max_batched_tokens", "max_running_requests", "max_block_iterations"):
         if not isinstance(sim[key], int | np.integer) or isinstance(sim[key], bool) or sim[key] < 1:
             raise ConfigError(f"sim.{key} must be an integer >= 1, got {sim[key]!r}.")
     for key in ("duration_s", "warmup_s", "cooldown_s", "drain_s", "stable_tolerance"):
@@ -610,6 +613,15 @@ def _anchors(seed0: dict) -> dict:
     return {rule: f["low"] for rule, f in seed0["found"].items() if f["bracketed"] and f["low"] > 0}
 
 
+def seed_workers(workers: int | str) -> int:
+    """sim.workers as a process count: `auto` is the number of CPUs this process may run on (its affinity). Under
+    make reproduce's two streams that oversubscribes while both run, which costs a little switching and no result;
+    it lets the stream that finishes last use every core."""
+    if workers != "auto":
+        return int(workers)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def _each_seed(setup: _Setup, seed_seqs: list, slo: dict | None, workers: int, light: list | None = None,
                first_seed: int = 0, anchors: dict | None = None) -> list[dict]:
     """_seed_work of seeds first_seed, first_seed + 1, ... (one per seed_seqs entry), in seed order: in this
@@ -700,7 +712,8 @@ def simulate(config: dict, plan: Plan, trace: RoutingTrace, hardware: dict, shap
         bar = tqdm(desc="simulate seeds", unit="seed", total=2 * sim["seeds"] if derive else sim["seeds"])
 
     # the SLOs, fixed before any bisection: multiplier x the reference's statistic at the light rate, seeds pooled
-    light = _each_seed(setup, seed_seqs, None, sim["workers"]) if derive else []
+    workers = seed_workers(sim["workers"])
+    light = _each_seed(setup, seed_seqs, None, workers) if derive else []
     if bar is not None:
         bar.update(len(light))
     slo = {}
@@ -710,12 +723,12 @@ def simulate(config: dict, plan: Plan, trace: RoutingTrace, hardware: dict, shap
             continue
         pooled = np.concatenate([seed_light["latency"][name] for seed_light in light])
         slo[name] = float(slo_cfg["multiplier"] * statistic(pooled, stat))
-    seeds = _each_seed(setup, seed_seqs, slo, sim["workers"], light)
+    seeds = _each_seed(setup, seed_seqs, slo, workers, light)
     until = sim["seeds_until"]
     while until and len(seeds) < until["max_seeds"] and not seeds_settled(seeds, until["rel_halfwidth"]):
         # rng.spawn continues the same sequence of children: seed i is the same whether it came first or was added
         more = [g.bit_generator.seed_seq for g in rng.spawn(min(until["step"], until["max_seeds"] - len(seeds)))]
-        seeds += _each_seed(setup, more, slo, sim["workers"], first_seed=len(seeds), anchors=_anchors(seeds[0]))
+        seeds += _each_seed(setup, more, slo, workers, first_seed=len(seeds), anchors=_anchors(seeds[0]))
     if bar is not None:
         bar.update(len(seeds))
         bar.close()
@@ -809,7 +822,7 @@ def _summary(sim, slo, stat, light_rate, results, per_rate, probes, seeds, trace
         "sim_batches": int(sim["batches"]),
         "sim_rel_halfwidth": float(sim["rel_halfwidth"]),
         "sim_max_duration_s": float(sim["max_duration_s"]),
-        "sim_workers": int(sim["workers"]),
+        "sim_workers": seed_workers(sim["workers"]),
         "sim_kv_capacity_tokens": int(capacity),
         "sim_rates": [float(r) for r in sim["rates"]],
         "sim_runs": len(probes),
