@@ -24,7 +24,9 @@ from repro.systems.semmoe import (
     window_exact_assign,
     window_lookahead,
 )
+from repro.systems.base import Plan
 from repro.systems.semmoe.dp import slack_argmax
+from repro.systems.semmoe.tp import align_steps_to_slices, fill_groups
 from repro.traces import TraceMeta, make_trace, split_trace
 
 
@@ -234,6 +236,49 @@ def test_tp_shuffle_contract_and_moved_share(community_split):
     permutation, counts = plan.shuffle_tokens(tokens, 1, evaluation.experts[:65, :1])
     assert sorted(permutation.tolist()) == list(range(65)) and sorted(counts.tolist()) == [32, 33]
     assert 0.0 <= plan.info["align_moved_share"] <= 1.0 and plan.info["shuffled_tokens"] == 65
+
+
+def _align_one_step(device, confidence, num_devices, devices_per_node):
+    """The per-step align as first written (fill_groups over one step's devices), the reference of the grouped one."""
+    counts = np.full(num_devices, len(device) // num_devices) + (np.arange(num_devices) < len(device) % num_devices)
+    if devices_per_node is None:
+        final = fill_groups(device, confidence, counts)
+    else:
+        node = fill_groups(device // devices_per_node, confidence, counts.reshape(-1, devices_per_node).sum(axis=1))
+        crossed = node != device // devices_per_node
+        final = fill_groups(np.where(crossed, node * devices_per_node, device), confidence, counts, crossed)
+    return np.argsort(final, kind="stable"), counts, int((final != device).sum())
+
+
+@pytest.mark.parametrize("devices_per_node", [None, 2])
+def test_aligning_many_steps_at_once_equals_aligning_each(devices_per_node):
+    rng = np.random.default_rng(5)
+    sizes = np.array([0, 1, 7, 3, 16, 0, 9, 2])
+    device = rng.integers(0, 4, sizes.sum())
+    device[sizes[:4].sum():sizes[:5].sum()] = 1  # one step predicts a single device: most of it must move
+    confidence = rng.choice([0.2, 0.5, 0.9], sizes.sum())  # ties: the original order breaks them
+    permutation, counts, moved = align_steps_to_slices(device, confidence, sizes, 4, devices_per_node)
+    start, total_moved = 0, 0
+    for s, size in enumerate(sizes):
+        part = slice(start, start + size)
+        perm, want_counts, want_moved = _align_one_step(device[part], confidence[part], 4, devices_per_node)
+        assert permutation[part].tolist() == (perm + start).tolist() and counts[s].tolist() == want_counts.tolist()
+        start, total_moved = start + size, total_moved + want_moved
+    assert moved == total_moved > 0
+
+
+def test_semmoe_shuffles_a_block_of_steps_as_it_shuffles_each(community_split):
+    profile, evaluation = community_split
+    plan = SemMoE(n_steps=2).fit(profile, ParallelConfig(devices=2, attention="tp", tokens_per_step=64), np.random.default_rng(0))
+    sizes = np.array([5, 0, 33, 64, 1])
+    tokens, prev = evaluation.token_ids[: sizes.sum()], evaluation.experts[: sizes.sum(), :1]
+    plan.reset()
+    fast = plan.shuffle_steps(tokens, sizes, 1, prev)
+    moved = plan.info["align_moved_tokens"]
+    plan.reset()
+    one_by_one = Plan.shuffle_steps(plan, tokens, sizes, 1, prev)  # the base class: one shuffle_tokens per step
+    assert np.array_equal(fast[0], one_by_one[0]) and np.array_equal(fast[1], one_by_one[1])
+    assert moved == plan.info["align_moved_tokens"] and plan.info["shuffled_tokens"] == sizes.sum()
 
 
 def test_markov_table_wins_only_when_more_confident(community_split):

@@ -568,34 +568,35 @@ class Engine:
         return total + self.cfg.iteration_overhead, moe, stats
 
     def _tp_homes(self, rows_N, group_N, experts_NLk, num_k):
-        """(home int64[N, L], slice sizes int64[K, L, D]) from plan.shuffle_tokens per iteration and layer."""
+        """(home int64[N, L], slice sizes int64[K, L, D]) from plan.shuffle_steps: per layer, the K iterations'
+        tokens in one call (each iteration shuffled within itself, as one plan.shuffle_tokens call would)."""
         num_rows, num_layers, _ = experts_NLk.shape
         home = np.empty((num_rows, num_layers), dtype=np.int64)
         slices = np.zeros((num_k, num_layers, self.devices), dtype=np.int64)
-        ranks = np.arange(self.devices)
-        order = np.argsort(group_N, kind="stable")
-        bounds = np.searchsorted(group_N[order], np.arange(num_k + 1))
+        order = np.argsort(group_N, kind="stable")  # iteration after iteration
+        sizes = np.bincount(group_N, minlength=num_k)
+        step_of = group_N[order]
+        rank_of_slot = np.tile(np.arange(self.devices), num_k)
+        token_ids = self.req.token_ids[rows_N[order]]
+        experts = experts_NLk[order]
         name = type(self.plan).__name__
-        for k in range(num_k):
-            idx = order[bounds[k] : bounds[k + 1]]
-            token_ids = self.req.token_ids[rows_N[idx]]
-            experts = experts_NLk[idx]
-            for layer in range(num_layers):
-                first = max(0, layer - self.cfg.history)
-                prev = experts[:, first:layer] if layer > first else None
-                extra = {"current_experts": experts[:, layer]} if self.oracle else {}
-                perm, counts = self.plan.shuffle_tokens(token_ids, layer, prev, **extra)
-                perm, counts = np.asarray(perm, dtype=np.int64), np.asarray(counts, dtype=np.int64)
-                valid = (perm.shape == (len(idx),) and counts.shape == (self.devices,) and counts.sum() == len(idx)
-                         and counts.min() >= 0 and counts.max() - counts.min() <= 1
-                         and np.array_equal(np.sort(perm), np.arange(len(idx))))
-                if not valid:
-                    raise ReproError(
-                        f"{name}.shuffle_tokens returned no permutation of {len(idx)} tokens into {self.devices} "
-                        "reduce-scatter slices differing by at most one token; see Plan.shuffle_tokens."
-                    )
-                home[idx[perm], layer] = np.repeat(ranks, counts)
-                slices[k, layer] = counts
+        for layer in range(num_layers):
+            first = max(0, layer - self.cfg.history)
+            prev = experts[:, first:layer] if layer > first else None
+            extra = {"current_experts": experts[:, layer]} if self.oracle else {}
+            perm, counts = self.plan.shuffle_steps(token_ids, sizes, layer, prev, **extra)
+            perm, counts = np.asarray(perm, dtype=np.int64), np.asarray(counts, dtype=np.int64)
+            valid = (perm.shape == (num_rows,) and counts.shape == (num_k, self.devices)
+                     and np.array_equal(counts.sum(axis=1), sizes) and (num_rows == 0 or counts.min() >= 0)
+                     and (num_k == 0 or (counts.max(axis=1) - counts.min(axis=1)).max() <= 1)
+                     and np.array_equal(np.sort(perm), np.arange(num_rows)) and np.array_equal(step_of[perm], step_of))
+            if not valid:
+                raise ReproError(
+                    f"{name}.shuffle_tokens returned no permutation of an iteration's tokens into {self.devices} "
+                    "reduce-scatter slices differing by at most one token; see Plan.shuffle_tokens."
+                )
+            home[order[perm], layer] = np.repeat(rank_of_slot, counts.ravel())
+            slices[:, layer] = counts
         return home, slices
 
     def _counted_prompts(self, seg_r: np.ndarray, seg_q: np.ndarray, seg_g: np.ndarray):

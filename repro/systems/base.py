@@ -249,6 +249,27 @@ class Plan:
         """
         return np.arange(len(token_ids)), even_counts(len(token_ids), self.parallel.devices)
 
+    def shuffle_steps(
+        self, token_ids: np.ndarray, step_sizes: np.ndarray, layer: int, prev_experts: np.ndarray | None, **extra
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """shuffle_tokens of S steps at once (the simulator prices a block of iterations per layer in one call).
+
+        token_ids int32[N] hold the steps' tokens one step after another (step s: step_sizes[s] of them);
+        prev_experts int[N, h, k] and any `extra` per-token array likewise. Returns (permutation int64[N],
+        counts int64[S, D]) where permutation[a:b] over step s's positions a..b-1 is that step's own
+        shuffle_tokens permutation plus a, and counts[s] its counts. Here: one shuffle_tokens call per step;
+        a system whose shuffle is vectorised overrides it with the same result."""
+        permutations, counts, start = [], [], 0
+        for size in np.asarray(step_sizes, dtype=np.int64).tolist():
+            part = slice(start, start + size)
+            perm, per_rank = self.shuffle_tokens(token_ids[part], layer, None if prev_experts is None else
+                                                 prev_experts[part], **{k: v[part] for k, v in extra.items()})
+            permutations.append(np.asarray(perm, dtype=np.int64) + start)
+            counts.append(np.asarray(per_rank, dtype=np.int64))
+            start += size
+        return (np.concatenate(permutations) if permutations else np.zeros(0, np.int64),
+                np.array(counts, dtype=np.int64).reshape(len(counts), self.parallel.devices))
+
     def save(self, directory: str | Path) -> None:
         """Write the plan's folder (`write_files`) atomically: filled in a temporary sibling, then swapped in, so
         a reader or a kill never sees a folder mixing two plans. An existing folder is replaced only when it holds

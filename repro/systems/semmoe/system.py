@@ -68,7 +68,7 @@ from repro.systems.semmoe.dp import (
 )
 from repro.systems.semmoe.predictor import DP_PREDICTORS, fit_request_predictor, learned_request_scores
 from repro.systems.semmoe.topology import hierarchical_cocluster
-from repro.systems.semmoe.tp import align_to_slices, predict_devices
+from repro.systems.semmoe.tp import align_steps_to_slices, predict_devices
 from repro.traces import RoutingTrace
 
 CLUSTER_UNITS = ("auto", "tokens", "requests")
@@ -289,8 +289,17 @@ class SemMoEPlan(Plan):
         self, token_ids: np.ndarray, layer: int, prev_experts: np.ndarray | None
     ) -> tuple[np.ndarray, np.ndarray]:
         """(permutation int64[T], counts int64[D]) for the shuffled reduce-scatter before MoE layer `layer`."""
+        permutation, counts = self.shuffle_steps(token_ids, [len(token_ids)], layer, prev_experts)
+        return permutation, counts[0]
+
+    def shuffle_steps(
+        self, token_ids: np.ndarray, step_sizes: np.ndarray, layer: int, prev_experts: np.ndarray | None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """shuffle_tokens of S steps in one call (Plan.shuffle_steps; the same numbers): a token's predicted device
+        depends on the token alone, and align_steps_to_slices aligns every step within itself."""
         device, confidence = self.predicted_devices(token_ids, layer, prev_experts)
-        permutation, counts, moved = align_to_slices(device, confidence, self.parallel.devices, self.align_devices_per_node)
+        permutation, counts, moved = align_steps_to_slices(device, confidence, step_sizes, self.parallel.devices,
+                                                           self.align_devices_per_node)
         self.info["align_moved_tokens"] += moved
         self.info["shuffled_tokens"] += len(device)
         self.info["align_moved_share"] = self.info["align_moved_tokens"] / max(self.info["shuffled_tokens"], 1)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import numpy as np
 
 from repro.affinity.tables import history_keys, majority_device
-from repro.systems.base import even_counts
 
 
 def fill_groups(
@@ -61,15 +60,36 @@ def align_to_slices(
     its devices' slices), then by device inside each node, so an overflowing token moves to another device
     of its predicted node before it crosses nodes.
     """
+    permutation, counts, moved = align_steps_to_slices(device, confidence, [len(device)], num_devices, devices_per_node)
+    return permutation, counts[0], moved
+
+
+def align_steps_to_slices(
+    device: np.ndarray, confidence: np.ndarray, step_sizes, num_devices: int, devices_per_node: int | None = None
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """align_to_slices of S steps at once: (permutation int64[N], counts int64[S, D], moved).
+
+    device int[N], confidence float[N] hold the steps' tokens one step after another (step s: step_sizes[s] of
+    them). permutation[a:b], over step s's positions a..b-1, is that step's own align_to_slices permutation plus a,
+    and counts[s] its slices, bit for bit: every (step, device) pair is one group of fill_groups, and a step's
+    overflow exactly fills its own free places, which follow its groups in group order."""
     device = np.asarray(device, dtype=np.int64)
-    counts = even_counts(len(device), num_devices)
+    sizes = np.asarray(step_sizes, dtype=np.int64)
+    num_steps = len(sizes)
+    step = np.repeat(np.arange(num_steps), sizes)
+    counts = (sizes[:, None] // num_devices + (np.arange(num_devices) < sizes[:, None] % num_devices)).astype(np.int64)
     if devices_per_node is None or devices_per_node >= num_devices:
-        final = fill_groups(device, confidence, counts)
+        final = fill_groups(step * num_devices + device, confidence, counts.ravel()) - step * num_devices
     else:
-        node = fill_groups(device // devices_per_node, confidence, counts.reshape(-1, devices_per_node).sum(axis=1))
-        crossed = node != device // devices_per_node  # wait in the first device of their new node, then fill
-        final = fill_groups(np.where(crossed, node * devices_per_node, device), confidence, counts, crossed)
-    return np.argsort(final, kind="stable"), counts, int((final != device).sum())
+        nodes = num_devices // devices_per_node
+        predicted_node = device // devices_per_node
+        node = fill_groups(step * nodes + predicted_node, confidence,
+                           counts.reshape(num_steps, nodes, devices_per_node).sum(axis=2).ravel()) - step * nodes
+        crossed = node != predicted_node  # wait in the first device of their new node, then fill
+        final = fill_groups(step * num_devices + np.where(crossed, node * devices_per_node, device), confidence,
+                            counts.ravel(), crossed) - step * num_devices
+    permutation = np.argsort(step * num_devices + final, kind="stable")
+    return permutation, counts, int((final != device).sum())
 
 
 def inverse_permutation(permutation: np.ndarray) -> np.ndarray:
