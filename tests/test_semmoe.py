@@ -281,6 +281,15 @@ def test_semmoe_shuffles_a_block_of_steps_as_it_shuffles_each(community_split):
     assert moved == plan.info["align_moved_tokens"] and plan.info["shuffled_tokens"] == sizes.sum()
 
 
+def test_contiguous_slices_of_a_block_of_steps_are_each_steps_slices():
+    plan = Plan(make_system("ep").fit(community_trace(np.random.default_rng(0)), ParallelConfig(devices=4, attention="tp"),
+                                      None).placement, ParallelConfig(devices=4, attention="tp"))
+    sizes = np.array([4, 0, 1, 8])
+    permutation, counts = plan.shuffle_steps(np.zeros(13, np.int32), sizes, 0, None)
+    assert permutation.tolist() == list(range(13))
+    assert counts.tolist() == [plan.shuffle_tokens(np.zeros(n, np.int32), 0, None)[1].tolist() for n in sizes]
+
+
 def test_markov_table_wins_only_when_more_confident(community_split):
     profile, _ = community_split
     plan = SemMoE(n_steps=1).fit(profile, ParallelConfig(devices=2, attention="tp", tokens_per_step=64), np.random.default_rng(0))

@@ -206,6 +206,12 @@ def even_counts(total: int, parts: int) -> np.ndarray:
     return np.full(parts, total // parts, dtype=np.int64) + (np.arange(parts) < total % parts)
 
 
+def even_counts_of(totals: np.ndarray, parts: int) -> np.ndarray:
+    """int64[S, parts]: even_counts of each of totals int[S]."""
+    totals = np.asarray(totals, dtype=np.int64)[:, None]
+    return totals // parts + (np.arange(parts) < totals % parts)
+
+
 class Plan:
     """Vanilla online behaviour: round-robin requests (DP) and contiguous token slices (TP).
 
@@ -259,6 +265,8 @@ class Plan:
         counts int64[S, D]) where permutation[a:b] over step s's positions a..b-1 is that step's own
         shuffle_tokens permutation plus a, and counts[s] its counts. Here: one shuffle_tokens call per step;
         a system whose shuffle is vectorised overrides it with the same result."""
+        if type(self).shuffle_tokens is Plan.shuffle_tokens:  # contiguous slices: nothing to call per step
+            return np.arange(len(token_ids)), even_counts_of(step_sizes, self.parallel.devices)
         permutations, counts, start = [], [], 0
         for size in np.asarray(step_sizes, dtype=np.int64).tolist():
             part = slice(start, start + size)

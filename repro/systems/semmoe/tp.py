@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from repro.affinity.tables import history_keys, majority_device
+from repro.systems.base import even_counts_of
 
 
 def fill_groups(
@@ -77,7 +78,7 @@ def align_steps_to_slices(
     sizes = np.asarray(step_sizes, dtype=np.int64)
     num_steps = len(sizes)
     step = np.repeat(np.arange(num_steps), sizes)
-    counts = (sizes[:, None] // num_devices + (np.arange(num_devices) < sizes[:, None] % num_devices)).astype(np.int64)
+    counts = even_counts_of(sizes, num_devices)
     if devices_per_node is None or devices_per_node >= num_devices:
         final = fill_groups(step * num_devices + device, confidence, counts.ravel()) - step * num_devices
     else:
