@@ -579,25 +579,30 @@ class Engine:
         rank_of_slot = np.tile(np.arange(self.devices), num_k)
         token_ids = self.req.token_ids[rows_N[order]]
         experts = experts_NLk[order]
-        name = type(self.plan).__name__
+        perms = np.empty((num_layers, num_rows), dtype=np.int64)
         for layer in range(num_layers):
             first = max(0, layer - self.cfg.history)
             prev = experts[:, first:layer] if layer > first else None
             extra = {"current_experts": experts[:, layer]} if self.oracle else {}
             perm, counts = self.plan.shuffle_steps(token_ids, sizes, layer, prev, **extra)
             perm, counts = np.asarray(perm, dtype=np.int64), np.asarray(counts, dtype=np.int64)
-            valid = (perm.shape == (num_rows,) and counts.shape == (num_k, self.devices)
-                     and np.array_equal(counts.sum(axis=1), sizes) and (num_rows == 0 or counts.min() >= 0)
-                     and (num_k == 0 or (counts.max(axis=1) - counts.min(axis=1)).max() <= 1)
-                     and np.array_equal(np.sort(perm), np.arange(num_rows)) and np.array_equal(step_of[perm], step_of))
-            if not valid:
-                raise ReproError(
-                    f"{name}.shuffle_tokens returned no permutation of an iteration's tokens into {self.devices} "
-                    "reduce-scatter slices differing by at most one token; see Plan.shuffle_tokens."
-                )
-            home[order[perm], layer] = np.repeat(rank_of_slot, counts.ravel())
-            slices[:, layer] = counts
+            if perm.shape != (num_rows,) or counts.shape != (num_k, self.devices):
+                self._bad_shuffle()
+            perms[layer], slices[:, layer] = perm, counts
+        # checked once for every layer: each iteration's tokens permuted among themselves into even slices
+        if num_rows and not (np.array_equal(slices.sum(axis=2), np.broadcast_to(sizes[:, None], (num_k, num_layers)))
+                             and slices.min() >= 0 and (slices.max(axis=2) - slices.min(axis=2)).max() <= 1
+                             and np.array_equal(np.sort(perms, axis=1), np.broadcast_to(np.arange(num_rows), perms.shape))
+                             and np.array_equal(step_of[perms], np.broadcast_to(step_of, perms.shape))):
+            self._bad_shuffle()
+        ranks = np.repeat(np.tile(rank_of_slot, num_layers), slices.transpose(1, 0, 2).ravel()).reshape(num_layers, -1)
+        home[order[perms], np.arange(num_layers)[:, None]] = ranks
         return home, slices
+
+    def _bad_shuffle(self):
+        raise ReproError(f"{type(self.plan).__name__}.shuffle_tokens returned no permutation of an iteration's tokens "
+                         f"into {self.devices} reduce-scatter slices differing by at most one token; see "
+                         "Plan.shuffle_tokens.")
 
     def _counted_prompts(self, seg_r: np.ndarray, seg_q: np.ndarray, seg_g: np.ndarray):
         """(counted: what CostModel.count_and_price adds to iteration 0, rows_needed bool[S], new keys) for an
