@@ -42,8 +42,9 @@ SHARED_DATA ?= $(or $(REPRO_SHARED_DATA),../shared/data)
 # Phase 1: `default`, whose first job trains the tiny routing model (~10 CPU minutes on the one thread it always uses,
 # so that its weights are the same on every machine), beside the experiments on synthetic routing, which need no
 # training. Phase 2: the other tiny-model experiments, and tuning.
-# serving estimates converge (issue 25): serve_dp ~13 and serve_tp ~6 CPU minutes, so serve_tp runs after the training
-SYNTHETIC_EXPERIMENTS := exec serve_dp
+# serving estimates converge (issue 25): serve_dp ~13 and serve_tp ~6 CPU minutes, so serve_tp runs after the training.
+# serve_dp_models (R4 on Qwen3-30B-A3B, R9 on Moonlight-16B) and paper_table2 (R5) make every serving claim testable.
+SYNTHETIC_EXPERIMENTS := exec serve_dp serve_dp_models paper_table2
 SYNTHETIC_AFTER_TRAINING := serve_tp
 TINY_EXPERIMENTS_A := paper_dp paper_tp dp_lookahead
 TINY_EXPERIMENTS_B := routing_sources exec_model cross_dataset_offline
