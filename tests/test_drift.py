@@ -250,7 +250,7 @@ def test_drift_job_reports_every_policy_with_the_summary_keys_and_the_same_numbe
                                "hindsight": {"kind": "hindsight"}}},
     }
     trace = planted_trace(PROFILE + 4 * WINDOW, PROFILE + 2 * WINDOW)
-    summary, rows, events = drift_job(config, trace)
+    summary, rows, events, serving = drift_job(config, trace)
     for key in ("gain_kept_vs_hindsight", "experts_moved_vs_eplb", "false_alarms", "stall_s"):
         assert key in summary and all(key in p for p in summary["policies"].values())
     # nobody beats the best any policy reached in each window
@@ -260,7 +260,7 @@ def test_drift_job_reports_every_policy_with_the_summary_keys_and_the_same_numbe
     assert summary["false_alarms"] == 0 and summary["replacements"] == 1 and summary["stall_s"] > 0
     assert len(rows) == 4 * 4 and set(rows.policy) == set(config["drift"]["policies"])
     assert rows.loc[rows.policy == "hindsight", "kind"].eq("hindsight").all()
-    again, rows_again, _ = drift_job(config, trace)
+    again, rows_again, _, _ = drift_job(config, trace)
     assert again == summary and rows_again.equals(rows)
 
 
