@@ -1,8 +1,10 @@
 """`python -m repro.drift.report runs/drift`: the drift experiment's summary table and its targets, read from the jobs'
 metrics.json files (nothing is recomputed).
 
-One markdown row per (stream, seed, policy), then the issue's three targets judged by stated rules over the
-jobs found: on every abrupt-switch job the headline policy keeps >= 90 % of the hindsight all-to-all gain
+One markdown row per (stream, seed, policy), then, for jobs with the serving pass (drift.serving.enabled), a second
+table of its keys (p99 / mean TTFT and TPOT over the whole served stream, SLO attainment, serving stall seconds,
+migrations, LAR, all-to-all seconds) with each job's rate and SLOs, then the issue's three targets judged by stated
+rules over the jobs found: on every abrupt-switch job the headline policy keeps >= 90 % of the hindsight all-to-all gain
 (gain_kept_vs_hindsight >= 0.9) and moves <= 25 % of EPLB's experts (experts_moved_vs_eplb <= 0.25); on every
 stationary job it never re-places (false_alarms == 0 and replacements == 0).
 """
@@ -18,6 +20,10 @@ from repro.errors import ReproError
 
 COLUMNS = ("a2a_s", "stall_s", "migration_s", "gain_kept_vs_hindsight", "gain_kept_vs_best_per_window", "experts_moved", "experts_moved_vs_eplb", "replacements",
            "false_alarms", "lar_mean", "balance_mean")
+
+
+SERVING_COLUMNS = ("ttft_p99_s", "ttft_mean_s", "tpot_p99_s", "tpot_mean_s", "slo_attainment", "serving_stall_s",
+                   "serving_migrations", "serving_lar", "serving_a2a_s")
 
 
 def _cell(value) -> str:
@@ -53,6 +59,23 @@ def report(root: Path) -> str:
             label = f"{name} ({policy['kind']})" if policy["kind"] != "system" else name
             lines.append(f"| {stream} | {seed} | {label} | " + " | ".join(_cell(policy.get(c)) for c in COLUMNS) + " |")
     lines.append("")
+    served = [(stream, seed, summary) for stream, seed, summary in jobs if "serving_rate_rps" in summary]
+    if served:
+        lines += ["Serving pass (repro.drift.serving): each policy's plan changes replayed in the serving simulator.", "",
+                  "| stream | seed | policy | " + " | ".join(SERVING_COLUMNS) + " |", "|" + "---|" * (len(SERVING_COLUMNS) + 3)]
+        for stream, seed, summary in served:
+            for name, policy in summary["policies"].items():
+                if "ttft_p99_s" in policy:
+                    lines.append(f"| {stream} | {seed} | {name} | "
+                                 + " | ".join(_cell(policy.get(c)) for c in SERVING_COLUMNS) + " |")
+        lines.append("")
+        for stream, seed, summary in served:
+            lines.append(f"- {stream} seed {seed}: {_cell(summary['serving_rate_rps'])} req/s"
+                         + (f" ({_cell(summary['serving_load'])} x static EP's {_cell(summary['serving_capacity_rps'])} "
+                            "req/s flood throughput)" if summary.get("serving_capacity_rps") else " (given)")
+                         + f", {summary['serving_window_s']} s per window, {summary['serving_requests']} requests; SLOs "
+                         f"TTFT {_cell(summary['slo_ttft_s'])} s, TPOT {_cell(summary['slo_tpot_s'])} s ({summary['slo_rule']})")
+        lines.append("")
     abrupt = [s for stream, _, s in jobs if stream == "abrupt"]
     stationary = [s for stream, _, s in jobs if stream == "stationary"]
     if abrupt:

@@ -109,6 +109,7 @@ class ServingSetup:
     info: dict
     migration: dict
     window_costs: bool
+    runs: int = 0  # engine runs so far (the policies' runs, fixed points and horizons; not the SLO and capacity runs)
     _horizons: dict = field(default_factory=dict)
 
     def engine(self, plan):
@@ -254,6 +255,7 @@ def asked_times(setup: ServingSetup, first, decisions: list[tuple[int, object]],
     its window's last request finished in that same run (module docstring: a fixed point)."""
     engine = setup.engine(first)
     run = engine.run(setup.arrivals)
+    setup.runs += 1
     if not decisions:
         return run, [], []
     windows = [w for w, _ in decisions]
@@ -271,6 +273,7 @@ def asked_times(setup: ServingSetup, first, decisions: list[tuple[int, object]],
         times = wanted
         changes = _priced(setup, first, times, plans, mode)
         run = engine.run(setup.arrivals, changes=changes)
+        setup.runs += 1
     raise ReproError(f"the times the changes are asked for did not settle in {MAX_FIXED_POINT_RUNS} serving runs; "
                      "lower drift.serving.load or widen drift.serving.window_s.")
 
@@ -296,6 +299,7 @@ def _window_costs(setup: ServingSetup, first, changes: list, times: list[float])
         if key not in setup._horizons:
             run = engine.run(setup.arrivals, until=horizon, window=(start, math.inf if last else end),
                              changes=tuple(asked))
+            setup.runs += 1
             setup._horizons[key] = (float(run.window_moe_seconds[:, :, a2a_columns].sum()),
                                     (int(run.local_activations), int(run.total_activations)))
         a2a[w], counts = setup._horizons[key]
@@ -352,6 +356,7 @@ def serve_policy(setup: ServingSetup, name: str, first, decisions: list[tuple[in
         "serving_stall_s": float(run.stall_seconds), "serving_migrations": len(records),
         "serving_a2a_s": _finite(float(np.nansum(a2a))) if setup.window_costs else None,
         "serving_lar": _finite(run.local_activations / run.total_activations) if run.total_activations else None,
+        "serving_iterations_per_window": run.iterations / setup.num_windows,
         "serving_asked_after_window_s": [float(t - (w + 1) * setup.window_s) for t, (w, _) in zip(times, decisions, strict=True)],
     }
     return Served(rows, records, summary)

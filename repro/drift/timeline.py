@@ -297,7 +297,7 @@ def drift_job(config: dict, trace: RoutingTrace) -> tuple[dict, pd.DataFrame, pd
             for event, record in zip(run.events, served[name].changes, strict=True):
                 event.update(serving_asked_s=record["asked_s"], serving_start_s=record["start_s"],
                              serving_end_s=record["end_s"])
-        summary.update(setup.info)
+        summary.update(setup.info, serving_engine_runs=setup.runs)
         summary.update({k: v for k, v in summary["policies"][drift["headline"]].items() if k in SERVING_SUMMARY})
     rows = pd.DataFrame([row for run in runs.values() for row in run.rows])
     events = pd.DataFrame([event for run in runs.values() for event in run.events])
