@@ -254,7 +254,8 @@ def asked_times(setup: ServingSetup, first, decisions: list[tuple[int, object]],
     """(run, changes, times) of `first` served with `decisions` [(after window, plan)], each change asked for once
     its window's last request finished in that same run (module docstring: a fixed point)."""
     engine = setup.engine(first)
-    run = engine.run(setup.arrivals)
+    last = ((setup.num_windows - 1) * setup.window_s, math.inf)  # the last window's costs come with the run
+    run = engine.run(setup.arrivals, window=last)
     setup.runs += 1
     if not decisions:
         return run, [], []
@@ -272,7 +273,7 @@ def asked_times(setup: ServingSetup, first, decisions: list[tuple[int, object]],
             return run, changes, times
         times = wanted
         changes = _priced(setup, first, times, plans, mode)
-        run = engine.run(setup.arrivals, changes=changes)
+        run = engine.run(setup.arrivals, window=last, changes=changes)
         setup.runs += 1
     raise ReproError(f"the times the changes are asked for did not settle in {MAX_FIXED_POINT_RUNS} serving runs; "
                      "lower drift.serving.load or widen drift.serving.window_s.")
@@ -282,8 +283,9 @@ def _plan_key(plan) -> tuple:
     return type(plan).__name__, plan.placement.physical_to_logical.tobytes()
 
 
-def _window_costs(setup: ServingSetup, first, changes: list, times: list[float]) -> tuple[np.ndarray, np.ndarray]:
-    """(a2a seconds float64[W], LAR float64[W]) of the iterations starting in each window (module docstring)."""
+def _window_costs(setup: ServingSetup, first, changes: list, times: list[float], run) -> tuple[np.ndarray, np.ndarray]:
+    """(a2a seconds float64[W], LAR float64[W]) of the iterations starting in each window (module docstring); `run`
+    is the whole run (asked_times), whose measurement window is the last window."""
     from repro.sim.costs import COMPONENTS
 
     a2a_columns = [COMPONENTS.index("dispatch"), COMPONENTS.index("combine")]
@@ -296,17 +298,22 @@ def _window_costs(setup: ServingSetup, first, changes: list, times: list[float])
         horizon = math.inf if last else end
         asked = [c for c, t in zip(changes, times, strict=True) if t < horizon]
         key = (_plan_key(first), tuple((t, _plan_key(c.plan), c.cost.mode) for c, t in zip(asked, times, strict=False)), w)
+        if last:
+            setup._horizons[key] = _costs(run, a2a_columns)
         if key not in setup._horizons:
-            run = engine.run(setup.arrivals, until=horizon, window=(start, math.inf if last else end),
-                             changes=tuple(asked))
+            horizon_run = engine.run(setup.arrivals, until=horizon, window=(start, end), changes=tuple(asked))
             setup.runs += 1
-            setup._horizons[key] = (float(run.window_moe_seconds[:, :, a2a_columns].sum()),
-                                    (int(run.local_activations), int(run.total_activations)))
+            setup._horizons[key] = _costs(horizon_run, a2a_columns)
         a2a[w], counts = setup._horizons[key]
         local, total = counts[0] - before[0], counts[1] - before[1]
         lar[w] = local / total if total > 0 else np.nan
         before = counts
     return a2a, lar
+
+
+def _costs(run, a2a_columns: list[int]) -> tuple[float, tuple[int, int]]:
+    """(all-to-all seconds of the run's measurement window, (local, total) activations so far) of one run."""
+    return float(run.window_moe_seconds[:, :, a2a_columns].sum()), (int(run.local_activations), int(run.total_activations))
 
 
 @dataclass
@@ -326,7 +333,7 @@ def serve_policy(setup: ServingSetup, name: str, first, decisions: list[tuple[in
     latency = request_latencies(run, setup.requests.output_len[: len(setup.arrivals)])
     ok = (latency["ttft"] <= setup.slo["ttft"]) & (np.isnan(latency["tpot"]) | (latency["tpot"] <= setup.slo["tpot"]))
     if setup.window_costs:
-        a2a, lar = _window_costs(setup, first, changes, times)
+        a2a, lar = _window_costs(setup, first, changes, times, run)
     else:
         a2a, lar = np.full(setup.num_windows, np.nan), np.full(setup.num_windows, np.nan)
     records = [dict(record, policy=name, after_window=w) for record, (w, _) in zip(run.changes or [], decisions, strict=True)]
