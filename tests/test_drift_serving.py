@@ -145,3 +145,31 @@ def test_serving_config_refusals_are_one_sentence():
         with pytest.raises(ConfigError, match=match) as error:
             check_serving_config(bad)
         assert str(error.value).count(". ") == 0 and "\n" not in str(error.value)
+
+
+def test_no_policy_decision_reads_routing_after_its_window():
+    """Two streams that agree up to window K and differ after it: every policy decides the same re-placements, with
+    the same placements, after windows <= K (a decision at window w reads only windows <= w)."""
+    from test_drift import TOKENS, serve, small_semmoe, stream_of
+
+    from repro.drift.policies import EPLBSchedule, SemMoEOnDrift
+    from repro.traces import make_trace
+
+    last_same = SWITCH  # windows 0..SWITCH agree
+    trace = planted_trace(PROFILE + WINDOWS * WINDOW, PROFILE + SWITCH * WINDOW)
+    cut = (PROFILE + (last_same + 1) * WINDOW) * TOKENS  # first token of the windows that differ
+    experts = np.asarray(trace.experts).copy()
+    experts[cut:] = 7 - experts[cut:]  # another routing from there on
+    other = make_trace(trace.meta, trace.offsets, trace.token_ids, experts,
+                       request_datasets=list(trace.request_datasets))
+    for make in (lambda: SemMoEOnDrift("d", small_semmoe(), threshold=0.2),
+                 lambda: EPLBSchedule("e", interval=1000, window_size=1000)):
+        runs = [serve(make(), stream_of(t)) for t in (trace, other)]
+        early = [[(e["after_window"], e["experts_moved"]) for e in run.events if e["after_window"] <= last_same]
+                 for run in runs]
+        assert early[0] == early[1] and early[0]
+        plans = [[plan.placement.physical_to_logical for w, plan in run.decisions if w <= last_same] for run in runs]
+        for a, b in zip(*plans, strict=True):
+            np.testing.assert_array_equal(a, b)
+        # and the streams do differ after window K: some later decision or distance sees it
+        assert any(x != y for x, y in zip(runs[0].rows[last_same + 1:], runs[1].rows[last_same + 1:], strict=True))
