@@ -32,8 +32,25 @@ def _cell(value) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
+def series_table(csv: Path, column: str = "ttft_p99_s", scale: float = 1e3) -> list[str]:
+    """Markdown rows: one per policy of a job's drift_serving.csv, `column` x scale per window, a window in which a
+    migration began marked with *."""
+    import pandas as pd
+
+    frame = pd.read_csv(csv)
+    windows = sorted(frame["window"].unique())
+    lines = ["| policy | " + " | ".join(f"w{w}" for w in windows) + " |", "|" + "---|" * (len(windows) + 1)]
+    for name, rows in frame.groupby("policy", sort=False):
+        rows = rows.set_index("window")
+        cells = [("-" if pd.isna(rows.at[w, column]) else f"{rows.at[w, column] * scale:.3g}")
+                 + ("*" if rows.at[w, "migrations_began"] else "") for w in windows]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def load_jobs(root: Path) -> list[tuple[str, int, dict]]:
-    """(stream name, seed, summary) of every finished drift job under root, sorted."""
+    """(stream name, seed, summary) of every finished drift job under root, sorted; each summary also gets
+    "_folder", the job's folder (for its CSVs)."""
     jobs = []
     for metrics in sorted(Path(root).rglob("metrics.json")):
         payload = json.loads(metrics.read_text())
@@ -44,7 +61,7 @@ def load_jobs(root: Path) -> list[tuple[str, int, dict]]:
         stream = (f"trace {Path(config['trace']).name}" if config.get("trace")  # an imported trace, not the workload
                   else "abrupt" if workload.get("segments") and len(workload["segments"]) > 1
                   else "periodic" if workload.get("mix") else "stationary")
-        jobs.append((stream, int(config["seed"]), summary))
+        jobs.append((stream, int(config["seed"]), {**summary, "_folder": str(metrics.parent)}))
     if not jobs:
         raise ReproError(f"{root} holds no finished drift job (metrics.json with a drift summary); run "
                          "`python -m repro.run -m experiment=drift` first.")
@@ -76,6 +93,11 @@ def report(root: Path) -> str:
                          + f", {summary['serving_window_s']} s per window, {summary['serving_requests']} requests; SLOs "
                          f"TTFT {_cell(summary['slo_ttft_s'])} s, TPOT {_cell(summary['slo_tpot_s'])} s ({summary['slo_rule']})")
         lines.append("")
+        for stream, seed, summary in served:
+            csv = Path(summary["_folder"]) / "drift_serving.csv"
+            if csv.is_file():
+                lines += [f"p99 TTFT (ms) per served window, {stream} seed {seed} (* a migration began in it):", "",
+                          *series_table(csv), ""]
     abrupt = [s for stream, _, s in jobs if stream == "abrupt"]
     stationary = [s for stream, _, s in jobs if stream == "stationary"]
     if abrupt:
