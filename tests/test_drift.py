@@ -301,6 +301,8 @@ def test_report_judges_the_targets_from_metrics_files(tmp_path, capsys):
     payload["summary"].update(serving_rate_rps=700.0, serving_load=0.7, serving_capacity_rps=1000.0, serving_window_s=0.5,
                               serving_requests=5000, slo_ttft_s=0.024, slo_tpot_s=0.015, slo_rule="5 x mean")
     served.write_text(json.dumps(payload))
+    (tmp_path / "a" / "drift_serving.csv").write_text(  # its series: the migration began in window 1
+        "policy,window,ttft_p99_s,migrations_began\nsemmoe_drift,0,0.009,0\nsemmoe_drift,1,0.287,1\n")
     job("t", {"segments": [{}, {}], "mix": None}, 0.1, 0.9, 3)
     metrics = tmp_path / "t" / "metrics.json"
     payload = json.loads(metrics.read_text())
@@ -311,6 +313,7 @@ def test_report_judges_the_targets_from_metrics_files(tmp_path, capsys):
     assert "| abrupt | 0 | semmoe_drift | 1 |" in out and "| trace served | 0 | semmoe_drift |" in out
     assert "gain kept vs hindsight >= 0.90 on every abrupt job: met" in out
     assert "| abrupt | 0 | semmoe_drift | 0.25 | - | 0.01 | - | 0.96 |" in out and "700 req/s (0.7 x" in out
+    assert "| semmoe_drift | 9 | 287* |" in out  # p99 TTFT in ms per served window, * where a migration began
     assert "no re-placement on any stationary job: missed" in out
     (tmp_path / "empty").mkdir()
     assert main([str(tmp_path / "empty")]) == 2  # a folder without drift jobs: one error line
