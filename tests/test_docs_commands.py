@@ -47,6 +47,7 @@ COMMANDS = {
     "name=drift_validate": "config",
     "python -m repro.run -m experiment=drift workload=drift_abrupt,drift_stationary seed=0 name=drift_short": "config",
     "python -m repro.drift.report runs/drift": "flags",
+    "python -m repro.run -m experiment=drift drift=gradual workload=drift_periodic seed=0,1,2 name=drift_gradual": "config",
     "python -m repro.run -m experiment=drift workload=drift_abrupt seed=0 model.domain_strength=1.5 "
     "name=drift_sensitivity": "config",
     "python -m repro.run -m experiment=drift workload=drift_abrupt seed=0 drift.window_steps=null "
