@@ -173,3 +173,12 @@ def test_no_policy_decision_reads_routing_after_its_window():
             np.testing.assert_array_equal(a, b)
         # and the streams do differ after window K: some later decision or distance sees it
         assert any(x != y for x, y in zip(runs[0].rows[last_same + 1:], runs[1].rows[last_same + 1:], strict=True))
+
+
+def test_a_window_without_arrivals_is_served_and_known_at_its_end():
+    """At 1 request/s and 0.5 s windows some windows get no arrival: their series are empty, the run goes on."""
+    trace = planted_trace(PROFILE + WINDOWS * WINDOW, PROFILE + SWITCH * WINDOW)
+    _, _, _, serving = drift_job(config_for(POLICIES, rate_rps=1.0, window_s=0.5), trace)
+    rows = serving.loc[serving.policy == "semmoe_drift"]
+    empty = rows.loc[rows.requests == 0]
+    assert len(empty) >= 1 and empty.ttft_p99_s.isna().all() and empty.slo_attainment.isna().all()

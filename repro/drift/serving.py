@@ -216,6 +216,8 @@ def serving_setup(config: dict, stream, serving: dict) -> ServingSetup:
     picked = np.empty(len(arrivals), dtype=np.int64)
     for w, rng in enumerate(rng_pick.spawn(num_windows)):  # W windows: each draws among its own requests
         mine = np.flatnonzero(window_R == w)
+        if not len(mine):  # no arrival in this window (a low rate or a short window)
+            continue
         first, last = int(stream.bounds[w]), int(stream.bounds[w + 1])
         picked[mine] = first + draw_requests(last - first, len(mine), rng)
     requests, decode_routing, output_source = build_requests(trace, picked, sim["output_len"], sim["decode_routing"],
@@ -243,11 +245,12 @@ def _priced(setup: ServingSetup, first, times: list[float], plans: list, mode: s
 
 
 def window_last_finish(setup: ServingSetup, run) -> np.ndarray:
-    """float64[W] the time the last request of each window finished in `run` (+inf: one is unfinished)."""
+    """float64[W] the time the last request of each window finished in `run` (+inf: one is unfinished; a window
+    without arrivals: its end, when its routing, none, is known)."""
     finish = np.where(np.isnan(run.finish), np.inf, run.finish)
     out = np.full(setup.num_windows, -np.inf)
     np.maximum.at(out, setup.window_R, finish)
-    return out
+    return np.where(np.isneginf(out), (np.arange(setup.num_windows) + 1.0) * setup.window_s, out)
 
 
 def asked_times(setup: ServingSetup, first, decisions: list[tuple[int, object]], mode: str):
