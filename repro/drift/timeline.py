@@ -26,6 +26,11 @@ Summary per policy (metrics.json summary["policies"][name], and the headline pol
 - windows_to_first_replacement_after_switch: 0 when the policy re-places right after the first window holding a
   change of source dataset (the abrupt switch), null without a switch or a re-placement after it.
 
+With drift.serving.enabled, a serving pass follows (repro.drift.serving): every policy but the hindsight served
+through the serving simulator with its re-placements (the plans decided here) applied when decided; its per-window
+series are the fourth table drift_job returns (drift_serving.csv), its keys (ttft_p99_s, tpot_p99_s,
+slo_attainment, serving_stall_s, ...) join each policy's summary, and the headline's join the top level.
+
 Legend: W windows.
 """
 
