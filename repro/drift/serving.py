@@ -28,8 +28,9 @@ iteration boundary and serves the new plan once its migration ends: a sync one s
 an async one takes `drift.migration.bandwidth_share` of every link meanwhile. Since the asked times depend on the
 run, they are found by a fixed point: guessed from the run without changes, then, while some change is asked
 before its window's last request finished in the run with the changes, moved to that finish and the run repeated
-(times only move later; the run reported is one in which every change was asked only after its window's routing
-was all served: the check is exact because a run is causal).
+(times only move later, so a change may end up asked somewhat after its window's last finish, when an earlier
+guess's stall had pushed that finish later; the run reported is one in which every change was asked only after its
+window's routing was all served: the check is exact because a run is causal).
 
 Per-window series (one row per policy and window; window w = simulated time [w T, (w + 1) T), the last one open
 to the end of the run): TTFT and TPOT mean and p99 and SLO attainment of the requests arriving in it; migrations
