@@ -69,6 +69,7 @@ JOB_OUTPUTS = (
     "request_activations.npz", "affinity_stats.csv", "config.yaml", "sim_per_rate.csv", "sim_per_layer.csv", "sim_probes.csv",
     "sim_requests.parquet",
     "exec_per_layer.csv", "exec_per_rank.csv", "timings.json", "drift_windows.csv", "drift_events.csv",
+    "drift_serving.csv",
 )
 # Staging folders start with "." (figures' rglob("metrics.json") finds none there: metrics.json is never staged)
 # and name their host and process, so a rerun can remove those its killed predecessors left behind.
@@ -490,17 +491,20 @@ def tracked_drift_job(config: dict, out_dir: Path, tracking: JobRun) -> dict | N
         log.info("%s already finished with this config and this trace; skipping", out_dir)
         return None
     tracking.start()
-    summary, rows, events = drift_job(config, stream)
+    summary, rows, events, serving = drift_job(config, stream)
     summary["trace_digests"] = digests
     metrics_text(summary, config)  # a non-finite metric fails before anything is written
     with staging_dir(out_dir) as staging:
         atomic_write(staging / "drift_windows.csv", lambda p: rows.to_csv(p, index=False))
         atomic_write(staging / "drift_events.csv", lambda p: events.to_csv(p, index=False))
+        if len(serving):  # the serving pass's per-window series (drift.serving.enabled)
+            atomic_write(staging / "drift_serving.csv", lambda p: serving.to_csv(p, index=False))
         atomic_write(staging / "config.yaml", lambda p: p.write_text(OmegaConf.to_yaml(config)))
         # W&B: every policy's scalars as <policy>.<key>, and the per-window series and events as tables
         flat = {**summary, **{f"{name}.{key}": value for name, policy in summary["policies"].items()
                               for key, value in policy.items()}}
-        tracking.log_results(flat, tables={"drift_windows": rows, "drift_events": events}, files_dir=staging)
+        tables = {"drift_windows": rows, "drift_events": events, **({"drift_serving": serving} if len(serving) else {})}
+        tracking.log_results(flat, tables=tables, files_dir=staging)
         publish_job(staging, out_dir, summary, config)
     log.info("%s: drift, headline %s keeps %s of the hindsight a2a gain, moves %s of EPLB's experts", out_dir,
              summary["headline_policy"], summary["gain_kept_vs_hindsight"], summary["experts_moved_vs_eplb"])

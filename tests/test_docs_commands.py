@@ -45,8 +45,11 @@ COMMANDS = {
     "python -m repro.run -m experiment=drift logger=none": "config",
     "python -m repro.run -m experiment=drift seed=100 workload=drift_abrupt,drift_stationary,drift_periodic "
     "name=drift_validate": "config",
-    "python -m repro.run -m experiment=drift workload=drift_abrupt,drift_stationary seed=0 name=drift_short": "config",
+    "python -m repro.run -m experiment=drift workload=drift_abrupt,drift_stationary seed=0 "
+    "drift.serving.window_costs=false name=drift_short": "config",
     "python -m repro.drift.report runs/drift": "flags",
+    "python -m repro.run -m experiment=drift drift=gradual workload=drift_periodic seed=0,1,2 "
+    "name=drift_gradual": "config",
     "python -m repro.run -m experiment=drift workload=drift_abrupt seed=0 model.domain_strength=1.5 "
     "name=drift_sensitivity": "config",
     "python -m repro.run -m experiment=drift workload=drift_abrupt seed=0 drift.window_steps=null "

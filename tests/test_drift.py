@@ -250,7 +250,7 @@ def test_drift_job_reports_every_policy_with_the_summary_keys_and_the_same_numbe
                                "hindsight": {"kind": "hindsight"}}},
     }
     trace = planted_trace(PROFILE + 4 * WINDOW, PROFILE + 2 * WINDOW)
-    summary, rows, events = drift_job(config, trace)
+    summary, rows, events, serving = drift_job(config, trace)
     for key in ("gain_kept_vs_hindsight", "experts_moved_vs_eplb", "false_alarms", "stall_s"):
         assert key in summary and all(key in p for p in summary["policies"].values())
     # nobody beats the best any policy reached in each window
@@ -260,7 +260,7 @@ def test_drift_job_reports_every_policy_with_the_summary_keys_and_the_same_numbe
     assert summary["false_alarms"] == 0 and summary["replacements"] == 1 and summary["stall_s"] > 0
     assert len(rows) == 4 * 4 and set(rows.policy) == set(config["drift"]["policies"])
     assert rows.loc[rows.policy == "hindsight", "kind"].eq("hindsight").all()
-    again, rows_again, _ = drift_job(config, trace)
+    again, rows_again, _, _ = drift_job(config, trace)
     assert again == summary and rows_again.equals(rows)
 
 
@@ -295,6 +295,14 @@ def test_report_judges_the_targets_from_metrics_files(tmp_path, capsys):
 
     job("a", {"segments": [{}, {}], "mix": None}, 0.95, 0.2, 1)
     job("s", {"segments": [{}], "mix": None}, 0.9, None, 1)
+    served = tmp_path / "a" / "metrics.json"  # the abrupt job also ran the serving pass
+    payload = json.loads(served.read_text())
+    payload["summary"]["policies"]["semmoe_drift"].update(ttft_p99_s=0.25, tpot_p99_s=0.01, slo_attainment=0.96)
+    payload["summary"].update(serving_rate_rps=700.0, serving_load=0.7, serving_capacity_rps=1000.0, serving_window_s=0.5,
+                              serving_requests=5000, slo_ttft_s=0.024, slo_tpot_s=0.015, slo_rule="5 x mean")
+    served.write_text(json.dumps(payload))
+    (tmp_path / "a" / "drift_serving.csv").write_text(  # its series: the migration began in window 1
+        "policy,window,ttft_p99_s,migrations_began\nsemmoe_drift,0,0.009,0\nsemmoe_drift,1,0.287,1\n")
     job("t", {"segments": [{}, {}], "mix": None}, 0.1, 0.9, 3)
     metrics = tmp_path / "t" / "metrics.json"
     payload = json.loads(metrics.read_text())
@@ -304,6 +312,8 @@ def test_report_judges_the_targets_from_metrics_files(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| abrupt | 0 | semmoe_drift | 1 |" in out and "| trace served | 0 | semmoe_drift |" in out
     assert "gain kept vs hindsight >= 0.90 on every abrupt job: met" in out
+    assert "| abrupt | 0 | semmoe_drift | 0.25 | - | 0.01 | - | 0.96 |" in out and "700 req/s (0.7 x" in out
+    assert "| semmoe_drift | 9 | 287* |" in out  # p99 TTFT in ms per served window, * where a migration began
     assert "no re-placement on any stationary job: missed" in out
     (tmp_path / "empty").mkdir()
     assert main([str(tmp_path / "empty")]) == 2  # a folder without drift jobs: one error line

@@ -145,7 +145,9 @@ def test_every_experiment_sweep_runs(tmp_path, cache, experiment):
     nodes += ["workload.input_len=null"] if experiment == "paper_table2" else []
     nodes += ["workload.input_len_lognormal=null"] if experiment == "serve_dp_heavy" else []
     # the small trace's 60 requests: a shorter profile and windows, so the stream holds several windows
-    nodes += ["drift.profile_requests=20", "drift.window_requests=10"] if experiment == "drift" else []
+    # and its serving pass with the trace's experts mapped onto the simulated shape, at a given small rate
+    nodes += ["drift.profile_requests=20", "drift.window_requests=10", "drift.serving.sim.routing_map=trace",
+              "drift.serving.rate_rps=200", "drift.serving.window_s=0.2"] if experiment == "drift" else []
     res = subprocess.run(
         [sys.executable, "-m", "repro.run", "-m", f"experiment={experiment}", "logger=none", f"trace={trace}",
          "parallel.tokens_per_step=256", f"hydra.sweep.dir={tmp_path / 'runs'}",

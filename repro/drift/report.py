@@ -1,8 +1,10 @@
 """`python -m repro.drift.report runs/drift`: the drift experiment's summary table and its targets, read from the jobs'
 metrics.json files (nothing is recomputed).
 
-One markdown row per (stream, seed, policy), then the issue's three targets judged by stated rules over the
-jobs found: on every abrupt-switch job the headline policy keeps >= 90 % of the hindsight all-to-all gain
+One markdown row per (stream, seed, policy), then, for jobs with the serving pass (drift.serving.enabled), a second
+table of its keys (p99 / mean TTFT and TPOT over the whole served stream, SLO attainment, serving stall seconds,
+migrations, LAR, all-to-all seconds) with each job's rate and SLOs, then the issue's three targets judged by stated
+rules over the jobs found: on every abrupt-switch job the headline policy keeps >= 90 % of the hindsight all-to-all gain
 (gain_kept_vs_hindsight >= 0.9) and moves <= 25 % of EPLB's experts (experts_moved_vs_eplb <= 0.25); on every
 stationary job it never re-places (false_alarms == 0 and replacements == 0).
 """
@@ -20,14 +22,35 @@ COLUMNS = ("a2a_s", "stall_s", "migration_s", "gain_kept_vs_hindsight", "gain_ke
            "false_alarms", "lar_mean", "balance_mean")
 
 
+SERVING_COLUMNS = ("ttft_p99_s", "ttft_mean_s", "tpot_p99_s", "tpot_mean_s", "slo_attainment", "serving_stall_s",
+                   "serving_migrations", "serving_lar", "serving_a2a_s")
+
+
 def _cell(value) -> str:
     if value is None:
         return "-"
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
+def series_table(csv: Path, column: str = "ttft_p99_s", scale: float = 1e3) -> list[str]:
+    """Markdown rows: one per policy of a job's drift_serving.csv, `column` x scale per window, a window in which a
+    migration began marked with *."""
+    import pandas as pd
+
+    frame = pd.read_csv(csv)
+    windows = sorted(frame["window"].unique())
+    lines = ["| policy | " + " | ".join(f"w{w}" for w in windows) + " |", "|" + "---|" * (len(windows) + 1)]
+    for name, rows in frame.groupby("policy", sort=False):
+        rows = rows.set_index("window")
+        cells = [("-" if pd.isna(rows.at[w, column]) else f"{rows.at[w, column] * scale:.3g}")
+                 + ("*" if rows.at[w, "migrations_began"] else "") for w in windows]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def load_jobs(root: Path) -> list[tuple[str, int, dict]]:
-    """(stream name, seed, summary) of every finished drift job under root, sorted."""
+    """(stream name, seed, summary) of every finished drift job under root, sorted; each summary also gets
+    "_folder", the job's folder (for its CSVs)."""
     jobs = []
     for metrics in sorted(Path(root).rglob("metrics.json")):
         payload = json.loads(metrics.read_text())
@@ -38,7 +61,7 @@ def load_jobs(root: Path) -> list[tuple[str, int, dict]]:
         stream = (f"trace {Path(config['trace']).name}" if config.get("trace")  # an imported trace, not the workload
                   else "abrupt" if workload.get("segments") and len(workload["segments"]) > 1
                   else "periodic" if workload.get("mix") else "stationary")
-        jobs.append((stream, int(config["seed"]), summary))
+        jobs.append((stream, int(config["seed"]), {**summary, "_folder": str(metrics.parent)}))
     if not jobs:
         raise ReproError(f"{root} holds no finished drift job (metrics.json with a drift summary); run "
                          "`python -m repro.run -m experiment=drift` first.")
@@ -53,6 +76,28 @@ def report(root: Path) -> str:
             label = f"{name} ({policy['kind']})" if policy["kind"] != "system" else name
             lines.append(f"| {stream} | {seed} | {label} | " + " | ".join(_cell(policy.get(c)) for c in COLUMNS) + " |")
     lines.append("")
+    served = [(stream, seed, summary) for stream, seed, summary in jobs if "serving_rate_rps" in summary]
+    if served:
+        lines += ["Serving pass (repro.drift.serving): each policy's plan changes replayed in the serving simulator.", "",
+                  "| stream | seed | policy | " + " | ".join(SERVING_COLUMNS) + " |", "|" + "---|" * (len(SERVING_COLUMNS) + 3)]
+        for stream, seed, summary in served:
+            for name, policy in summary["policies"].items():
+                if "ttft_p99_s" in policy:
+                    lines.append(f"| {stream} | {seed} | {name} | "
+                                 + " | ".join(_cell(policy.get(c)) for c in SERVING_COLUMNS) + " |")
+        lines.append("")
+        for stream, seed, summary in served:
+            lines.append(f"- {stream} seed {seed}: {_cell(summary['serving_rate_rps'])} req/s"
+                         + (f" ({_cell(summary['serving_load'])} x static EP's {_cell(summary['serving_capacity_rps'])} "
+                            "req/s flood throughput)" if summary.get("serving_capacity_rps") else " (given)")
+                         + f", {summary['serving_window_s']} s per window, {summary['serving_requests']} requests; SLOs "
+                         f"TTFT {_cell(summary['slo_ttft_s'])} s, TPOT {_cell(summary['slo_tpot_s'])} s ({summary['slo_rule']})")
+        lines.append("")
+        for stream, seed, summary in served:
+            csv = Path(summary["_folder"]) / "drift_serving.csv"
+            if csv.is_file():
+                lines += [f"p99 TTFT (ms) per served window, {stream} seed {seed} (* a migration began in it):", "",
+                          *series_table(csv), ""]
     abrupt = [s for stream, _, s in jobs if stream == "abrupt"]
     stationary = [s for stream, _, s in jobs if stream == "stationary"]
     if abrupt:

@@ -26,6 +26,11 @@ Summary per policy (metrics.json summary["policies"][name], and the headline pol
 - windows_to_first_replacement_after_switch: 0 when the policy re-places right after the first window holding a
   change of source dataset (the abrupt switch), null without a switch or a re-placement after it.
 
+With drift.serving.enabled, a serving pass follows (repro.drift.serving): every policy but the hindsight served
+through the serving simulator with its re-placements (the plans decided here) applied when decided; its per-window
+series are the fourth table drift_job returns (drift_serving.csv), its keys (ttft_p99_s, tpot_p99_s,
+slo_attainment, serving_stall_s, ...) join each policy's summary, and the headline's join the top level.
+
 Legend: W windows.
 """
 
@@ -39,6 +44,7 @@ import pandas as pd
 from repro.drift.policies import EPLBSchedule, SemMoEOnDrift, StaticPolicy, Stream
 from repro.drift.pricing import PRICING, MigrationCharge, check_migration_config, price_change
 from repro.drift.schedule import steps_per_window
+from repro.drift.serving import SERVING_SUMMARY, check_serving_config, serve_policy, serving_frame, serving_setup
 from repro.drift.statistics import mix_distance, window_bounds
 from repro.errors import ConfigError
 from repro.parallel import ParallelConfig
@@ -48,7 +54,7 @@ from repro.traces import RoutingTrace, select_requests
 
 POLICY_KINDS = ("static", "eplb", "semmoe_drift", "hindsight")
 DRIFT_KEYS = ("window_requests", "profile_requests", "step_tokens", "window_steps", "headline", "reference",
-              "eplb_reference", "mix_tolerance", "migration", "policies")
+              "eplb_reference", "mix_tolerance", "migration", "policies", "serving")
 
 
 def check_drift_config(drift: dict) -> None:
@@ -70,6 +76,8 @@ def check_drift_config(drift: dict) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"drift.{key} must be an integer >= 1, got {value!r}.")
     check_migration_config(drift.get("migration") or {})
+    if drift.get("serving") is not None:
+        check_serving_config(drift["serving"])
     tolerance = drift.get("mix_tolerance")
     if isinstance(tolerance, bool) or not isinstance(tolerance, int | float) or not 0 <= tolerance < 1:
         raise ConfigError(f"drift.mix_tolerance must be a number in [0, 1), got {tolerance!r}.")
@@ -119,6 +127,9 @@ class PolicyRun:
 
     rows: list[dict] = field(default_factory=list)
     events: list[dict] = field(default_factory=list)
+    first: Plan | None = None  # the plan it starts with (None: hindsight)
+    decisions: list[tuple[int, Plan]] = field(default_factory=list)  # (after window, new plan), in order
+    mode: str = "sync"
 
 
 def window_scale(stream: Stream, step_tokens: int, window_steps: int | None) -> np.ndarray:
@@ -140,6 +151,7 @@ def run_policy(policy, stream: Stream, score, migrate, scale: np.ndarray, source
             out.rows.append(_row(policy, w, score(plan, stream.window(w)), scale[w], None))
         return out
     plan = policy.start(stream)
+    out.first, out.mode = plan, getattr(policy, "mode", "sync")
     fitted_mix = np.asarray(stream.profile.request_datasets)
     landing = None  # (plan, MigrationCharge, event index) serving from the next window
     for w in range(stream.num_windows):
@@ -169,6 +181,7 @@ def run_policy(policy, stream: Stream, score, migrate, scale: np.ndarray, source
         first = getattr(policy, "refit_first", w)  # the windows the new plan was fitted on
         fitted_mix = sources[stream.bounds[first]:stream.bounds[w + 1]]
         landing = (decision.plan, charge, len(out.events) - 1)
+        out.decisions.append((w, decision.plan))
     return out
 
 
@@ -218,8 +231,9 @@ def summarise(runs: dict[str, PolicyRun], drift: dict) -> dict:
             "migration_pricing": PRICING}
 
 
-def drift_job(config: dict, trace: RoutingTrace) -> tuple[dict, pd.DataFrame, pd.DataFrame]:
-    """(summary, per-window rows, events) of the drift experiment on `trace` (the whole stream, arrival order)."""
+def drift_job(config: dict, trace: RoutingTrace) -> tuple[dict, pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """(summary, per-window rows, events, serving rows) of the drift experiment on `trace` (the whole stream, arrival
+    order); serving rows (drift_serving.csv) are empty unless drift.serving.enabled (repro.drift.serving)."""
     from repro.eval import evaluate, time_model_from_config
 
     drift = config["drift"]
@@ -276,6 +290,20 @@ def drift_job(config: dict, trace: RoutingTrace) -> tuple[dict, pd.DataFrame, pd
                    profile_requests=profile_requests, step_tokens=int(step_tokens),
                    window_steps=drift.get("window_steps"), windows_with_a_switch=boundaries,
                    steps_per_window=[int(s) for s in stream.steps_W])
+    serving = drift.get("serving") or {}
+    served = {}
+    if serving.get("enabled"):
+        setup = serving_setup(config, stream, serving)
+        for name, run in runs.items():
+            if run.first is None:  # the hindsight: a reference per window, not a deployable run
+                continue
+            served[name] = serve_policy(setup, name, run.first, run.decisions, run.mode)
+            summary["policies"][name].update(served[name].summary)
+            for event, record in zip(run.events, served[name].changes, strict=True):
+                event.update(serving_asked_s=record["asked_s"], serving_start_s=record["start_s"],
+                             serving_end_s=record["end_s"])
+        summary.update(setup.info, serving_engine_runs=setup.runs)
+        summary.update({k: v for k, v in summary["policies"][drift["headline"]].items() if k in SERVING_SUMMARY})
     rows = pd.DataFrame([row for run in runs.values() for row in run.rows])
     events = pd.DataFrame([event for run in runs.values() for event in run.events])
-    return summary, rows, events
+    return summary, rows, events, serving_frame(served)
