@@ -210,7 +210,7 @@ def test_without_the_runs_every_claim_is_not_testable_and_names_the_run_that_wou
     assert (claims["verdict"] == NOT_TESTABLE).all()
     why = claims.set_index("claim")["why"]
     assert "experiment=serve_dp" in why["R1"] and "experiment=paper_table2" in why["R5"]
-    assert "experiment=cross_dataset" in why["R8"] and "moonlight_16b_a3b" in why["R9"]
+    assert "experiment=cross_dataset" in why["R8"] and "experiment=serve_dp_models" in why["R9"]
     assert "affinity_stats.csv" in why["R2"]
 
 

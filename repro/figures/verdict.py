@@ -127,13 +127,13 @@ CLAIMS = (
           "(TTFT / E2E SLO)",
           "95 % interval of the paired-seed ratio: reproduced if it holds the paper's ratio and lies above 1; "
           "partly if only one of the two; point without interval at most partly; non-paper routing at most partly",
-          ("Tables 5-6",), SERVE_DP + "; Qwen3 shape: `experiment=paper` (not in make reproduce)", ("routing",)),
+          ("Tables 5-6",), SERVE_DP + "; Qwen3 shape: `experiment=serve_dp_models` (in `make reproduce`)", ("routing",)),
     Claim("R5", "Attention-TP p99 TTFT reduction at 1 req/s, inputs 256 / 512 / 1024 (Table 2)",
           "vs best baseline: DeepSeek-V2-Lite 6.6 / 3.8 / 9.4 %, Qwen3 13.1 / 17.7 / 3.4 % (quoted: worse baseline "
           "/ Sem-MoE - 1)",
           "reduction vs the best baseline: reproduced if > 0 and within a factor 2 of the paper's; partly if > 0; "
           "non-paper routing at most partly",
-          ("Table 2: Attention-TP latency",), "`python -m repro.run -m experiment=paper_table2`", ("routing",)),
+          ("Table 2: Attention-TP latency",), "`python -m repro.run -m experiment=paper_table2` (in `make reproduce`)", ("routing",)),
     Claim("R6", "Attention-TP single-layer LAR gain and lower expert-layer latency (Fig. 5a)",
           "LAR +37 % / +43 %, MoE-layer latency -41.8 % / -46.6 % (DeepSeek-V2-Lite / Qwen3)",
           "gain > 0 and within a factor 1.5 of the paper's (LAR: better of points / relative reading): reproduced; "
@@ -157,8 +157,8 @@ CLAIMS = (
     Claim("R9", "Moonlight-16B throughput under SLO (Tables 5-6)",
           "average 1.12x / 1.22x (TTFT SLO), 1.10x / 1.14x (E2E SLO) vs SGLang / MoETuner",
           "as R4", ("Tables 5-6",),
-          "`python -m repro.run -m experiment=serve_dp sim/shape=moonlight_16b_a3b` (the DeepSeek-V2-Lite-shaped "
-          "synthetic router has Moonlight's 64 experts, top-6 and 26 MoE layers); not in make reproduce",
+          "`python -m repro.run -m experiment=serve_dp_models` (in `make reproduce`; the DeepSeek-V2-Lite-shaped "
+          "synthetic router has Moonlight's 64 experts, top-6 and 26 MoE layers)",
           ("routing",)),
 )
 CLAIM_BY_ID = {c.id: c for c in CLAIMS}
