@@ -24,3 +24,25 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip("../shared/data is absent (only developer machines and CI have it)")
     return SHARED_DATA
+
+
+def pid_written_to(path: Path, timeout_s: float) -> int:
+    """The process id a child writes to `path`, once it has (the kill tests wait for their stand-in to start)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not (path.exists() and path.read_text().strip()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return int(path.read_text())
+
+
+def assert_ends(pid: int, timeout_s: float, why: str) -> None:
+    """Assert that process `pid` ends within timeout_s; SIGKILL it first when it does not, so no test leaves it."""
+    import signal
+
+    from repro.proctree import wait_ended
+
+    stopped = wait_ended([pid], timeout_s)
+    if not stopped:
+        os.kill(pid, signal.SIGKILL)
+    assert stopped, why

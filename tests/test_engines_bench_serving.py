@@ -14,6 +14,7 @@ import numpy as np
 import pandas as pd
 import pytest
 from aiohttp import web
+from conftest import assert_ends, pid_written_to
 from test_engines_capture import serve_in_thread
 from test_engines_sglang import DEVICES, real_job, toy_job
 
@@ -386,24 +387,14 @@ sys.exit(b.main(["sweep", "--url", "http://127.0.0.1:9", "--rates", "1", "--out"
 def test_a_sweep_killed_by_sigkill_leaves_no_benchmark_tool_running(tmp_path):
     """Item 6: SIGKILL of `bench_serving sweep` left its sglang / vllm benchmark tool loading the server under init;
     the tool now gets SIGTERM from the kernel when the sweep dies (PR_SET_PDEATHSIG)."""
-    import os
     import signal
     import sys
-    import time
-
-    from repro.proctree import wait_ended
 
     pids = tmp_path / "pids"
     sweep = subprocess.Popen([sys.executable, "-c", SWEEP_WITH_A_HANGING_TOOL, str(pids), str(tmp_path / "out"),
                               *[a for a in SWEEP if a not in ("--client", "builtin")]],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60
-    while not (pids.exists() and pids.read_text().strip()) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    tool = int(pids.read_text())
+    tool = pid_written_to(pids, 60)
     sweep.send_signal(signal.SIGKILL)
     sweep.wait()
-    stopped = wait_ended([tool], 5)
-    if not stopped:
-        os.kill(tool, signal.SIGKILL)
-    assert stopped, "the benchmark tool outlived the killed sweep"
+    assert_ends(tool, 5, "the benchmark tool outlived the killed sweep")

@@ -1,12 +1,12 @@
 """repro.side_by_side, make reproduce's two streams: both run, a failure stops the other stream's whole process
 group at once, and the exit status is the first failure's."""
 
-import os
 import time
 from pathlib import Path
 
+from conftest import assert_ends, pid_written_to
+
 from repro.proctree import running as alive
-from repro.proctree import wait_ended
 from repro.side_by_side import run
 
 
@@ -52,14 +52,8 @@ def test_an_orphaned_guard_ends_a_stream_child_that_ignores_sigterm(tmp_path):
         f"subprocess.Popen([sys.executable, '-m', 'repro.side_by_side', '--guard', str(os.getpid()), '--command', "
         f"{command!r}, '--grace', '0.5'], start_new_session=True)\n"
         "time.sleep(60)\n")], cwd=Path(__file__).resolve().parents[1])
-    deadline = time.monotonic() + 20
-    while not (pid_file.exists() and pid_file.read_text().strip()) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    straggler = int(pid_file.read_text())
+    straggler = pid_written_to(pid_file, 20)
     time.sleep(0.2)  # the trap is set before the pid is written; exec sleep keeps it
     parent.send_signal(signal.SIGKILL)
     parent.wait()
-    stopped = wait_ended([straggler], 8)
-    if not stopped:
-        os.kill(straggler, signal.SIGKILL)
-    assert stopped, "a stream child that ignores SIGTERM outlived side_by_side and its guard"
+    assert_ends(straggler, 8, "a stream child that ignores SIGTERM outlived side_by_side and its guard")
