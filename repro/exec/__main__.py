@@ -84,6 +84,10 @@ def torchrun_job(config: dict, out_dir: Path) -> None:
 
 @hydra.main(version_base="1.3", config_path="../../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
+    # layer: standalone this entry point is `python -m repro.run` (see torchrun_job), and it reports failures as the
+    # runner does; removing this import means retiring `python -m repro.exec` for `python -m repro.run`
+    from repro.run import log_failure, remove_failed_job_dir, run_job
+
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         if not cfg.get("exec"):
@@ -91,19 +95,13 @@ def main(cfg: DictConfig) -> None:
         if in_torchrun():
             torchrun_job(OmegaConf.to_container(cfg, resolve=True), out_dir)
         else:
-            from repro.run import run_job  # layer: standalone it is python -m repro.run (see torchrun_job)
-
             run_job(cfg, out_dir)
     except ReproError as e:
-        from repro.run import remove_failed_job_dir
-
         print(f"error: {e}", file=sys.stderr)
         if not in_torchrun():  # ranks share the folder: rank 0's staging decides what stays
             remove_failed_job_dir(out_dir)
         raise SystemExit(2) from None
     except Exception:
-        from repro.run import log_failure
-
         log_failure("repro.exec")
         raise
 
