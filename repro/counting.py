@@ -94,42 +94,19 @@ def _first_bad_row(idx_M, rows_N, home_NL, experts_RLk, num_devices, num_experts
 _SPREAD8 = np.array([sum(((mask >> d) & 1) << (8 * d) for d in range(8)) for mask in range(256)], dtype=np.uint64)
 
 
-@numba.njit(cache=True, nogil=True, inline="always")
-def _node_lanes(reached8, devices_per_node, num_nodes):  # pragma: no cover (compiled)
-    """Byte m set to 1 when node m holds a device whose byte in reached8 is set (a 0/1 byte per device, D <= 8):
-    the nodes a token-layer reaches, in byte lanes. Nodes are runs of devices_per_node devices."""
-    out = np.uint64(0)
-    for m in range(num_nodes):
-        first = m * devices_per_node
-        if first >= 8:
-            break
-        chunk = reached8 >> np.uint64(8 * first)
-        if devices_per_node < 8:
-            chunk &= (np.uint64(1) << np.uint64(8 * devices_per_node)) - np.uint64(1)
-        out |= np.uint64(chunk != 0) << np.uint64(8 * m)
-    return out
-
-
-@numba.njit(cache=True, nogil=True, inline="always")
-def _flush_lanes(g, s, layer, act_lanes, copy_lanes, node_lanes, lane_count, num_nodes, activations_GLDD, copies_GLDD,
-                 node_copies_GLDM, stats_G3):  # pragma: no cover (compiled)
-    """Add the byte-lane activation, copy and node counts of (group g, home s) into the tables and stats (local
-    activations, remote copies) and zero them. Inlined: a call per (layer, pair) cost a third of the counting at
-    light load."""
-    acts = act_lanes[g, s]
-    copies = copy_lanes[g, s]
-    total = 0
+@numba.njit(cache=True, nogil=True)
+def _flush_lanes(g, s, layer, copy_lanes, node_lanes, lane_count, num_nodes, copies_GLDD, node_copies_GLDM,
+                 stats_G3):  # pragma: no cover (compiled)
+    """Add the byte-lane copy (and node) counts of (group g, home s) into the tables and zero them."""
+    lanes = copy_lanes[g, s]
     for d in range(copies_GLDD.shape[3]):
-        c = np.int64((copies >> np.uint64(8 * d)) & np.uint64(255))
-        activations_GLDD[g, layer, s, d] += np.int64((acts >> np.uint64(8 * d)) & np.uint64(255))
+        c = np.int64((lanes >> np.uint64(8 * d)) & np.uint64(255))
         copies_GLDD[g, layer, s, d] += c
-        total += c
-    stats_G3[g, 1] += np.int64((acts >> np.uint64(8 * s)) & np.uint64(255))
-    stats_G3[g, 2] += total - np.int64((copies >> np.uint64(8 * s)) & np.uint64(255))  # not the home's own "copy"
+        if d != s:
+            stats_G3[g, 2] += c
     lanes = node_lanes[g, s]
     for m in range(num_nodes):
         node_copies_GLDM[g, layer, s, m] += np.int64((lanes >> np.uint64(8 * m)) & np.uint64(255))
-    act_lanes[g, s] = 0
     copy_lanes[g, s] = 0
     node_lanes[g, s] = 0
     lane_count[g, s] = 0
@@ -149,9 +126,7 @@ def count_rows_at(idx_M, rows_N, group_N, home_NL, experts_RLk, slot_table_LDE, 
     When the rows hold at least 1 activation per expert of each (group, home) pair they touch, a layer's
     activations are first counted per (group, home, expert), one increment each, then spread to slots and devices
     per touched cell (the same integers, fewer scattered writes); otherwise each activation goes straight to its
-    slot (and, beyond 8 devices, to its device). Up to 8 devices the per-device counts of a (group, home) pair are
-    summed in the byte lanes of one uint64 per pair (activations, copies, nodes), one add per token-layer, and
-    added to the tables when the layer ends or a lane could overflow.
+    slot and device.
     """
     num_rows = idx_M.shape[0]
     num_groups = activations_GLDD.shape[0]
@@ -175,17 +150,17 @@ def count_rows_at(idx_M, rows_N, group_N, home_NL, experts_RLk, slot_table_LDE, 
     lane_bits = 8 if num_devices <= 8 and top_k < 256 else (4 if num_devices <= 16 and top_k < 16 else 0)
     lane_mask = np.uint64((1 << lane_bits) - 1)
     by_expert = np.zeros((num_groups if aggregate else 0, num_devices, num_experts), dtype=np.int64)
-    # D <= 8: a (group, home) pair's counts summed over its token-layers in byte lanes (byte d: device d; nodes: byte
-    # m), flushed before a lane can pass 255: every 255 token-layers when only copies go to lanes (aggregate), every
-    # 255 // k when activations do too (at most k a token-layer). top_k < 128 keeps a token-layer's bytes below 128,
-    # which `reached8` below needs.
-    byte_lanes = num_devices <= 8 and (aggregate or top_k < 128)
-    flush_at = 255 if aggregate else 255 // max(1, top_k)
-    act_lanes = np.zeros((num_groups, num_devices), dtype=np.uint64)
+    # D <= 8: a home's copies summed in byte lanes of one uint64 (spread8[bits]: bit d to byte d), same for nodes
+    lane_copies = aggregate and num_devices <= 8
     copy_lanes = np.zeros((num_groups, num_devices), dtype=np.uint64)
     node_lanes = np.zeros((num_groups, num_devices), dtype=np.uint64)
     lane_count = np.zeros((num_groups, num_devices), dtype=np.int64)
     spread8 = _SPREAD8
+    node_mask = np.zeros(256 if lane_copies and num_nodes > 0 else 0, dtype=np.int64)
+    for mask in range(node_mask.shape[0]):
+        for d in range(8):
+            if (mask >> d) & 1:
+                node_mask[mask] |= 1 << (d // devices_per_node)
     reached = np.zeros((num_devices + 63) // 64, dtype=np.uint64)
     node_reached = np.zeros(max(1, num_nodes), dtype=np.int64)
     # rows in chunks of ~256 KiB of experts, each chunk's rows copied together first: the stream rows lie anywhere in
@@ -222,41 +197,16 @@ def count_rows_at(idx_M, rows_N, group_N, home_NL, experts_RLk, slot_table_LDE, 
                         by_expert[g, s, e] += 1
                     if bad:
                         break
-                    if not byte_lanes:
-                        reached[0] = bits
-                    else:  # copies in byte lanes: one add per token-layer
-                        reached8 = spread8[bits]
-                        copy_lanes[g, s] += reached8
+                    if lane_copies:  # copies in byte lanes: one add per token-layer, flushed every 255
+                        copy_lanes[g, s] += spread8[bits]
                         if num_nodes > 0:
-                            node_lanes[g, s] += _node_lanes(reached8, devices_per_node, num_nodes)
+                            node_lanes[g, s] += spread8[node_mask[bits]]
                         lane_count[g, s] += 1
-                        if lane_count[g, s] == flush_at:
-                            _flush_lanes(g, s, layer, act_lanes, copy_lanes, node_lanes, lane_count, num_nodes,
-                                         activations_GLDD, copies_GLDD, node_copies_GLDM, stats_G3)
+                        if lane_count[g, s] == 255:
+                            _flush_lanes(g, s, layer, copy_lanes, node_lanes, lane_count, num_nodes, copies_GLDD,
+                                         node_copies_GLDM, stats_G3)
                         continue
-                elif byte_lanes:  # activations and copies of a token-layer in byte lanes, one add each per pair
-                    lanes = np.uint64(0)
-                    for j in range(top_k):
-                        e = gathered[i, layer, j]
-                        if e < 0 or e >= num_experts:
-                            bad = True
-                            break
-                        if count_slots:
-                            slot_tokens_GLP[g, layer, slot_table_LDE[layer, s, e]] += 1
-                        lanes += np.uint64(1) << np.uint64(8 * device_table_LDE[layer, s, e])
-                    if bad:
-                        break
-                    act_lanes[g, s] += lanes
-                    # 1 in each nonzero byte: a byte b < 128 gets its high bit from b + 127 exactly when b > 0
-                    reached8 = ((lanes + np.uint64(0x7F7F7F7F7F7F7F7F)) & np.uint64(0x8080808080808080)) >> np.uint64(7)
-                    copy_lanes[g, s] += reached8
-                    if num_nodes > 0:
-                        node_lanes[g, s] += _node_lanes(reached8, devices_per_node, num_nodes)
-                    lane_count[g, s] += 1
-                    if lane_count[g, s] == flush_at:
-                        _flush_lanes(g, s, layer, act_lanes, copy_lanes, node_lanes, lane_count, num_nodes,
-                                     activations_GLDD, copies_GLDD, node_copies_GLDM, stats_G3)
-                    continue
+                    reached[0] = bits
                 elif lane_bits > 0:  # a row-layer's per-device counts in one register, lane_bits bits per device
                     lanes = np.uint64(0)
                     for j in range(top_k):
@@ -307,12 +257,12 @@ def count_rows_at(idx_M, rows_N, group_N, home_NL, experts_RLk, slot_table_LDE, 
                         node_copies_GLDM[g, layer, s, m] += node_reached[m]
             if bad:
                 return _first_bad_row(idx_M, rows_N, home_NL, experts_RLk, num_devices, num_experts)
-            if byte_lanes:
+            if lane_copies:
                 for g in range(num_groups):
                     for s in range(num_devices):
                         if lane_count[g, s] > 0:
-                            _flush_lanes(g, s, layer, act_lanes, copy_lanes, node_lanes, lane_count, num_nodes,
-                                         activations_GLDD, copies_GLDD, node_copies_GLDM, stats_G3)
+                            _flush_lanes(g, s, layer, copy_lanes, node_lanes, lane_count, num_nodes, copies_GLDD,
+                                         node_copies_GLDM, stats_G3)
             if aggregate:
                 for g in range(num_groups):
                     for s in range(num_devices):
