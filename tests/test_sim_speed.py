@@ -203,9 +203,9 @@ def test_price_equals_block_on_random_blocks(hardware, attention):
 
 
 @pytest.mark.parametrize("devices,devices_per_node,rows,groups,crowded", [
-    (4, 4, 40, 3, 0),  # few rows, D <= 8: each activation straight to its slot, devices in byte lanes
-    (8, 4, 60, 3, 0),  # the same across two nodes (node lanes)
-    (8, 4, 1400, 200, 1200),  # rows spread thin, but 1,200 on one (group, home): lanes flushed before overflowing
+    (4, 4, 40, 3, 0),  # few rows: each activation straight to its slot, a token-layer's devices in byte lanes
+    (8, 4, 60, 3, 0),  # the same across two nodes (node copies per token-layer)
+    (8, 4, 1400, 200, 1200),  # few rows per (group, home) but 1,200 on one: counts past a byte's 255 there
     (16, 8, 40, 2, 0),  # few rows, D > 8: 4-bit lanes
     (8, 8, 3000, 2, 0),  # many rows, D <= 8: per-expert counts and byte-lane copies
     (8, 4, 3000, 1, 0),  # the same across two nodes
