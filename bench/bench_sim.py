@@ -31,7 +31,11 @@ Then the engine's Attention-DP steps compiled (repro/sim/engine_loop.py), measur
 against main f8cf5ce in one shell command: the sweep 1,124 -> 2,494 simulated requests per wall second (ep 8.95 ->
 4.10 CPU s; 5.5x the reference's CPU time in the same process), saturated 3,691 -> 4,261 per CPU second,
 bench_disaggregated 1,891 -> 3,843 (load 4.4-5.0), every per-rate number identical; the targets are still not met
-(docs/serving-simulator.md says where the time is).
+(docs/serving-simulator.md says where the time is). Measured again 2026-12-03 on b83b65c at load 0.2-1.7 (`taskset
+-c 1`, four runs): the sweep 2,864-2,975 simulated requests per wall second (ep 3.38-3.46 CPU s, the reference
+18.8-20.4), saturated 5,257-5,515 per CPU second, bench_disaggregated 4,428-4,509 (three runs); targets not met.
+Counting decode rows in byte lanes (97f435f, reverted) was faster replayed standalone but not here (ep 3.42-3.45 CPU
+s against main's 3.38-3.43 in the same pairs), so it was not kept.
 
 Routing: the synthetic DeepSeek-V2-Lite router (conf/model/synthetic_deepseek_v2_lite.yaml) on MMLU prompts
 (offline), split as every job splits it (systems fitted on the profile split, the evaluate split served).

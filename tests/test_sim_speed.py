@@ -202,17 +202,21 @@ def test_price_equals_block_on_random_blocks(hardware, attention):
                     assert np.array_equal(got[key], want[key]), (backend, spd, key)
 
 
-@pytest.mark.parametrize("devices,devices_per_node,rows,groups", [
-    (4, 4, 40, 3),  # few rows: each activation straight to its slot and device
-    (8, 8, 3000, 2),  # many rows, D <= 8: per-expert counts and byte-lane copies
-    (8, 4, 3000, 1),  # the same across two nodes
-    (16, 8, 4000, 1),  # per-expert counts, copies by bit set (D > 8)
-    (80, 8, 300, 2),  # past 64 devices: bit sets of several words
-    (8, 8, 25000, 3),  # more rows than one gathered chunk
+@pytest.mark.parametrize("devices,devices_per_node,rows,groups,crowded", [
+    (4, 4, 40, 3, 0),  # few rows: each activation straight to its slot, a token-layer's devices in byte lanes
+    (8, 4, 60, 3, 0),  # the same across two nodes (node copies per token-layer)
+    (8, 4, 1400, 200, 1200),  # few rows per (group, home) but 1,200 on one: counts past a byte's 255 there
+    (16, 8, 40, 2, 0),  # few rows, D > 8: 4-bit lanes
+    (8, 8, 3000, 2, 0),  # many rows, D <= 8: per-expert counts and byte-lane copies
+    (8, 4, 3000, 1, 0),  # the same across two nodes
+    (16, 8, 4000, 1, 0),  # per-expert counts, copies by bit set (D > 8)
+    (80, 8, 300, 2, 0),  # past 64 devices: bit sets of several words
+    (8, 8, 25000, 3, 0),  # more rows than one gathered chunk
 ])
-def test_stream_traffic_equals_batch_traffic(devices, devices_per_node, rows, groups):
+def test_stream_traffic_equals_batch_traffic(devices, devices_per_node, rows, groups, crowded):
     """traffic.stream_traffic (the engine's counting: rows read in place, any subset order) against batch_traffic on
-    the gathered rows: the same tables, and the engine's stats (activations, local ones, remote copies)."""
+    the gathered rows: the same tables, and the engine's stats (activations, local ones, remote copies). crowded:
+    rows put on group 0, home 0 in every layer."""
     from repro.sim.traffic import batch_traffic, device_tables, stream_traffic
 
     rng = np.random.default_rng(devices + rows)
@@ -223,6 +227,8 @@ def test_stream_traffic_equals_batch_traffic(devices, devices_per_node, rows, gr
     rows_N = rng.integers(0, 5000, rows)
     group_N = rng.integers(0, groups, rows)
     home_NL = rng.integers(0, devices, (rows, num_layers))
+    group_N[:crowded] = 0
+    home_NL[:crowded] = 0
     got, stats = stream_traffic(rows_N, group_N, home_NL, experts, slots, device_tables(slots, spd), spd, groups,
                                 devices_per_node)
     want = batch_traffic(group_N, home_NL, experts[rows_N], slots, spd, groups, devices_per_node)
