@@ -2,6 +2,7 @@
 
     python -m repro.run experiment=smoke logger=none
     python -m repro.run -m system=ep parallel.devices=2,4,8 parallel.attention=dp,tp
+    torchrun --nproc-per-node 4 -m repro.run experiment=exec logger=none   # this process is one rank (torchrun_job)
 
 Each job writes into its output dir (runs/<name>/<overrides>/): metrics.json (summary + resolved config; written
 last, so its presence means the job finished; the same bytes in every run of one config), timings.json (wall-clock
@@ -634,14 +635,64 @@ def log_failure(job: str) -> None:
     logging.getLogger(job).exception("%s failed", job)
 
 
+def torchrun_job(config: dict, out_dir: Path) -> None:
+    """This process's part of a torchrun exec job (`torchrun ... -m repro.run experiment=exec`): every rank composes
+    the same config, reads or makes the same traces (rank 0 first, so the routing cache is written once; the others
+    then read it) and fits the same seeded plan, runs its share, and rank 0 logs to W&B and writes the job dir
+    (staged, then published with metrics.json last, as run_job does). A WORLD_SIZE other than parallel.devices is
+    refused before any rank waits for another."""
+    import datetime as dt
+    from contextlib import nullcontext
+
+    import torch.distributed as dist
+
+    from repro.exec.launch import PREPARE_TIMEOUT_S, check_torchrun_world_size, init_from_env
+    from repro.exec.trace_mode import ExecConfig, run_exec_job
+
+    parallel, _ = make_job(config)
+    check_torchrun_world_size(parallel.devices)
+    exec_cfg = ExecConfig.from_config(config["exec"])
+    rank = init_from_env(exec_cfg.backend, exec_cfg.timeout_s)
+    # rank 0's W&B run starts before routing and is marked failed if this rank's job raises (repro.tracking)
+    with JobRun(config, out_dir, enabled=rank == 0) as tracking, \
+            staging_dir(out_dir) if rank == 0 else nullcontext(None) as staging:
+        try:
+            # a gloo group with a long timeout only for this wait: the exec collectives keep exec.timeout_s
+            waiting = dist.new_group(backend="gloo", timeout=dt.timedelta(seconds=PREPARE_TIMEOUT_S))
+            if rank != 0:
+                dist.barrier(group=waiting)
+            profile, evaluation = build_traces(config, on_progress=tracking.on_progress)
+            if rank == 0:
+                dist.barrier(group=waiting)
+            summary, result, plan = fit_and_evaluate(config, profile, evaluation)
+            summary.update(run_exec_job(config, plan, evaluation, staging))
+        finally:
+            dist.destroy_process_group()
+        if rank == 0:
+            tracking.add_routing(evaluation)
+            atomic_write(staging / "per_layer.csv", lambda p: result.per_layer.to_csv(p, index=False))
+            # before publishing, as run_job does: nothing is published if tracking fails
+            tracking.log_results(summary, result.per_layer, files_dir=staging)
+            publish_job(staging, out_dir, summary, config)
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     out_dir = Path(HydraConfig.get().runtime.output_dir)
+    torchrun = False
+    if cfg.get("exec"):  # under torchrun this process is one rank of the exec job (repro.exec imports torch)
+        from repro.exec.launch import in_torchrun
+
+        torchrun = in_torchrun()
     try:
-        run_job(cfg, out_dir)
+        if torchrun:
+            torchrun_job(OmegaConf.to_container(cfg, resolve=True), out_dir)
+        else:
+            run_job(cfg, out_dir)
     except ReproError as e:
         print(f"error: {e}", file=sys.stderr)
-        remove_failed_job_dir(out_dir)
+        if not torchrun:  # ranks share the folder: rank 0's staging decides what stays
+            remove_failed_job_dir(out_dir)
         raise SystemExit(2) from None
     except Exception:
         log_failure("repro.run")

@@ -137,7 +137,7 @@ TYPED_OPTIONS = [o for m in ARGPARSE_APPS if m not in NOT_YET for o in options_o
 
 def test_discovery_finds_the_entry_points_this_suite_documents():
     """Positive control of the discovery: the documented entry points of each kind are found and classified."""
-    assert {"repro.run": "hydra", "repro.tune": "hydra", "repro.exec": "hydra"}.items() <= ENTRY_POINTS.items()
+    assert {"repro.run": "hydra", "repro.tune": "hydra"}.items() <= ENTRY_POINTS.items()
     for module in ("repro.affinity.partial", "repro.engines.sglang", "repro.sim.trust", "bench.cpu_check", "bench",
                    "repro.figures", "repro.traces.import"):
         assert ENTRY_POINTS[module] == "argparse", module

@@ -191,13 +191,13 @@ def test_bad_inputs_are_one_sentence(monkeypatch):
 
 @pytest.mark.slow
 def test_hydra_exec_job_writes_exec_metrics(tmp_path):
-    """python -m repro.exec on an imported trace without gate weights (uniform 1/k replayed), Attention-TP."""
+    """python -m repro.run experiment=exec on an imported trace without gate weights (uniform 1/k replayed), Attention-TP."""
     from repro.traces import write_trace
 
     write_trace(routed_trace(30, weights=False, seed=1), tmp_path / "trace")
     env = dict(os.environ, WANDB_MODE="disabled", REPRO_CACHE=str(tmp_path / "cache"))
     res = subprocess.run(
-        [sys.executable, "-m", "repro.exec", "experiment=exec", "logger=none", f"trace={tmp_path / 'trace'}",
+        [sys.executable, "-m", "repro.run", "experiment=exec", "logger=none", f"trace={tmp_path / 'trace'}",
          "system=semmoe", "parallel.attention=tp", "parallel.tokens_per_step=64", "exec.hidden_size=16",
          "exec.intermediate_size=16", f"hydra.run.dir={tmp_path / 'job'}"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,

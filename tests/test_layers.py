@@ -28,7 +28,7 @@ LAYERS = [
     ("repro.exec",),
     ("repro.engines",),
     ("repro.config_schema",),
-    ("repro.run", "repro.exec.__main__"),
+    ("repro.run",),
     ("repro.tune",),
     ("repro.figures",),
     ("repro.side_by_side",),

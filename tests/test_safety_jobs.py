@@ -186,13 +186,11 @@ def test_traces_with_the_same_folder_name_get_different_job_folders(tmp_path):
     assert job_dirname("", str(a), str(b)).split(",")[1] == f"profile_trace={job_dirname('', str(b), None)[6:]}"
 
 
-def test_exec_entry_point_resolves_its_run_dirs(tmp_path):
-    """repro.exec alone (no repro.run import) registers job_dirname: its Hydra run dir and sweep subdir resolve,
-    and two traces named alike land in different folders."""
+def test_exec_experiment_resolves_its_run_dirs(tmp_path):
+    """The exec experiment's Hydra run dir and sweep subdir resolve with the runner's job_dirname, and two traces
+    named alike land in different folders."""
     script = textwrap.dedent(f"""
-        import sys
-        import repro.exec.__main__
-        assert "repro.run" not in sys.modules
+        import repro.run
         from hydra import compose, initialize_config_dir
         from hydra.core.hydra_config import HydraConfig
         from omegaconf import OmegaConf

@@ -214,7 +214,7 @@ def test_tracking_off_imports_nothing(tmp_path, monkeypatch, off):
 
 
 def test_importing_the_job_code_does_not_import_wandb():
-    code = "import sys, repro.run, repro.tracking, repro.exec.__main__; print('wandb' in sys.modules)"
+    code = "import sys, repro.run, repro.tracking; print('wandb' in sys.modules)"
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip() == "False"

@@ -157,6 +157,21 @@ def launch(
     return [outcomes[rank][1] for rank in range(world_size)]
 
 
+PREPARE_TIMEOUT_S = 3600  # rank 0 may train a routing model before the others read its cached trace
+
+
+def check_torchrun_world_size(devices: int) -> None:
+    """One ConfigError sentence, before any rendezvous or collective, unless torchrun started `devices` ranks (a
+    mismatch would otherwise leave the ranks waiting on each other)."""
+    world_size = os.environ["WORLD_SIZE"]
+    if not world_size.isdigit() or int(world_size) != devices:
+        raise ConfigError(
+            f"torchrun started WORLD_SIZE={world_size} ranks but the plan places experts on parallel.devices="
+            f"{devices} devices; start {devices} ranks (--nproc-per-node x --nnodes) or set "
+            f"parallel.devices={world_size}."
+        )
+
+
 def init_from_env(backend: str = "gloo", timeout_s: float = 300.0) -> int:
     """Initialise the default process group of a torchrun rank from its environment; returns this rank."""
     if not in_torchrun():
