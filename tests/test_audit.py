@@ -842,7 +842,7 @@ def test_json_depth_reads_escapes_by_the_parity_of_their_backslashes(tmp_path):
 @pytest.mark.parametrize("module, overrides", [
     ("repro.run", ["+no_such_key=1", "logger=none"]),
     ("repro.tune", ["+tune.constraints.nope=1", "logger=none"]),
-    ("repro.exec", ["parallel.devices=0", "logger=none"]),
+    ("repro.run", ["experiment=exec", "parallel.devices=0", "logger=none"]),
     ("repro.affinity.count_job", ["trace=/x", "shard=-1"]),
     ("repro.affinity.count_job", ["trace=/x", "+no_such_key=1"]),  # an unknown key was ignored
 ])

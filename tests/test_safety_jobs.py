@@ -214,7 +214,7 @@ def test_torchrun_with_another_world_size_is_refused_before_any_rendezvous(tmp_p
     once (no rank waits for a peer that will never come), and no job written."""
     env = dict(os.environ, WANDB_MODE="disabled", REPRO_CACHE=str(tmp_path / "cache"), RANK="0", LOCAL_RANK="0",
                WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29999")
-    res = subprocess.run([sys.executable, "-m", "repro.exec", "experiment=exec", "logger=none"],
+    res = subprocess.run([sys.executable, "-m", "repro.run", "experiment=exec", "logger=none"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert res.returncode == 2, res.stderr[-2000:]
     assert "torchrun started WORLD_SIZE=2 ranks but the plan places experts on parallel.devices=4" in res.stderr
