@@ -20,10 +20,12 @@ from repro.sim.costs import COMPONENTS
 from repro.sim.engine import Engine, EngineConfig, Requests, RunResult
 from repro.sim.metrics import (
     bisect_rate,
+    decided,
     rate_row,
     ratio_interval,
     request_latencies,
     run_until_converged,
+    span_to_settle,
 )
 from repro.sim.simulate import _pool, check_sim_config, draw_requests, lattice_ladder, seed_workers, seeds_settled
 from repro.systems.base import Placement, Plan
@@ -153,6 +155,37 @@ def test_a_run_lengthens_until_it_converges_and_says_when_it_did_not():
 
     row, extensions = run_until_converged(critical, 1000, 8000)
     assert calls == [1000, 2000, 4000, 8000] and extensions == 3 and not row["converged"]
+
+
+def test_span_to_settle_extrapolates_the_half_widths():
+    """A run settles a rule when its interval leaves the threshold (or is within rel_halfwidth of its value): the
+    span at which 1/sqrt shrinking half-widths get there; settled runs keep their span; capacity reads only the queue."""
+    row = {"rate": 1000.0, "arrivals_span_s": 24.0, "stability": "stable", "stability_settled": True,
+           "stable_point": True, "in_system_trend_rps": 5.0, "in_system_trend_halfwidth_rps": 4.0,
+           "ttft_batch_mean_s": 0.0188, "ttft_halfwidth_s": 0.0065, "e2e_batch_mean_s": 1.0, "e2e_halfwidth_s": 0.1,
+           "attainment": 0.9, "attainment_halfwidth": 0.1, "settled_ttft": False, "settled_e2e": True,
+           "settled_distserve": False, "settled_capacity": True}
+    thresholds = {"ttft": 0.0207, "e2e": 2.0, "attainment": 0.9}
+    span = span_to_settle(row, "ttft", thresholds, 0.03, 0.02)
+    factor = span / 24.0
+    assert factor == pytest.approx((0.0065 / (0.0207 - 0.0188)) ** 2)  # ~12x: 10 % from the SLO, 35 % half-width
+    for shrink, settles in ((1.01, True), (0.99, False)):  # settled just past the span, not just before it
+        assert decided(0.0188, 0.0065 / np.sqrt(factor * shrink), 0.0207, 0.02) is settles
+    assert span_to_settle(row, "e2e", thresholds, 0.03, 0.02) == 24.0
+    assert span_to_settle(row, "capacity", thresholds, 0.03, 0.02) == 24.0
+    # on its threshold: settled only once the half-width is within 2 % of the estimate
+    assert span_to_settle(row, "distserve", thresholds, 0.03, 0.02) == pytest.approx(24.0 * (0.1 / 0.018) ** 2)
+    on_tolerance = dict(row, stability="undecided", stability_settled=False, in_system_trend_rps=30.0,
+                        settled_capacity=False)
+    assert span_to_settle(on_tolerance, "capacity", thresholds, 0.03, 0.02) == float("inf")
+    # an undecided queue: its trend must leave tolerance x rate = 30 req/s (here 25 +- 10: 4x the arrivals)
+    undecided = dict(row, stability="undecided", stability_settled=False, in_system_trend_rps=25.0,
+                     in_system_trend_halfwidth_rps=10.0, settled_capacity=False, settled_e2e=False)
+    assert span_to_settle(undecided, "capacity", thresholds, 0.03, 0.02) == pytest.approx(24.0 * 4)
+    assert span_to_settle(undecided, "e2e", thresholds, 0.03, 0.02) == pytest.approx(24.0 * 4)
+    # an unstable verdict needs a second run in a row: at least twice the arrivals
+    overloaded = dict(undecided, stability="unstable", stable_point=False, in_system_trend_rps=200.0)
+    assert span_to_settle(overloaded, "ttft", thresholds, 0.03, 0.02) == pytest.approx(48.0)
 
 
 def test_requests_are_drawn_as_consecutive_permutations():
@@ -345,6 +378,10 @@ def test_a_run_capped_before_it_converges_is_labelled_so(small):
         per_seed = s[f"converged_{rule}_per_seed"]
         assert len(per_seed) == 2 and s[f"converged_{rule}"] == all(per_seed)
         assert all(per_seed) or any("did not settle" in w for w in s["warnings"])
+        # the extrapolated arrivals to settle: a converged seed's deciding runs' own spans, else longer ones
+        for seed, (ok, span) in enumerate(zip(per_seed, s[f"arrivals_to_settle_{rule}_s_per_seed"], strict=True)):
+            spans = probes[(probes["seed"] == seed) & (probes["plan"] == "plan")]["arrivals_span_s"]
+            assert span <= spans.max() if ok else (span is None or span >= spans.min())
     # a p99 rule has no batch-means interval here: it settles only on converged runs, which a 2 s cap never gives
     p99 = run_small(small, slo={"statistic": "p99"}).summary
     assert not p99["converged_ttft"] and not p99["sim_converged"]

@@ -223,6 +223,43 @@ def decided(mean: float, halfwidth: float, threshold: float, rel_halfwidth: floa
     return bool(abs(mean - threshold) > halfwidth or halfwidth <= rel_halfwidth * abs(mean))
 
 
+def span_to_settle(row: dict, rule: str, thresholds: dict, tolerance: float, rel_halfwidth: float) -> float:
+    """Seconds of arrivals at which a run would settle `rule` (capacity, ttft, e2e, distserve) if its estimates
+    stayed where they are and every half-width shrank as 1 / sqrt(arrivals span) (batch means of a stationary run):
+    an extrapolation that sizes sim.max_duration_s, not a measurement. The run's own span when it already settled
+    the rule; inf when the queue's trend sits exactly on tolerance x rate.
+
+    row: a probe row (`rate_row` and the rule flags: stability, stability_settled, stable_point, in_system_trend_rps
+    and its half-width, <name>_batch_mean_s and <name>_halfwidth_s, attainment and its half-width, settled_<rule>,
+    arrivals_span_s); thresholds: {"ttft", "e2e": SLO seconds, "attainment": DistServe's share}; tolerance:
+    sim.stable_tolerance.
+
+    Why: near a knee the latency rises by a large factor within one bisection step, so a deciding run's estimate can
+    sit next to its SLO; the factor by which its half-width must shrink is what a longer cap buys (a run whose
+    estimate is 10 % from its SLO with a 35 % half-width needs ~12x the arrivals)."""
+    span = float(row["arrivals_span_s"])
+    if row[f"settled_{rule}"]:
+        return span
+
+    def factor(estimate: float, halfwidth: float, threshold: float, relative: bool) -> float:
+        gap = abs(estimate - threshold)
+        if relative:  # `decided` also settles a comparison measured to within rel_halfwidth of its value
+            gap = max(gap, rel_halfwidth * abs(estimate))
+        return (halfwidth / gap) ** 2 if gap > 0 else float("inf")
+
+    needed = 1.0
+    if not row["stability_settled"]:
+        needed = factor(row["in_system_trend_rps"], row["in_system_trend_halfwidth_rps"], tolerance * row["rate"], False)
+        if row["stability"] == "unstable":  # an unstable verdict holds only on two runs in a row (run_until_converged)
+            needed = max(needed, 2.0)
+    if rule != "capacity" and row["stable_point"]:  # an overloaded queue fails every SLO; else the latency decides
+        estimate, halfwidth = ((row["attainment"], row["attainment_halfwidth"]) if rule == "distserve"
+                               else (row[f"{rule}_batch_mean_s"], row[f"{rule}_halfwidth_s"]))
+        threshold = thresholds["attainment" if rule == "distserve" else rule]
+        needed = max(needed, factor(estimate, halfwidth, threshold, True))
+    return span * max(needed, 1.0)
+
+
 def share_interval(ok_R: np.ndarray, batch_R: np.ndarray, batches: int, confidence: float = 0.95) -> tuple[float, float]:
     """(share, half-width): the share of requests with ok_R bool[R] and its batch-means interval over the batches
     batch_R int[R] they arrived in (batches without a request left out)."""

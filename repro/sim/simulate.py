@@ -78,6 +78,7 @@ from repro.sim.metrics import (
     request_latencies,
     run_until_converged,
     share_interval,
+    span_to_settle,
     statistic,
     window_requests,
 )
@@ -575,7 +576,11 @@ def _seed_work(setup: _Setup, seed: int, seed_seq: np.random.SeedSequence, slo: 
         found[rule] = bisect_rate(lambda r, k=key: runner.measure(r, "bisect")[k], rates, tol, start, lattice=lowest)
         found[rule]["window_throughput"] = runner.cache[found[rule]["low"]]["throughput_rps"] \
             if found[rule]["low"] > 0 else 0.0
-        found[rule]["converged"] = _bracket_converged(runner, found[rule], float(setup.grid[0]), f"settled_{rule}")
+        deciding = [runner.cache[r] for r in _deciding_rates(found[rule], lowest)]
+        found[rule]["converged"] = all(row[f"settled_{rule}"] for row in deciding)
+        thresholds = {"ttft": slo["ttft"], "e2e": slo["e2e"], "attainment": setup.sim["slo"]["attainment"]}
+        found[rule]["span_to_settle"] = max(span_to_settle(row, rule, thresholds, setup.sim["stable_tolerance"],
+                                                           setup.sim["rel_halfwidth"]) for row in deciding)
     pool = runner.pool
     return {"seed": seed, "cache": runner.cache, "latency": runner.latency, "layers": runner.layers,
             "log": runner.log, "found": found, "distinct": int(len(np.unique(pool.picked))),
@@ -591,13 +596,13 @@ def lattice_ladder(rate: float, lowest: float, highest: float, rel_tol: float) -
     return lowest * np.exp(step * np.arange(top + 1, dtype=np.float64)), k
 
 
-def _bracket_converged(runner: _Runner, found: dict, lowest: float, key: str) -> bool:
-    """Whether the runs deciding a bisected rate settled the rule (`key`: settled_<rule>): the highest meeting
-    rate's and the lowest failing one's (the lowest grid rate's when even it fails)."""
+def _deciding_rates(found: dict, lowest: float) -> list[float]:
+    """The rates whose runs decide a bisected rule: the highest meeting rate and the lowest failing one (the lowest
+    grid rate's when even it fails)."""
     rates = [found["low"] if found["low"] > 0 else lowest]
     if np.isfinite(found["high"]) and found["high"] != rates[0]:
         rates.append(found["high"])
-    return all(runner.cache[r][key] for r in rates)
+    return rates
 
 
 _FORKED: _Setup | None = None  # the setup a forked worker inherits
@@ -856,6 +861,8 @@ def _summary(sim, slo, stat, light_rate, results, per_rate, probes, seeds, trace
         summary[f"bracketed_{rule}"] = bool(all(f["bracketed"] for f in found))
         summary[f"converged_{rule}_per_seed"] = [bool(f["converged"]) for f in found]
         summary[f"converged_{rule}"] = bool(all(f["converged"] for f in found))
+        # what a longer cap would buy: the arrivals span at which the deciding runs would settle (an extrapolation)
+        summary[f"arrivals_to_settle_{rule}_s_per_seed"] = [_finite(f["span_to_settle"]) for f in found]
     # nothing downstream may treat a rule's value as converged unless the runs deciding it settled it on every seed
     settled = probes[[f"settled_{rule}" for rule in RULES]].fillna(False).astype(bool).all(axis=1) \
         if f"settled_{RULES[0]}" in probes else False
@@ -868,9 +875,11 @@ def _summary(sim, slo, stat, light_rate, results, per_rate, probes, seeds, trace
     for rule in RULES:
         if not summary[f"converged_{rule}"]:
             seeds_left = [s for s, ok in enumerate(summary[f"converged_{rule}_per_seed"]) if not ok]
+            spans = ", ".join(f"{results[rule][s]['span_to_settle']:.3g}" for s in seeds_left)
             warnings.append(f"under {names[rule]} the runs deciding the rate of seed(s) {seeds_left} did not settle "
                             f"it within sim.max_duration_s={sim['max_duration_s']:g} s of arrivals; that value is "
-                            "unconverged (raise max_duration_s).")
+                            f"unconverged (at their present estimates, with half-widths shrinking as 1/sqrt(arrivals), "
+                            f"they would settle at about {spans} s of arrivals: raise max_duration_s past that).")
     summary["goodput_distserve_bracketed"] = summary["bracketed_distserve"]
     summary.update({
         "a2a_share_lightest": float(lightest["a2a_share"]),
