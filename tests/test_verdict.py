@@ -308,6 +308,15 @@ def test_a_ratio_from_unconverged_runs_is_not_testable(tmp_path):
     row = parts.loc[("R4", "DeepSeek-V2-Lite, E2E SLO, vs ep")]
     assert row["verdict"] == NOT_TESTABLE and "did not converge" in row["why"] and "ep" in row["why"]
     assert parts.at[("R4", "DeepSeek-V2-Lite, TTFT SLO, vs ep"), "verdict"] == REPRODUCED  # TTFT runs converged
+    assert "would settle" not in row["why"]  # a job without the extrapolation says nothing about it
+    # the extrapolated span of the unconverged seed is named (the largest where several are)
+    set_summary(root / "serve_dp" / "system=ep", converged_e2e=False, converged_e2e_per_seed=[True, False, False],
+                arrivals_to_settle_e2e_s_per_seed=[10.0, 37.7, 780.8])
+    row = tables(root)[1].set_index(["claim", "part"]).loc[("R4", "DeepSeek-V2-Lite, E2E SLO, vs ep")]
+    assert row["verdict"] == NOT_TESTABLE and "would settle at about 781 s of arrivals" in row["why"]
+    set_summary(root / "serve_dp" / "system=ep", arrivals_to_settle_e2e_s_per_seed=[10.0, 37.7, None])
+    row = tables(root)[1].set_index(["claim", "part"]).loc[("R4", "DeepSeek-V2-Lite, E2E SLO, vs ep")]
+    assert "no span (an estimate sits on its threshold)" in row["why"]
 
 
 def test_an_imported_trace_counts_as_the_paper_model_only_when_captured_from_it(tmp_path):

@@ -439,7 +439,8 @@ def _ratio_parts(claim: str, panels: dict[str, dict[str, pd.Series]], paper_rati
             if unconverged:
                 parts.append(_absent(claim, part, _x(paper), f"{' and '.join(unconverged)}'s {rule.upper()} SLO "
                                      "runs did not converge (or predate convergence checks) within sim.max_duration_s; "
-                                     "raise it and rerun (the report lists the unconverged runs)"))
+                                     "raise it and rerun (the report lists the unconverged runs)"
+                                     + _settle_note([jobs[s] for s in unconverged], rule)))
                 continue
             r = throughput_ratio(jobs["semmoe"], jobs[base], rule)
             # a system meeting the SLO at the highest swept rate on some seed has a lower bound, not a crossing
@@ -465,6 +466,22 @@ def _ratio_parts(claim: str, panels: dict[str, dict[str, pd.Series]], paper_rati
             parts.append(_part(claim, part, _x(paper), _x(r["mean"]) + interval, verdict, jobs["semmoe"],
                                "; ".join(notes)))
     return parts
+
+
+def _settle_note(jobs: list[pd.Series], rule: str) -> str:
+    """Where the unconverged seeds of these jobs would settle `rule` at their present estimates
+    (arrivals_to_settle_<rule>_s_per_seed: an extrapolation, repro.sim.metrics.span_to_settle), or ""."""
+    spans = []
+    for job in jobs:
+        flags, settle = job.get(f"converged_{rule}_per_seed"), job.get(f"arrivals_to_settle_{rule}_s_per_seed")
+        if isinstance(flags, list) and isinstance(settle, list):
+            spans += [float("inf") if span is None else span for ok, span in zip(flags, settle, strict=True) if not ok]
+    if not spans:
+        return ""
+    worst = max(spans)
+    where = f"about {worst:.3g} s" if np.isfinite(worst) else "no span (an estimate sits on its threshold)"
+    return (f"; at their present estimates the last of them would settle at {where} of arrivals (half-widths "
+            "extrapolated as 1/sqrt(arrivals))")
 
 
 def _dp_panels(summary: pd.DataFrame, shapes: dict[str, str]) -> dict[str, dict[str, pd.Series]]:
