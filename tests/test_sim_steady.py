@@ -404,7 +404,7 @@ def test_every_system_gets_vanilla_eps_slo(small):
     assert own.summary["slo_ttft_s"] != ep.summary["slo_ttft_s"]
 
 
-def test_seeds_until_adds_the_same_seeds_a_longer_run_has(small, monkeypatch):
+def test_seeds_until_adds_the_same_seeds_a_longer_run_has(small, monkeypatch, capsys):
     given = {"ttft_s": 0.05, "tpot_s": 0.01, "e2e_s": 0.5}  # SLOs fixed, so they do not depend on the seed count
     four = run_small(small, seeds=4, slo=given)
     until = {"rel_halfwidth": 0.02, "max_seeds": 4, "step": 2}
@@ -416,6 +416,14 @@ def test_seeds_until_adds_the_same_seeds_a_longer_run_has(small, monkeypatch):
     assert added.summary["sim_seeds_settled"] is False  # the cap came first, and the summary says so
     pd.testing.assert_frame_equal(added.per_rate, four.per_rate, check_exact=True)
     pd.testing.assert_frame_equal(added.probes, four.probes, check_exact=True)
+    # the progress bar counts the added seeds in its total
+    trace, shape, hardware = small
+    plan = Plan(contiguous_placement(4, 16, 8), ParallelConfig(devices=8, attention="dp"))
+    sim = sim_section(rates=[20.0, 80.0], duration_s=2.0, min_requests=30, warmup_s=0.5, cooldown_s=0.1,
+                      output_len=[2, 8], routing_map="trace", seeds=2, max_duration_s=2.0, slo=given,
+                      seeds_until=until)
+    simulate({"sim": sim}, plan, trace, hardware, shape, np.random.default_rng(0), progress=True)
+    assert "4/4" in capsys.readouterr().err
 
 
 def test_seeds_settled_rule():

@@ -729,13 +729,19 @@ def simulate(config: dict, plan: Plan, trace: RoutingTrace, hardware: dict, shap
         pooled = np.concatenate([seed_light["latency"][name] for seed_light in light])
         slo[name] = float(slo_cfg["multiplier"] * statistic(pooled, stat))
     seeds = _each_seed(setup, seed_seqs, slo, workers, light)
+    if bar is not None:
+        bar.update(len(seeds))
     until = sim["seeds_until"]
     while until and len(seeds) < until["max_seeds"] and not seeds_settled(seeds, until["rel_halfwidth"]):
         # rng.spawn continues the same sequence of children: seed i is the same whether it came first or was added
         more = [g.bit_generator.seed_seq for g in rng.spawn(min(until["step"], until["max_seeds"] - len(seeds)))]
+        if bar is not None:  # the seeds added count too
+            bar.total += len(more)
+            bar.refresh()
         seeds += _each_seed(setup, more, slo, workers, first_seed=len(seeds), anchors=_anchors(seeds[0]))
+        if bar is not None:
+            bar.update(len(more))
     if bar is not None:
-        bar.update(len(seeds))
         bar.close()
 
     per_rate = pd.DataFrame([row for seed in seeds for _, row in sorted(seed["cache"].items())])
