@@ -183,6 +183,9 @@ def test_span_to_settle_extrapolates_the_half_widths():
                      in_system_trend_halfwidth_rps=10.0, settled_capacity=False, settled_e2e=False)
     assert span_to_settle(undecided, "capacity", thresholds, 0.03, 0.02) == pytest.approx(24.0 * 4)
     assert span_to_settle(undecided, "e2e", thresholds, 0.03, 0.02) == pytest.approx(24.0 * 4)
+    # an SLO on p99 (no batch-means interval) settles only on a converged run: both half-widths within 2 % of their means
+    assert span_to_settle(row, "ttft", {"attainment": 0.9}, 0.03, 0.02) == pytest.approx(
+        24.0 * max((0.0065 / (0.02 * 0.0188)) ** 2, (0.1 / 0.02) ** 2))
     # an unstable verdict needs a second run in a row: at least twice the arrivals
     overloaded = dict(undecided, stability="unstable", stable_point=False, in_system_trend_rps=200.0)
     assert span_to_settle(overloaded, "ttft", thresholds, 0.03, 0.02) == pytest.approx(48.0)

@@ -231,8 +231,9 @@ def span_to_settle(row: dict, rule: str, thresholds: dict, tolerance: float, rel
 
     row: a probe row (`rate_row` and the rule flags: stability, stability_settled, stable_point, in_system_trend_rps
     and its half-width, <name>_batch_mean_s and <name>_halfwidth_s, attainment and its half-width, settled_<rule>,
-    arrivals_span_s); thresholds: {"ttft", "e2e": SLO seconds, "attainment": DistServe's share}; tolerance:
-    sim.stable_tolerance.
+    arrivals_span_s); thresholds: {"ttft", "e2e": SLO seconds of the mean statistic, "attainment": DistServe's
+    share}; without "ttft" / "e2e" (an SLO on another statistic, which settles only on a converged run) the run
+    must converge: both latency half-widths within rel_halfwidth of their means. tolerance: sim.stable_tolerance.
 
     Why: near a knee the latency rises by a large factor within one bisection step, so a deciding run's estimate can
     sit next to its SLO; the factor by which its half-width must shrink is what a longer cap buys (a run whose
@@ -241,8 +242,9 @@ def span_to_settle(row: dict, rule: str, thresholds: dict, tolerance: float, rel
     if row[f"settled_{rule}"]:
         return span
 
-    def factor(estimate: float, halfwidth: float, threshold: float, relative: bool) -> float:
-        gap = abs(estimate - threshold)
+    def factor(estimate: float, halfwidth: float, threshold: float | None, relative: bool) -> float:
+        """(halfwidth / the distance it must shrink to)^2; threshold None: only the relative precision counts."""
+        gap = abs(estimate - threshold) if threshold is not None else 0.0
         if relative:  # `decided` also settles a comparison measured to within rel_halfwidth of its value
             gap = max(gap, rel_halfwidth * abs(estimate))
         return (halfwidth / gap) ** 2 if gap > 0 else float("inf")
@@ -252,11 +254,13 @@ def span_to_settle(row: dict, rule: str, thresholds: dict, tolerance: float, rel
         needed = factor(row["in_system_trend_rps"], row["in_system_trend_halfwidth_rps"], tolerance * row["rate"], False)
         if row["stability"] == "unstable":  # an unstable verdict holds only on two runs in a row (run_until_converged)
             needed = max(needed, 2.0)
-    if rule != "capacity" and row["stable_point"]:  # an overloaded queue fails every SLO; else the latency decides
-        estimate, halfwidth = ((row["attainment"], row["attainment_halfwidth"]) if rule == "distserve"
-                               else (row[f"{rule}_batch_mean_s"], row[f"{rule}_halfwidth_s"]))
-        threshold = thresholds["attainment" if rule == "distserve" else rule]
-        needed = max(needed, factor(estimate, halfwidth, threshold, True))
+    if rule == "distserve" and row["stable_point"]:  # an overloaded queue fails every SLO; else the latency decides
+        needed = max(needed, factor(row["attainment"], row["attainment_halfwidth"], thresholds["attainment"], True))
+    elif rule in thresholds and row["stable_point"]:
+        needed = max(needed, factor(row[f"{rule}_batch_mean_s"], row[f"{rule}_halfwidth_s"], thresholds[rule], True))
+    elif rule != "capacity" and row["stable_point"]:  # converged: a half-width within rel_halfwidth of its mean
+        needed = max([needed] + [factor(row[f"{name}_batch_mean_s"], row[f"{name}_halfwidth_s"], None, True)
+                                 for name in ("ttft", "e2e")])
     return span * max(needed, 1.0)
 
 
