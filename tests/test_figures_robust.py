@@ -105,6 +105,22 @@ def test_report_skips_each_corrupt_job_once_with_a_warning_and_a_report_line(tmp
     assert sorted(summary["system"]) == ["ep", "semmoe"] and len(skipped) == 4
 
 
+def test_report_renders_an_experiment_whose_jobs_measure_no_lar(tmp_path):
+    """make reproduce's short drift run (drift.serving.window_costs=false) leaves jobs without LAR or all-to-all
+    bytes; their experiment's table lists them instead of ending the report with a KeyError."""
+    runs = tmp_path / "runs"
+    write_job(runs, "paper_dp", "ep", lar=0.5)
+    for system in ("ep", "semmoe"):
+        job = write_job(runs, "drift_short", system)
+        record = json.loads((job / "metrics.json").read_text())
+        record["summary"] = {"system": system, "kind": "system"}
+        (job / "metrics.json").write_text(json.dumps(record))
+    out = tmp_path / "figures"
+    assert figures_main(["--runs", str(runs), "--out", str(out)]) == 0
+    section = (out / "REPORT.md").read_text().split("## Experiment `drift_short`")[1].split("## Experiment")[0]
+    assert "2 jobs" in section and "| semmoe |" in section and "lar" not in section.split("Config")[0]
+
+
 def test_only_corrupt_jobs_is_one_sentence_not_a_traceback(tmp_path, capsys):
     runs = tmp_path / "runs"
     corrupt_jobs(runs)

@@ -188,6 +188,8 @@ def systems_table(summary: pd.DataFrame) -> str:
     keys = list(zip(*(table[c] for c in group), strict=True))
 
     def ratio_to(systems: tuple[str, ...], column: str) -> None:
+        if "lar" not in table:  # e.g. drift jobs without their per-window horizon runs measure no LAR
+            return
         ref = table[table["system"].isin(systems)].set_index(group)["lar"]
         ref = ref[~ref.index.duplicated()]
         if len(ref):
@@ -196,7 +198,8 @@ def systems_table(summary: pd.DataFrame) -> str:
     ratio_to(("ep",), "lar_vs_ep")
     # the ceiling of each mode: the token oracle (TP) or the DP bound (DP), whichever the sweep ran
     ratio_to(("token_oracle", "dp_bound"), "lar_vs_bound")
-    table["a2a_bytes"] = table["a2a_bytes"].map(lambda b: f"{b / 2**20:.1f} MiB")
+    if "a2a_bytes" in table:
+        table["a2a_bytes"] = table["a2a_bytes"].map(lambda b: f"{b / 2**20:.1f} MiB")
     text = markdown_table(table)
     bounds = summary[summary["kind"] == "bound"].drop_duplicates("system") if "kind" in summary else summary.iloc[:0]
     notes = [f"- `{b.system}` (bound): {b.bound_constraint}" for b in bounds.itertuples() if isinstance(b.bound_constraint, str)]
