@@ -107,18 +107,23 @@ def test_report_skips_each_corrupt_job_once_with_a_warning_and_a_report_line(tmp
 
 def test_report_renders_an_experiment_whose_jobs_measure_no_lar(tmp_path):
     """make reproduce's short drift run (drift.serving.window_costs=false) leaves jobs without LAR or all-to-all
-    bytes; their experiment's table lists them instead of ending the report with a KeyError."""
+    bytes; their experiment lists them and the drift report's policy table instead of ending the report with a
+    KeyError."""
     runs = tmp_path / "runs"
     write_job(runs, "paper_dp", "ep", lar=0.5)
-    for system in ("ep", "semmoe"):
-        job = write_job(runs, "drift_short", system)
+    for seed in (0, 1):
+        job = write_job(runs / "drift_short", f"seed={seed}", "semmoe")
         record = json.loads((job / "metrics.json").read_text())
-        record["summary"] = {"system": system, "kind": "system"}
+        record["config"]["name"] = "drift_short"
+        record["summary"] = {"system": "semmoe", "kind": "system", "headline_policy": "semmoe_drift", "replacements": 0,
+                             "policies": {"ep": {"kind": "system", "a2a_s": 7.5 + seed, "replacements": 0}}}
+        record["config"].update(seed=seed, drift={"threshold": 0.1})
         (job / "metrics.json").write_text(json.dumps(record))
     out = tmp_path / "figures"
     assert figures_main(["--runs", str(runs), "--out", str(out)]) == 0
     section = (out / "REPORT.md").read_text().split("## Experiment `drift_short`")[1].split("## Experiment")[0]
-    assert "2 jobs" in section and "| semmoe |" in section and "lar" not in section.split("Config")[0]
+    assert "2 jobs" in section and "| semmoe |" in section and "lar_vs_ep" not in section
+    assert "| stationary | 0 | ep | 7.5 |" in section and "| stationary | 1 | ep | 8.5 |" in section
 
 
 def test_only_corrupt_jobs_is_one_sentence_not_a_traceback(tmp_path, capsys):

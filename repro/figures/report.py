@@ -7,6 +7,7 @@ A job counts when its metrics.json exists (written last by repro.run); repro.fig
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import matplotlib
@@ -18,6 +19,7 @@ import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
 from repro.atomic import atomic_write_text  # noqa: E402
+from repro.drift.report import report as drift_report  # noqa: E402
 from repro.figures.breakeven import breakeven_section  # noqa: E402
 from repro.figures.jobs import find_job_files, log, read_jobs, skipped_lines, sweep_notes  # noqa: E402
 from repro.figures.palette import series_style  # noqa: E402
@@ -379,6 +381,14 @@ def _config_block(run_dir: str) -> str:
     return "```json\n" + json.dumps(keep, indent=1) + "\n```"
 
 
+def drift_section(runs: pd.DataFrame) -> list[str]:
+    """The drift experiment's policy tables and its targets (repro.drift.report), for jobs that ran it."""
+    if "policies" not in runs or not runs["policies"].notna().any():
+        return []
+    root = Path(os.path.commonpath([str(d) for d in runs["run_dir"]]))
+    return ["### Placement over time (python -m repro.drift.report)", "", drift_report(root), ""]
+
+
 def experiment_section(experiment: str, runs: pd.DataFrame, layers: pd.DataFrame, out_dir: Path,
                        partial: str = "") -> list[str]:
     """Markdown lines of one experiment: its systems table, figures (PNGs under out_dir/<experiment>/), the
@@ -411,6 +421,7 @@ def experiment_section(experiment: str, runs: pd.DataFrame, layers: pd.DataFrame
         lines += [f"### {title}", "", f"![{title}]({path.relative_to(out_dir)})", ""]
     lines += routing_sources_section(runs) if experiment.startswith("routing_sources") else []
     lines += exec_section(runs)
+    lines += drift_section(runs)
     lines += decode_section(runs)
     lines += affinity_section(Path(runs["run_dir"].iloc[0]))
     lines += ["Config of the jobs (first job shown; swept keys vary):", "", _config_block(runs["run_dir"].iloc[0]), ""]
