@@ -42,10 +42,13 @@ SHARED_DATA ?= $(or $(REPRO_SHARED_DATA),../shared/data)
 # Phase 1: `default`, whose first job trains the tiny routing model (~10 CPU minutes on the one thread it always uses,
 # so that its weights are the same on every machine), beside the experiments on synthetic routing, which need no
 # training. Phase 2: the other tiny-model experiments, and tuning.
-# serving estimates converge (issue 25): serve_dp ~13 and serve_tp ~6 CPU minutes, so serve_tp runs after the training.
 # serve_dp_models (R4 on Qwen3-30B-A3B, R9 on Moonlight-16B) and paper_table2 (R5) make every serving claim testable.
-SYNTHETIC_EXPERIMENTS := exec serve_dp serve_dp_models paper_table2
-SYNTHETIC_AFTER_TRAINING := serve_tp
+# Wall minutes measured from scratch on 2 cores (2026-12-04, with serve_tp after the training and the rest beside it):
+# exec 1, serve_dp 16, serve_dp_models 14, paper_table2 16.5 (mostly one core: fitting and short 1 req/s runs, alone on
+# the machine), default 8 (one thread), serve_tp 13; so paper_table2 also runs after the training, where it used to
+# leave a core idle.
+SYNTHETIC_EXPERIMENTS := exec serve_dp serve_dp_models
+SYNTHETIC_AFTER_TRAINING := serve_tp paper_table2
 TINY_EXPERIMENTS_A := paper_dp paper_tp dp_lookahead
 TINY_EXPERIMENTS_B := routing_sources exec_model cross_dataset_offline
 # beyond the paper (replicated and multi-node placement; serve_dp's steady state with long windows, under each
