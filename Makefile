@@ -37,9 +37,10 @@ test-sweeps:
 
 # experiments that read ../shared/data (arena-hard prompts, measured routing tables) run only where it exists
 SHARED_DATA ?= $(or $(REPRO_SHARED_DATA),../shared/data)
-# make reproduce runs in two phases of two streams side by side (repro/side_by_side.py: one core each on a 2-core
-# laptop; the background stream's output goes to runs/reproduce_tiny_model*.log; a failure or Ctrl-C stops both).
-# Phase 1: `default`, whose first job trains the tiny routing model (~10 CPU minutes on the one thread it always uses,
+# make reproduce runs in two phases of two streams side by side (repro/side_by_side.py; each stream's serving jobs fork
+# their seeds onto every core, sim.workers=auto; the background stream's output goes to runs/reproduce_tiny_model*.log;
+# a failure or Ctrl-C stops both).
+# Phase 1: `default`, whose first job trains the tiny routing model (~7 minutes on the one thread it always uses,
 # so that its weights are the same on every machine), beside the experiments on synthetic routing, which need no
 # training. Phase 2: the other tiny-model experiments, and tuning.
 # serve_dp_models (R4 on Qwen3-30B-A3B, R9 on Moonlight-16B) and paper_table2 (R5) make every serving claim testable.

@@ -48,11 +48,12 @@ def series_table(csv: Path, column: str = "ttft_p99_s", scale: float = 1e3) -> l
     return lines
 
 
-def load_jobs(root: Path) -> list[tuple[str, int, dict]]:
-    """(stream name, seed, summary) of every finished drift job under root, sorted; each summary also gets
-    "_folder", the job's folder (for its CSVs)."""
+def load_jobs(root: Path, folders: list[Path] | None = None) -> list[tuple[str, int, dict]]:
+    """(stream name, seed, summary) of every finished drift job under root (or in `folders`, job folders the caller
+    already found), sorted; each summary also gets "_folder", the job's folder (for its CSVs)."""
     jobs = []
-    for metrics in sorted(Path(root).rglob("metrics.json")):
+    files = sorted(Path(root).rglob("metrics.json")) if folders is None else [Path(f) / "metrics.json" for f in folders]
+    for metrics in files:
         payload = json.loads(metrics.read_text())
         config, summary = payload.get("config", {}), payload.get("summary", {})
         if "policies" not in summary or not config.get("drift"):
@@ -68,8 +69,8 @@ def load_jobs(root: Path) -> list[tuple[str, int, dict]]:
     return sorted(jobs, key=lambda j: (j[0], j[1]))
 
 
-def report(root: Path) -> str:
-    jobs = load_jobs(root)
+def report(root: Path, folders: list[Path] | None = None) -> str:
+    jobs = load_jobs(root, folders)
     lines = ["| stream | seed | policy | " + " | ".join(COLUMNS) + " |", "|" + "---|" * (len(COLUMNS) + 3)]
     for stream, seed, summary in jobs:
         for name, policy in summary["policies"].items():

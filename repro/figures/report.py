@@ -7,7 +7,6 @@ A job counts when its metrics.json exists (written last by repro.run); repro.fig
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import matplotlib
@@ -385,8 +384,8 @@ def drift_section(runs: pd.DataFrame) -> list[str]:
     """The drift experiment's policy tables and its targets (repro.drift.report), for jobs that ran it."""
     if "policies" not in runs or not runs["policies"].notna().any():
         return []
-    root = Path(os.path.commonpath([str(d) for d in runs["run_dir"]]))
-    return ["### Placement over time (python -m repro.drift.report)", "", drift_report(root), ""]
+    folders = [Path(d) for d in runs["run_dir"]]
+    return ["### Placement over time (python -m repro.drift.report)", "", drift_report(folders[0].parent, folders), ""]
 
 
 def experiment_section(experiment: str, runs: pd.DataFrame, layers: pd.DataFrame, out_dir: Path,
